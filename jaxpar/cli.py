@@ -1,0 +1,178 @@
+"""`jaxpar` command line: parse, call, print. Bad input exits 2 with one line naming the field."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from jaxpar.config import ConfigError
+
+EXIT_BAD_INPUT = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage dump) and exit status 2."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="config file defining get_config() (default: the embedded default)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set model.layers=4 --set mesh.fsdp=8 (repeatable)")
+    p.add_argument("--cpu-devices", type=int, metavar="N",
+                   help="run on N virtual CPU devices (set before JAX starts; for meshes without GPUs)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="jaxpar", description="Distributed training in JAX, measured against theory.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    p = sub.add_parser("train", help="train a model on a device mesh",
+                       description="Train the configured model. Mesh axis sizes select the strategy: "
+                                   "mesh.data (data parallel), mesh.fsdp (FSDP), mesh.tensor (tensor parallel).")
+    add_config_arguments(p)
+    p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<name>-<time>)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    group.add_argument("--overwrite", action="store_true", help="delete an existing --run-dir and start afresh")
+
+    p = sub.add_parser("sample", help="generate text from a trained run")
+    p.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by `jaxpar train`")
+    p.add_argument("--prompt", default="بِسْمِ ٱللَّهِ", help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; >0: sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("launch", help="start N local processes joined by jax.distributed",
+                       description="jaxpar launch --nproc 2 --cpu-devices 4 -- train --config configs/test.py")
+    from jaxpar.launch import add_launch_arguments
+    add_launch_arguments(p)
+
+    p = sub.add_parser("bench", help="microbenchmarks")
+    bench = p.add_subparsers(dest="bench", required=True, parser_class=Parser)
+    p = bench.add_parser("collectives", help="bandwidth and latency of collectives vs theory")
+    from jaxpar.bench.collectives import add_bench_arguments
+    add_bench_arguments(p)
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices")
+    return parser
+
+
+def load(args):
+    """The config from --config (or the embedded default) with --set overrides applied."""
+    from jaxpar.config import apply_overrides, load_config
+    config = load_config(args.config)
+    apply_overrides(config, args.overrides)
+    return config
+
+
+def cmd_train(args) -> int:
+    from pathlib import Path
+
+    from jaxpar.config import apply_overrides
+    from jaxpar.train.loop import check_resume_config, resume_config, train
+    if args.resume:
+        if not args.run_dir:
+            raise ConfigError("--resume", "needs --run-dir DIR naming the run to continue")
+        saved = resume_config(Path(args.run_dir)) if (Path(args.run_dir) / "config.json").is_file() else None
+        if args.config or saved is None:
+            config = load(args)
+        else:
+            config = saved
+            apply_overrides(config, args.overrides)
+    else:
+        config = load(args)
+    train(config, args.run_dir, resume=args.resume, overwrite=args.overwrite)
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from pathlib import Path
+
+    import jax
+    from tokenizers import Tokenizer
+
+    from jaxpar.data.tokenizer import EOS
+    from jaxpar.mesh import make_mesh
+    from jaxpar.model.transformer import ModelConfig
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.loop import resolve_vocab, resume_config
+    from jaxpar.train.sample import generate
+    from jaxpar.train.step import Trainer
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.json").is_file() or not (run_dir / "tokenizer.json").is_file():
+        raise ConfigError("--run-dir", f"'{run_dir}' is not a jaxpar run directory (no config.json / tokenizer.json)")
+    if args.max_tokens <= 0:
+        raise ConfigError("--max-tokens", "must be positive")
+    if args.top_k < 0 or args.temperature < 0:
+        raise ConfigError("--top-k/--temperature", "must not be negative")
+    config = resume_config(run_dir)
+    for axis in config.mesh:
+        config.mesh[axis] = 1  # decode on one device, whatever mesh trained the run
+    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, tokenizer.get_vocab_size(), 1))
+    trainer = Trainer(config, model_cfg, make_mesh(config, jax.devices()[:1]))
+    step, state = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints).restore(trainer.abstract_state)
+    if step is None:
+        raise ConfigError("--run-dir", f"no readable checkpoint in '{run_dir / 'checkpoints'}'")
+    ids = tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise ConfigError("--prompt", "encodes to no tokens; give some text")
+    new = generate(state["params"], model_cfg, ids, args.max_tokens, buffer_len=config.data.seq_len,
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                   stop_id=tokenizer.token_to_id(EOS))
+    print(f"[step {step}] {args.prompt}{tokenizer.decode(new)}")
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from jaxpar.launch import run_launch
+    return run_launch(args)
+
+
+def cmd_bench(args) -> int:
+    from jaxpar.bench.collectives import run_bench
+    return run_bench(args)
+
+
+COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command != "launch":
+            from jaxpar.mesh import init_distributed, set_cpu_devices
+            set_cpu_devices(getattr(args, "cpu_devices", None))
+            init_distributed()
+        return COMMANDS[args.command](args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return _exit(EXIT_BAD_INPUT)
+    except BaseException:
+        if _multi_process():
+            traceback.print_exc()
+            _exit(1)
+        raise
+
+
+def _multi_process() -> bool:
+    import jax
+    return jax.distributed.is_initialized()
+
+
+def _exit(code: int) -> int:
+    """In a multi-process job, exit at once: a normal exit waits up to 300 s in JAX's shutdown barrier."""
+    if _multi_process():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

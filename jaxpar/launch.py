@@ -1,0 +1,234 @@
+"""`jaxpar launch`: run N JAX processes on this machine as if they were N hosts.
+
+Each child is `python -m jaxpar.cli <command> --cpu-devices M` with the
+environment `jaxpar.mesh.init_distributed` reads (coordinator address, process
+count, process id), so N processes x M CPU devices form one N*M-device job and
+cross-process collectives run over gloo, the way they would run over the network
+between real hosts.
+
+The launcher relays every child's output line by line, prefixed with `[p{i}] `,
+and supervises the job: the first child to fail takes the others down with it
+(a survivor would otherwise block forever in a collective waiting for its dead
+peer), Ctrl-C stops them all, and an optional timeout bounds the whole run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO
+
+from jaxpar.config import ConfigError
+from jaxpar.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+# Seconds a child has to exit after SIGTERM before it gets SIGKILL. A process
+# stuck in a JAX collective or inside XLA often does not act on SIGTERM at all.
+KILL_GRACE_S = 3.0
+_POLL_S = 0.05
+
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_TIMEOUT = 124       # what coreutils `timeout` returns
+EXIT_TERMINATED = 143    # 128 + SIGTERM
+
+
+class _Terminated(Exception):
+    """The launcher itself got SIGTERM (e.g. from a batch system or `timeout`)."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(returncode: int) -> int:
+    """A child's exit status as a shell reports it: killed by signal S -> 128 + S."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _relay(stream: IO[bytes], prefix: str, out: IO[str], lock: threading.Lock) -> None:
+    """Copy `stream` to `out` one whole line at a time, each line prefixed."""
+    try:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            with lock:
+                out.write(f"{prefix}{line}\n")
+                out.flush()
+    except (OSError, ValueError):
+        pass   # the pipe went away under us; nothing left to relay
+    finally:
+        stream.close()
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    """Send `sig` to the child's whole process group (it leads its own session)."""
+    if proc.poll() is not None:
+        return
+    try:
+        if hasattr(os, "killpg"):
+            os.killpg(proc.pid, sig)
+        else:  # pragma: no cover - not POSIX
+            proc.kill() if sig == getattr(signal, "SIGKILL", None) else proc.terminate()
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_all(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every child still running, then SIGKILL whoever is left after `grace` seconds."""
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(_POLL_S)
+    for p in procs:
+        _signal(p, getattr(signal, "SIGKILL", signal.SIGTERM))
+    for p in procs:
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable child
+            pass
+
+
+def _validate(nproc, cpu_devices, command, port, timeout) -> None:
+    def positive_int(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if not positive_int(nproc):
+        raise ConfigError("--nproc", f"must be an integer >= 1, got {nproc!r}")
+    if not positive_int(cpu_devices):
+        raise ConfigError("--cpu-devices", f"must be an integer >= 1, got {cpu_devices!r}")
+    if not command:
+        raise ConfigError("command", "give the jaxpar command to run after `--`, e.g. `-- train`")
+    if port is not None and not (positive_int(port) and port <= 65535):
+        raise ConfigError("--port", f"must be an integer in 1..65535, got {port!r}")
+    if timeout is not None and not timeout > 0:
+        raise ConfigError("--timeout", f"must be > 0 seconds, got {timeout!r}")
+
+
+def launch(
+    nproc: int,
+    cpu_devices: int,
+    command: list[str],
+    *,
+    port: int | None = None,
+    timeout: float | None = None,
+    module: str = "jaxpar.cli",
+    out: IO[str] | None = None,
+    grace: float = KILL_GRACE_S,
+) -> int:
+    """Run `python -m <module> <command> --cpu-devices M` as processes 0..N-1 of one job.
+
+    Returns 0 when every process exits 0; the first non-zero exit code otherwise
+    (the other processes are then stopped; a child killed by signal S counts as
+    128 + S); 130 on Ctrl-C; 143 when the launcher gets SIGTERM; 124 when
+    `timeout` seconds pass first. Children that do not exit within `grace`
+    seconds of SIGTERM are killed. `out` (default: sys.stdout at call time) receives the
+    children's output, each line prefixed with `[p{i}] `.
+    """
+    _validate(nproc, cpu_devices, command, port, timeout)
+    port = free_port() if port is None else port
+    out = sys.stdout if out is None else out
+    lock = threading.Lock()
+    argv = [sys.executable, "-m", module, *command, "--cpu-devices", str(cpu_devices)]
+
+    procs: list[subprocess.Popen] = []
+    relays: list[threading.Thread] = []
+    status = 0
+    # Children run in their own sessions, so a SIGTERM meant for the job reaches
+    # only us: pass it on instead of dying and leaving them running.
+    own_sigterm = threading.current_thread() is threading.main_thread()
+    if own_sigterm:
+        previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        for i in range(nproc):
+            env = dict(os.environ)
+            env.update({
+                ENV_COORDINATOR: f"127.0.0.1:{port}",
+                ENV_NUM_PROCESSES: str(nproc),
+                ENV_PROCESS_ID: str(i),
+                "PYTHONUNBUFFERED": "1",
+            })
+            # Simulated hosts are CPU hosts: on a GPU machine every child would
+            # otherwise try to claim all of the GPUs. An explicit setting wins.
+            env.setdefault("JAX_PLATFORMS", "cpu")
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                # Own session: Ctrl-C reaches only the launcher, which then stops
+                # the children itself, and a signal reaches a child's own children too.
+                start_new_session=True,
+            )
+            procs.append(proc)
+            t = threading.Thread(target=_relay, args=(proc.stdout, f"[p{i}] ", out, lock),
+                                 name=f"jaxpar-relay-p{i}", daemon=True)
+            t.start()
+            relays.append(t)
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                status = _exit_code(failed[0])
+                break
+            if all(c == 0 for c in codes):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                with lock:
+                    out.write(f"jaxpar launch: timed out after {timeout:g} s; stopping all processes\n")
+                    out.flush()
+                status = EXIT_TIMEOUT
+                break
+            time.sleep(_POLL_S)
+    except KeyboardInterrupt:
+        status = EXIT_INTERRUPTED
+    except _Terminated:
+        status = EXIT_TERMINATED
+    finally:
+        _stop_all(procs, grace)
+        for t in relays:
+            t.join(timeout=grace)
+        if own_sigterm:
+            signal.signal(signal.SIGTERM,
+                          signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
+    if status not in (0, EXIT_TIMEOUT, EXIT_INTERRUPTED, EXIT_TERMINATED):
+        with lock:
+            out.write(f"jaxpar launch: a process exited with code {status}; stopped the others\n")
+            out.flush()
+    return status
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of `jaxpar launch`."""
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="number of processes (simulated hosts) to start (default: 2)")
+    parser.add_argument("--cpu-devices", type=int, default=4,
+                        help="CPU devices each process gets; the job has nproc x this many (default: 4)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="coordinator port on 127.0.0.1 (default: a free port)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="stop every process after this many seconds and exit 124 (default: none)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the jaxpar command each process runs, after `--`, e.g. `-- train --set train.steps=20`")
+    return parser
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """Run `jaxpar launch` from parsed arguments."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    return launch(args.nproc, args.cpu_devices, command, port=args.port, timeout=args.timeout)

@@ -1,0 +1,185 @@
+"""Peak figures the labs divide by: published accelerator specs, and a measured CPU host.
+
+Every figure is per device and *dense* (NVIDIA datasheets print tensor-core
+throughput "with sparsity", which is 2x the dense figure; we halve those).
+
+Link bandwidth convention: `link_bw` is bytes per second **per GPU per direction**
+(unidirectional). NVIDIA quotes NVLink as the bidirectional total ("900 GB/s" for
+H100 = 450 GB/s each way); nccl-tests' bus bandwidth (busbw) is a per-direction
+figure, so it is the per-direction number a busbw should be compared to.
+`scaleout_bw` is the inter-node network per GPU per direction (one 400 Gb/s
+InfiniBand NDR port per GPU = 50 GB/s).
+
+On CPU there is no datasheet: `probe_host` measures a float32 matmul and a memory
+copy, and the virtual CPU devices of one process share those cores and that memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import statistics
+import time
+
+import numpy as np
+
+TERA = 1e12
+GB = 1e9
+
+# InfiniBand NDR, 400 Gb/s per port, one port per GPU on HGX H100/H200 nodes: 400/8 = 50 GB/s per direction.
+INFINIBAND_NDR_PER_GPU = 50 * GB
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """Peak figures of one device. FLOP/s are dense; bandwidths are bytes/s; None = not applicable."""
+
+    name: str
+    bf16_flops: float | None      # dense tensor-core bf16
+    fp8_flops: float | None       # dense tensor-core fp8 (None: no fp8 tensor cores)
+    fp32_flops: float | None      # plain fp32 (CUDA cores); the CPU probe's measured matmul
+    tf32_flops: float | None      # dense TF32 tensor core: what an XLA f32 dot uses on Ampere/Hopper by default
+    hbm_bytes: float | None       # device memory
+    hbm_bw: float | None          # device memory bandwidth
+    link_bw: float | None         # scale-up link per device per direction (NVLink); CPU: measured memcpy
+    scaleout_bw: float | None     # scale-out network per device per direction
+    source: str                   # where the numbers come from
+    kinds: tuple[str, ...] = ()   # regexes matched against jax's `device.device_kind` (lower-cased)
+
+
+ACCELERATORS: dict[str, Accelerator] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5 column): FP32 67 TF, TF32 989 TF*, BF16 1,979 TF*,
+    # FP8 3,958 TF* (* with sparsity, halved here), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (bidirectional).
+    "H100-SXM": Accelerator(
+        name="NVIDIA H100 SXM5 80GB", bf16_flops=989 * TERA, fp8_flops=1979 * TERA,
+        fp32_flops=67 * TERA, tf32_flops=494.5 * TERA, hbm_bytes=80 * GB, hbm_bw=3.35 * TERA,
+        link_bw=450 * GB, scaleout_bw=INFINIBAND_NDR_PER_GPU,
+        source="NVIDIA H100 datasheet, SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 900 GB/s bidir",
+        kinds=(r"h100.*(sxm|hbm3)",)),
+    # Same datasheet, PCIe column: BF16 1,513 TF*, FP8 3,026 TF*, FP32 51 TF, TF32 756 TF*, 80 GB HBM2e at
+    # 2 TB/s, NVLink bridge 600 GB/s (bidirectional).
+    "H100-PCIe": Accelerator(
+        name="NVIDIA H100 PCIe 80GB", bf16_flops=756 * TERA, fp8_flops=1513 * TERA,
+        fp32_flops=51 * TERA, tf32_flops=378 * TERA, hbm_bytes=80 * GB, hbm_bw=2.0 * TERA,
+        link_bw=300 * GB, scaleout_bw=INFINIBAND_NDR_PER_GPU,
+        source="NVIDIA H100 datasheet, PCIe: 756 TFLOP/s bf16 dense, 2 TB/s HBM2e, NVLink bridge 600 GB/s bidir",
+        kinds=(r"h100.*pcie",)),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s,
+    # NVLink 900 GB/s (bidirectional).
+    "H200-SXM": Accelerator(
+        name="NVIDIA H200 SXM 141GB", bf16_flops=989 * TERA, fp8_flops=1979 * TERA,
+        fp32_flops=67 * TERA, tf32_flops=494.5 * TERA, hbm_bytes=141 * GB, hbm_bw=4.8 * TERA,
+        link_bw=450 * GB, scaleout_bw=INFINIBAND_NDR_PER_GPU,
+        source="NVIDIA H200 datasheet, SXM: 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, NVLink 900 GB/s bidir",
+        kinds=(r"h200(?!.*nvl)",)),
+    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): FP32 19.5 TF, TF32 156 TF (312*), BF16 312 TF (624*),
+    # no FP8, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s (bidirectional). HDR InfiniBand 200 Gb/s = 25 GB/s.
+    "A100-SXM-80GB": Accelerator(
+        name="NVIDIA A100 SXM4 80GB", bf16_flops=312 * TERA, fp8_flops=None,
+        fp32_flops=19.5 * TERA, tf32_flops=156 * TERA, hbm_bytes=80 * GB, hbm_bw=2.039 * TERA,
+        link_bw=300 * GB, scaleout_bw=25 * GB,
+        source="NVIDIA A100 datasheet, 80GB SXM: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink 600 GB/s bidir",
+        kinds=(r"a100.*sxm.*80gb",)),
+    # Same datasheet, 40GB SXM: 40 GB HBM2 at 1,555 GB/s, otherwise as the 80GB part.
+    "A100-SXM-40GB": Accelerator(
+        name="NVIDIA A100 SXM4 40GB", bf16_flops=312 * TERA, fp8_flops=None,
+        fp32_flops=19.5 * TERA, tf32_flops=156 * TERA, hbm_bytes=40 * GB, hbm_bw=1.555 * TERA,
+        link_bw=300 * GB, scaleout_bw=25 * GB,
+        source="NVIDIA A100 datasheet, 40GB SXM: 312 TFLOP/s bf16 dense, 1.555 TB/s HBM2, NVLink 600 GB/s bidir",
+        kinds=(r"a100.*sxm.*40gb",)),
+}
+
+
+def lookup(device_kind: str) -> Accelerator | None:
+    """The table entry for a `jax.Device.device_kind` string ("NVIDIA H100 80GB HBM3", "NVIDIA H200", ...)."""
+    kind = device_kind.lower()
+    for acc in ACCELERATORS.values():
+        if any(re.search(pattern, kind) for pattern in acc.kinds):
+            return acc
+    return None
+
+
+def _median_time(fn, budget_s: float, min_reps: int = 3, max_reps: int = 200) -> float:
+    times = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < max_reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _host_memory_bytes() -> float | None:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def probe_host(seconds_budget: float = 1.0) -> Accelerator:
+    """Measure this host: float32 matmul FLOP/s (jitted 1024^3 jnp.dot on one device) and memcpy bytes/s.
+
+    memcpy bandwidth counts each byte once (bytes copied per second; STREAM's "Copy"
+    would count read + write, 2x this). Cached: the first call costs ~`seconds_budget`.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    n = 1024
+    device = jax.devices("cpu")[0]
+    a = jax.device_put(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32), device)
+    b = jax.device_put(np.random.default_rng(1).standard_normal((n, n), dtype=np.float32), device)
+    matmul = jax.jit(jnp.dot)
+    for _ in range(2):                                # compile and warm up
+        matmul(a, b).block_until_ready()
+    t_dot = _median_time(lambda: matmul(a, b).block_until_ready(), seconds_budget / 2)
+
+    src = np.ones(64 * 2**20 // 4, dtype=np.float32)  # 64 MiB: well beyond the last-level cache
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t_copy = _median_time(lambda: np.copyto(dst, src), seconds_budget / 2)
+    flops = 2 * n**3 / t_dot
+    copy_bw = src.nbytes / t_copy
+    return Accelerator(
+        name="cpu-host (measured)", bf16_flops=None, fp8_flops=None, fp32_flops=flops, tf32_flops=None,
+        hbm_bytes=_host_memory_bytes(), hbm_bw=copy_bw, link_bw=copy_bw, scaleout_bw=None,
+        source=f"measured on this host: f32 {n}^3 jnp.dot {flops / 1e9:.1f} GFLOP/s, "
+               f"numpy 64 MiB copy {copy_bw / GB:.1f} GB/s (the 'link' between virtual CPU devices is memory)")
+
+
+_DTYPE_FIELD = {
+    "bfloat16": "bf16_flops", "bf16": "bf16_flops", "float16": "bf16_flops", "fp16": "bf16_flops",
+    "float8": "fp8_flops", "fp8": "fp8_flops", "float8_e4m3fn": "fp8_flops", "float8_e5m2": "fp8_flops",
+    "float32": "tf32_flops", "fp32": "tf32_flops", "tf32": "tf32_flops",
+}
+
+
+def peak_flops_per_device(dtype: str) -> tuple[float | None, str]:
+    """Peak dense FLOP/s of one device of the default backend for matmuls in `dtype`, and where it comes from.
+
+    GPU: the table (float32 maps to TF32 tensor cores, XLA's default precision for
+    f32 dots on Ampere/Hopper). CPU: the host probe divided by the number of local
+    devices, because virtual CPU devices share the host's cores. None when unknown.
+    """
+    import jax
+
+    field = _DTYPE_FIELD.get(dtype.lower())
+    if field is None:
+        raise ValueError(f"unknown dtype '{dtype}'; expected one of {', '.join(sorted(_DTYPE_FIELD))}")
+    backend = jax.default_backend()
+    if backend == "cpu":
+        host = probe_host()
+        n = jax.local_device_count()
+        note = "" if dtype.lower() in ("float32", "fp32", "tf32") else f" (only float32 is measured; used for {dtype})"
+        return host.fp32_flops / n, (f"cpu-host (measured) float32 matmul {host.fp32_flops / 1e9:.1f} GFLOP/s "
+                                     f"shared by {n} virtual CPU devices{note}")
+    kind = jax.devices()[0].device_kind
+    acc = lookup(kind)
+    if acc is None:
+        return None, f"no published peak for device kind '{kind}' in jaxpar.measure.hardware.ACCELERATORS"
+    value = getattr(acc, field)
+    if value is None:
+        return None, f"{acc.name} has no {field.replace('_flops', '')} tensor cores ({acc.source})"
+    return value, f"{acc.name} {field.replace('_flops', '')} dense peak ({acc.source})"

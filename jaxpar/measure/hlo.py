@@ -1,0 +1,512 @@
+"""Collectives in a compiled program: which, over which mesh axes, how often, how many bytes.
+
+The input is the post-SPMD HLO text of a compiled program (`compiled.as_text()`),
+where XLA has already inserted every collective the shardings require. The
+pre-partitioning StableHLO (`lowered.as_text()`) has none of them.
+
+For each collective instruction we report its result shapes, its replica groups
+(device ids are positions in the mesh's flattened device list, `mesh.devices.flat`:
+the compiled program's device assignment is that list, so id k is the k-th mesh
+position whatever the physical device id), the mesh axes those groups span, how
+many times it runs per step (inside `while` loops, e.g. `lax.scan`, it runs once
+per trip), and the bytes each device sends per step under a ring cost model.
+
+Replica groups come in three spellings and all are parsed:
+  explicit   replica_groups={{0,1},{2,3}}
+  iota       replica_groups=[2,4]<=[8]   or   [4,2]<=[2,4]T(1,0)
+  mesh axes  replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}
+             (the form XLA 0.10's SPMD partitioner prints on CPU; its axis names are
+             XLA's own, not the JAX mesh's, so axes are matched by device groups)
+
+Trip counts: we rely on the `known_trip_count` that XLA's while-loop analysis
+writes into the loop's `backend_config` (present for every `scan`/`fori_loop` with
+static bounds); when it is missing we fall back to the integer constant that the
+loop condition compares against (assumes a 0-based counter with step 1), and if
+that fails too we count the loop once and mark the collective `trip_count_known=False`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections import defaultdict
+
+import numpy as np
+
+# HLO opcode -> our name. `-start` variants are the async form (GPU); counted once.
+COLLECTIVE_OPS = (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+    "collective-permute", "ragged-all-to-all", "collective-broadcast",
+)
+
+
+def ring_factor(op: str, group_size: int) -> float:
+    """Bytes each device sends, as a multiple of the op's (result) buffer, under a ring model.
+
+    all-reduce = reduce-scatter + all-gather: 2(N-1)/N of the buffer. all-gather sends
+    (N-1)/N of its output; reduce-scatter (N-1)/N of its input, which is N x its output.
+    all-to-all keeps 1/N of its buffer and sends the rest. A permute or broadcast sends
+    the buffer once.
+    """
+    n = group_size
+    if n <= 1:
+        return 0.0
+    if op == "all-reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all-gather", "all-to-all", "ragged-all-to-all"):
+        return (n - 1) / n
+    if op == "reduce-scatter":
+        return float(n - 1)  # (N-1)/N x input, input = N x result
+    return 1.0  # collective-permute, collective-broadcast
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program."""
+
+    name: str                                   # HLO instruction name, e.g. "all-reduce.3"
+    op: str                                     # one of COLLECTIVE_OPS
+    is_async: bool                              # written as an `-start`/`-done` pair
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]   # (dtype, dims) per result; tuples have several
+    result_bytes: int                           # bytes of the result buffer(s), per device
+    replica_groups: tuple[tuple[int, ...], ...]
+    group_size: int                             # N
+    axes: tuple[str, ...] | None                # mesh axes the groups span; () = no-op; None = unknown
+    computation: str                            # HLO computation holding the instruction
+    runs_per_step: int                          # product of the trip counts of the enclosing loops
+    trip_count_known: bool = True
+
+    @property
+    def shape(self) -> str:
+        parts = [f"{dtype}[{','.join(map(str, dims))}]" for dtype, dims in self.shapes]
+        return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
+
+    @property
+    def axis_label(self) -> str:
+        if self.axes is None:
+            return "?"
+        return "+".join(self.axes) if self.axes else "-"
+
+    @property
+    def bytes_per_run(self) -> float:
+        """Bytes each device sends for one execution (ring model)."""
+        return ring_factor(self.op, self.group_size) * self.result_bytes
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes_per_run * self.runs_per_step
+
+
+# ----------------------------------------------------------------------------- shapes
+
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per element of an HLO element type: f32 -> 4, bf16 -> 2, f8e4m3fn -> 1, pred -> 1, s4 -> 0.5."""
+    if dtype == "pred":
+        return 1.0
+    if dtype == "token":
+        return 0.0
+    bits = re.search(r"\d+", dtype)
+    if not bits:
+        raise ValueError(f"unknown HLO element type '{dtype}'")
+    return int(bits.group()) / 8.0
+
+
+def parse_shapes(shape_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """`f32[8,32]{1,0}` or `(f32[], bf16[4,2]{1,0})` -> (("f32", ()), ("bf16", (4, 2)))."""
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        # dynamic dimensions print as `<=8`; the bound is what is allocated
+        out.append((dtype, tuple(int(d) for d in re.findall(r"\d+", dims))))
+    return tuple(out)
+
+
+def shapes_bytes(shapes) -> int:
+    return int(sum(dtype_bytes(dtype) * int(np.prod(dims, dtype=np.int64)) for dtype, dims in shapes))
+
+
+# ----------------------------------------------------------------------------- replica groups
+
+def _matching(text: str, start: int) -> int:
+    """Index just past the bracket that closes the one at text[start]."""
+    pairs = {"{": "}", "(": ")", "[": "]"}
+    stack = []
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch in pairs:
+            stack.append(pairs[ch])
+        elif stack and ch == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i + 1
+    raise ValueError(f"unbalanced brackets in {text[start:start + 80]!r}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in re.findall(r"\d+", text)]
+
+
+_IOTA = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_IOTA_ARRAY = re.compile(r"^\[([\d,]+)\](?:T\(([\d,]+)\))?$")
+
+
+def expand_iota(reshape_dims, perm=None) -> np.ndarray:
+    """iota(prod(dims)) reshaped to `dims`, then transposed by `perm`: XLA's iota device list."""
+    ids = np.arange(int(np.prod(reshape_dims))).reshape(reshape_dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def _iota_groups(text: str) -> list[list[int]]:
+    """`[G,N]<=[dims]T(perm)`: G groups of N devices."""
+    m = _IOTA.fullmatch(text.strip())
+    if not m:
+        raise ValueError(f"not an iota replica group list: {text!r}")
+    groups_shape = _ints(m.group(1))
+    ids = expand_iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+    return ids.reshape(groups_shape[0], -1).tolist()
+
+
+def _mesh_axes_groups(text: str) -> list[list[int]]:
+    """`mesh['a'=2,'b'=4], device_ids=(...) {'b'}`: devices that differ only along the listed axes.
+
+    A listed axis may be a sub-axis `'a':(pre)size`: axis `a` (size n) is viewed as
+    [pre, size, n/(pre*size)] (major to minor) and the group spans the middle factor.
+    """
+    m = re.match(r"mesh\[([^\]]*)\]", text)
+    if not m:
+        raise ValueError(f"not a mesh-axes replica group list: {text!r}")
+    axes = [(name, int(size)) for name, size in re.findall(r"'?([^',=\s]+)'?=(\d+)", m.group(1))]
+    names = [a for a, _ in axes]
+    sizes = [s for _, s in axes]
+    total = int(np.prod(sizes))
+    rest = text[m.end():]
+    devices = np.arange(total)
+    d = re.search(r"device_ids=\(", rest)
+    if d:
+        inner = rest[d.end() - 1:_matching(rest, d.end() - 1)][1:-1].strip()
+        iota = _IOTA_ARRAY.match(inner)
+        full = _IOTA.fullmatch(inner)
+        if full:
+            devices = expand_iota(_ints(full.group(2)), _ints(full.group(3)) if full.group(3) else None)
+        elif iota:
+            devices = expand_iota(_ints(iota.group(1)), _ints(iota.group(2)) if iota.group(2) else None)
+        else:
+            devices = np.array(_ints(inner))
+        rest = rest[_matching(rest, d.end() - 1):]
+    brace = rest.index("{")
+    refs = []
+    for item in rest[brace + 1:_matching(rest, brace) - 1].split(","):
+        item = item.strip()
+        if not item:
+            continue
+        sub = re.fullmatch(r"'?([^':]+)'?:\((\d+)\)(\d+)", item)
+        if sub:
+            refs.append((names.index(sub.group(1)), int(sub.group(2)), int(sub.group(3))))
+        else:
+            refs.append((names.index(item.strip("'")), None, None))
+    # split every mesh axis into the factors the sub-axes need (major to minor)
+    dims, grouped_dims = [], {}
+    for axis, size in enumerate(sizes):
+        cuts = {1, size}
+        for a, pre, sub in refs:
+            if a == axis and pre is not None:
+                cuts |= {pre, pre * sub}
+        cuts = sorted(cuts)
+        for lo, hi in zip(cuts, cuts[1:]):
+            for i, (a, pre, sub) in enumerate(refs):
+                if a == axis and (pre is None or (pre <= lo and hi <= pre * sub)):
+                    grouped_dims.setdefault(i, []).append(len(dims))
+            dims.append(hi // lo)
+        if size == 1:
+            for i, (a, _, _) in enumerate(refs):
+                if a == axis:
+                    grouped_dims.setdefault(i, []).append(len(dims))
+            dims.append(1)
+    grouped = [g for i in range(len(refs)) for g in grouped_dims.get(i, [])]
+    kept = [i for i in range(len(dims)) if i not in grouped]
+    arranged = devices.reshape(dims).transpose(kept + grouped)
+    group_size = int(np.prod([dims[g] for g in grouped])) if grouped else 1
+    return arranged.reshape(-1, group_size).tolist()
+
+
+def parse_replica_groups(text: str, num_devices: int) -> list[list[int]]:
+    """Any of the three spellings (see module docstring); `{}` means one group of all devices."""
+    text = text.strip()
+    if text.startswith("{"):
+        inner = text[1:-1].strip()
+        if not inner:
+            return [list(range(num_devices))]
+        return [_ints(g) for g in re.findall(r"\{([^{}]*)\}", inner)]
+    if text.startswith("["):
+        return _iota_groups(text)
+    if text.startswith("mesh"):
+        return _mesh_axes_groups(text)
+    raise ValueError(f"unrecognised replica_groups: {text[:80]!r}")
+
+
+def _replica_groups_text(line: str) -> str | None:
+    key = "replica_groups="
+    at = line.find(key)
+    if at < 0:
+        return None
+    start = at + len(key)
+    if line[start] == "{":
+        return line[start:_matching(line, start)]
+    if line[start] == "[":
+        m = _IOTA.match(line, start)
+        return m.group(0)
+    if line.startswith("mesh", start):
+        end = _matching(line, line.index("[", start))          # mesh[...]
+        if line.startswith(", device_ids=", end):
+            end = _matching(line, line.index("(", end))        # device_ids=(...)
+        brace = line.index("{", end)
+        return line[start:_matching(line, brace)]
+    raise ValueError(f"unrecognised replica_groups in: {line[:160]!r}")
+
+
+def _permute_groups(line: str) -> list[list[int]]:
+    """Connected components of a collective-permute's source->target pairs (e.g. one ring per group)."""
+    m = re.search(r"source_target_pairs=\{", line)
+    pairs = re.findall(r"\{(\d+),(\d+)\}", line[m.end() - 1:_matching(line, m.end() - 1)]) if m else []
+    parent: dict[int, int] = {}
+
+    def find(v):
+        parent.setdefault(v, v)
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    for s, t in pairs:
+        parent[find(int(s))] = find(int(t))
+    groups = defaultdict(list)
+    for v in parent:
+        groups[find(v)].append(v)
+    return sorted(sorted(g) for g in groups.values())
+
+
+# ----------------------------------------------------------------------------- mesh axes
+
+def mesh_axis_groups(mesh) -> dict[tuple[str, ...], frozenset[frozenset[int]]]:
+    """For each subset of mesh axes (size-1 axes left out), the device groups that vary exactly those axes.
+
+    Devices are mesh positions: id k is `mesh.devices.flat[k]`.
+    """
+    names = list(mesh.axis_names)
+    sizes = [int(mesh.shape[n]) for n in names]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    live = [i for i, s in enumerate(sizes) if s > 1]
+    table = {}
+    for r in range(1, len(live) + 1):
+        for subset in itertools.combinations(live, r):
+            others = [i for i in range(len(sizes)) if i not in subset]
+            arranged = ids.transpose(others + list(subset)).reshape(-1, int(np.prod([sizes[i] for i in subset])))
+            groups = frozenset(frozenset(row) for row in arranged.tolist())
+            table.setdefault(groups, tuple(names[i] for i in subset))
+    return {axes: groups for groups, axes in table.items()}
+
+
+def match_axes(groups, axis_groups) -> tuple[str, ...] | None:
+    """Which mesh axes `groups` span: () when every group is a single device, None when no subset matches."""
+    if all(len(g) <= 1 for g in groups):
+        return ()
+    key = frozenset(frozenset(g) for g in groups)
+    for axes, candidate in axis_groups.items():
+        if candidate == key:
+            return axes
+    return None
+
+
+# ----------------------------------------------------------------------------- the HLO module
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_CALLEE_KEYS = re.compile(r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEE_LISTS = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+
+
+@dataclasses.dataclass
+class _Instruction:
+    name: str
+    shape_text: str
+    opcode: str
+    line: str
+    computation: str
+
+
+def _parse_module(hlo_text: str):
+    """Split HLO text into computations of instructions; return (instructions, entry name)."""
+    instructions, entry, current = [], None, None
+    for line in hlo_text.splitlines():
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            m = _COMPUTATION.match(line)
+            if m:
+                current = m.group(2)
+                if m.group(1):
+                    entry = current
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m or current is None:
+            continue
+        rest = line[m.end():]
+        if rest.startswith("("):
+            end = _matching(rest, 0)
+            shape_text, rest = rest[:end], rest[end:]
+        else:
+            shape_text, _, rest = rest.partition(" ")
+        op = re.match(r"\s*([\w\-]+)\(", rest)
+        if op:
+            instructions.append(_Instruction(m.group(1), shape_text, op.group(1), line, current))
+    return instructions, entry
+
+
+def _trip_count(loop: _Instruction, by_computation) -> int | None:
+    known = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', loop.line)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", loop.line)
+    if cond:
+        constants = [int(c) for ins in by_computation.get(cond.group(1), [])
+                     if ins.opcode == "constant" and re.match(r"[su]\d+\[\]", ins.shape_text)
+                     for c in re.findall(r"constant\((-?\d+)\)", ins.line)]
+        if len(constants) == 1 and constants[0] >= 0:
+            return constants[0]
+    return None
+
+
+def _runs_per_computation(instructions, entry):
+    """How many times each computation runs per execution of `entry`, and whether every trip count was known."""
+    by_computation = defaultdict(list)
+    for ins in instructions:
+        by_computation[ins.computation].append(ins)
+    callers = defaultdict(list)  # callee -> [(caller computation, factor, known)]
+    for ins in instructions:
+        trips, known = 1, True
+        if ins.opcode == "while":
+            count = _trip_count(ins, by_computation)
+            trips, known = (count, True) if count is not None else (1, False)
+        for key, callee in _CALLEE_KEYS.findall(ins.line):
+            factor = trips if key == "body" else (trips + 1 if key == "condition" else 1)
+            callers[callee].append((ins.computation, factor, known))
+        for _, listed in _CALLEE_LISTS.findall(ins.line):
+            for callee in re.findall(r"%?([\w.\-]+)", listed):
+                callers[callee].append((ins.computation, 1, True))
+
+    memo: dict[str, tuple[int, bool]] = {}
+
+    def runs(comp, seen=()):
+        if comp == entry:
+            return 1, True
+        if comp in memo:
+            return memo[comp]
+        total, all_known = 0, True
+        for caller, factor, known in callers.get(comp, []):
+            if caller in seen:
+                continue
+            n, k = runs(caller, seen + (comp,))
+            total += n * factor
+            all_known = all_known and k and known
+        memo[comp] = (total, all_known)
+        return memo[comp]
+
+    return runs
+
+
+def _num_devices(hlo_text: str) -> int:
+    partitions = re.search(r"num_partitions=(\d+)", hlo_text)
+    replicas = re.search(r"replica_count=(\d+)", hlo_text)
+    return (int(partitions.group(1)) if partitions else 1) * (int(replicas.group(1)) if replicas else 1)
+
+
+def collectives(hlo_text: str, mesh=None) -> list[Collective]:
+    """Every collective in post-SPMD HLO text, in program order; pass the mesh to name axes."""
+    instructions, entry = _parse_module(hlo_text)
+    runs = _runs_per_computation(instructions, entry)
+    num_devices = _num_devices(hlo_text)
+    axis_groups = mesh_axis_groups(mesh) if mesh is not None else None
+    done_shapes = {}
+    for ins in instructions:
+        if ins.opcode.endswith("-done"):
+            operand = re.search(r"-done\(\s*%?([\w.\-]+)", ins.line)
+            if operand:
+                done_shapes[operand.group(1)] = ins.shape_text
+
+    found = []
+    for ins in instructions:
+        is_async = ins.opcode.endswith("-start")
+        op = ins.opcode[: -len("-start")] if is_async else ins.opcode
+        if op not in COLLECTIVE_OPS:
+            continue
+        shapes = parse_shapes(ins.shape_text)
+        if is_async:
+            if ins.name in done_shapes:         # the -done result is the collective's output
+                shapes = parse_shapes(done_shapes[ins.name])
+            elif op in ("all-gather", "collective-permute") and len(shapes) >= 2:
+                shapes = shapes[1:2]            # start tuple is (input, output, ...)
+        if op == "collective-permute":
+            groups = _permute_groups(ins.line)
+        else:
+            text = _replica_groups_text(ins.line)
+            groups = parse_replica_groups(text, num_devices) if text else [list(range(num_devices))]
+        group_size = max((len(g) for g in groups), default=1)
+        n, known = runs(ins.computation)
+        found.append(Collective(
+            name=ins.name, op=op, is_async=is_async, shapes=shapes,
+            result_bytes=shapes_bytes(shapes),
+            replica_groups=tuple(tuple(g) for g in groups), group_size=group_size,
+            axes=match_axes(groups, axis_groups) if axis_groups is not None else None,
+            computation=ins.computation, runs_per_step=n, trip_count_known=known,
+        ))
+    return found
+
+
+# ----------------------------------------------------------------------------- reports
+
+def _bucket():
+    return {"instructions": 0, "count": 0, "bytes": 0.0}
+
+
+def summarize(found: list[Collective]) -> dict:
+    """Totals per op type, per mesh axis and overall: runs per step and bytes sent per device per step."""
+    by_op, by_axis, total = defaultdict(_bucket), defaultdict(_bucket), _bucket()
+    for c in found:
+        for bucket in (by_op[c.op], by_axis[c.axis_label], total):
+            bucket["instructions"] += 1
+            bucket["count"] += c.runs_per_step
+            bucket["bytes"] += c.bytes_per_step
+    return {"by_op": dict(by_op), "by_axis": dict(by_axis), "total": total}
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def markdown_table(found: list[Collective], group_by: str | None = None) -> str:
+    """One row per collective instruction, or per op type (`group_by="op"`) or mesh axis (`"axis"`)."""
+    if group_by in ("op", "axis"):
+        summary = summarize(found)
+        rows = summary["by_op" if group_by == "op" else "by_axis"]
+        lines = [f"| {group_by} | instructions | runs/step | bytes/device/step |", "|---|---:|---:|---:|"]
+        for key, b in sorted(rows.items()):
+            lines.append(f"| {key} | {b['instructions']} | {b['count']} | {_human(b['bytes'])} |")
+        t = summary["total"]
+        lines.append(f"| **total** | {t['instructions']} | {t['count']} | {_human(t['bytes'])} |")
+        return "\n".join(lines)
+    if group_by is not None:
+        raise ValueError(f"group_by must be None, 'op' or 'axis', got {group_by!r}")
+    lines = ["| op | shape | axes | N | runs/step | bytes/run | bytes/device/step |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for c in found:
+        runs = f"{c.runs_per_step}" + ("" if c.trip_count_known else " (?)")
+        lines.append(f"| {c.op}{' (async)' if c.is_async else ''} | `{c.shape}` | {c.axis_label} | "
+                     f"{c.group_size} | {runs} | {_human(c.bytes_per_run)} | {_human(c.bytes_per_step)} |")
+    lines.append(f"| **total** | | | | {sum(c.runs_per_step for c in found)} | | "
+                 f"{_human(sum(c.bytes_per_step for c in found))} |")
+    return "\n".join(lines)

@@ -1,0 +1,215 @@
+"""Hugging Face Llama checkpoints in and out, without torch.
+
+jaxpar's decoder follows LlamaForCausalLM's conventions (rotate-half RoPE, fp32
+RMSNorm, SwiGLU), so converting is only renaming, transposing (torch's Linear
+stores [out, in], jaxpar's einsums want [in, out]), splitting the fused head
+axis and stacking the per-layer tensors on the leading `layers` axis.
+
+Only plain Llama is accepted: a config that asks for something this model does
+not compute (biases, scaled RoPE, another activation) is refused with one line
+naming the field, rather than loaded into weights that would silently differ.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  registers numpy's "bfloat16" dtype, which safetensors' numpy reader needs
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxpar.model.transformer import ModelConfig
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+# Per-layer HF tensor name -> (jaxpar blocks key, how to turn the [out, in] matrix into jaxpar's layout).
+# The lambdas take the HF array and the config; the export side inverts them below.
+_LAYER_IMPORT = {
+    "input_layernorm.weight": ("attn_norm", lambda w, c: w),
+    "self_attn.q_proj.weight": ("wq", lambda w, c: w.T.reshape(c.d_model, c.heads, c.head_dim)),
+    "self_attn.k_proj.weight": ("wk", lambda w, c: w.T.reshape(c.d_model, c.kv_heads, c.head_dim)),
+    "self_attn.v_proj.weight": ("wv", lambda w, c: w.T.reshape(c.d_model, c.kv_heads, c.head_dim)),
+    "self_attn.o_proj.weight": ("wo", lambda w, c: w.T.reshape(c.heads, c.head_dim, c.d_model)),
+    "post_attention_layernorm.weight": ("mlp_norm", lambda w, c: w),
+    "mlp.gate_proj.weight": ("w_gate", lambda w, c: w.T),
+    "mlp.up_proj.weight": ("w_up", lambda w, c: w.T),
+    "mlp.down_proj.weight": ("w_down", lambda w, c: w.T),
+}
+
+_LAYER_EXPORT = {
+    "attn_norm": ("input_layernorm.weight", lambda w, c: w),
+    "wq": ("self_attn.q_proj.weight", lambda w, c: w.reshape(c.d_model, c.heads * c.head_dim).T),
+    "wk": ("self_attn.k_proj.weight", lambda w, c: w.reshape(c.d_model, c.kv_heads * c.head_dim).T),
+    "wv": ("self_attn.v_proj.weight", lambda w, c: w.reshape(c.d_model, c.kv_heads * c.head_dim).T),
+    "wo": ("self_attn.o_proj.weight", lambda w, c: w.reshape(c.heads * c.head_dim, c.d_model).T),
+    "mlp_norm": ("post_attention_layernorm.weight", lambda w, c: w),
+    "w_gate": ("mlp.gate_proj.weight", lambda w, c: w.T),
+    "w_up": ("mlp.up_proj.weight", lambda w, c: w.T),
+    "w_down": ("mlp.down_proj.weight", lambda w, c: w.T),
+}
+
+
+def _rope_theta(hf: dict) -> float:
+    """RoPE base from either config generation, refusing any scaled variant.
+
+    transformers >= 5 writes `rope_parameters: {rope_type, rope_theta}`; older
+    versions write a top-level `rope_theta` and an optional `rope_scaling`
+    whose kind is under `rope_type` (or the older `type`).
+    """
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        raise ValueError(f"{field}: rope type {kind!r} is not supported (only unscaled 'default' RoPE)")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """A ModelConfig from a parsed HF `config.json`, or a ValueError naming the unsupported field."""
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type: {hf['model_type']!r} is not supported (only 'llama')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag, False):
+            raise ValueError(f"{flag}: biases are not supported (jaxpar's Llama has no bias terms)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: {hf['hidden_act']!r} is not supported (only 'silu', i.e. SwiGLU)")
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        layers=hf["num_hidden_layers"],
+        heads=heads,
+        kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        mlp_dim=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=_rope_theta(hf),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),  # only used if training restarts from init
+    )
+
+
+def _read_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor in the checkpoint as float32 numpy, single-file or sharded."""
+    if (path / _SINGLE_FILE).exists():
+        files = [path / _SINGLE_FILE]
+    elif (path / _INDEX_FILE).exists():
+        weight_map = json.loads((path / _INDEX_FILE).read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        raise FileNotFoundError(f"{path}: no {_SINGLE_FILE} or {_INDEX_FILE} (only safetensors checkpoints load)")
+    tensors = {}
+    for file in files:
+        # framework="np" reads bf16 as ml_dtypes.bfloat16; astype widens it (and fp16) exactly.
+        with safe_open(file, framework="np") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name).astype(np.float32)
+    return tensors
+
+
+def load_hf_llama(path) -> tuple[ModelConfig, dict]:
+    """Load a HF LlamaForCausalLM directory as (ModelConfig, jaxpar params of fp32 jax arrays).
+
+    The checkpoint's dtype does not matter: everything becomes fp32 master
+    weights, as the trainer expects. Tensors the model does not use are an
+    error (they would mean a different architecture), except RoPE's cached
+    `inv_freq` buffers that old checkpoints carry.
+    """
+    path = Path(path)
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    tensors = _read_tensors(path)
+    for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
+        del tensors[name]
+
+    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise KeyError(f"{path}: checkpoint has no tensor {name!r}")
+        value = tensors.pop(name)
+        if value.shape != shape:
+            raise ValueError(f"{name}: shape {value.shape} does not match config (expected {shape})")
+        return value
+
+    D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
+    hf_shapes = {  # [out, in] shapes of each per-layer tensor, to catch a config/weights mismatch early
+        "input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+        "self_attn.q_proj.weight": (cfg.heads * cfg.head_dim, D),
+        "self_attn.k_proj.weight": (cfg.kv_heads * cfg.head_dim, D),
+        "self_attn.v_proj.weight": (cfg.kv_heads * cfg.head_dim, D),
+        "self_attn.o_proj.weight": (D, cfg.heads * cfg.head_dim),
+        "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F),
+    }
+    blocks = {}
+    for suffix, (key, convert) in _LAYER_IMPORT.items():
+        per_layer = [convert(take(f"model.layers.{i}.{suffix}", hf_shapes[suffix]), cfg) for i in range(cfg.layers)]
+        blocks[key] = np.stack(per_layer)
+
+    params = {"embed": take("model.embed_tokens.weight", (V, D)), "blocks": blocks,
+              "final_norm": take("model.norm.weight", (D,))}
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)  # some writers store the tied copy too; HF ignores it as well
+    else:
+        params["lm_head"] = take("lm_head.weight", (V, D)).T
+    if tensors:
+        extra = sorted(tensors)
+        raise ValueError(f"{path}: {len(extra)} unexpected tensor(s), e.g. {extra[:3]} (not a plain Llama?)")
+    return cfg, jax.tree.map(lambda a: jnp.asarray(np.ascontiguousarray(a)), params)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """The `config.json` fields transformers needs to rebuild this model as LlamaForCausalLM.
+
+    RoPE's base is written both ways (top-level `rope_theta` for transformers 4,
+    `rope_parameters` for 5), and the dtype both as `torch_dtype` (4) and `dtype` (5).
+    """
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.mlp_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+def export_hf_llama(params: dict, cfg: ModelConfig, path) -> None:
+    """Write `params` as a HF Llama directory (config.json + fp32 model.safetensors).
+
+    `path` must be new or an empty directory: a checkpoint directory is never
+    partly overwritten, so an old export cannot end up mixed with a new one.
+    """
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise FileExistsError(f"{path}: exists and is not an empty directory; export into a new one")
+    host = jax.tree.map(lambda a: np.asarray(jax.device_get(a), dtype=np.float32), params)
+
+    tensors = {"model.embed_tokens.weight": host["embed"], "model.norm.weight": host["final_norm"]}
+    if not cfg.tie_embeddings:
+        tensors["lm_head.weight"] = host["lm_head"].T
+    for key, (suffix, convert) in _LAYER_EXPORT.items():
+        for i in range(cfg.layers):
+            tensors[f"model.layers.{i}.{suffix}"] = convert(host["blocks"][key][i], cfg)
+    tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    # transformers refuses safetensors files whose metadata lacks a known "format".
+    save_file(tensors, str(path / _SINGLE_FILE), metadata={"format": "pt"})

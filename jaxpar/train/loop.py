@@ -1,0 +1,233 @@
+"""The training loop: run directory, data, sharded state, steps, metrics, checkpoints, sample.
+
+Host work stays off the hot path: step metrics are kept on device and fetched
+once per logging interval, checkpoints are written asynchronously.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from jaxpar.config import ConfigError, config_from_dict, to_json
+from jaxpar.data.pipeline import build_token_data, local_rows, to_global, train_dataset, val_batches
+from jaxpar.data.tokenizer import EOS
+from jaxpar.measure.hardware import peak_flops_per_device
+from jaxpar.mesh import describe, make_mesh
+from jaxpar.model.counting import param_count, train_flops_per_token
+from jaxpar.model.transformer import ModelConfig
+from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.sample import generate
+from jaxpar.train.step import Trainer, learning_rate
+
+console = Console(highlight=False)
+# Fields a resumed run may not change: they change array shapes or the data order.
+RESUME_LOCKED = ("model", "data", "train.batch_size", "seed")
+
+
+def is_main() -> bool:
+    return jax.process_index() == 0
+
+
+def say(message: str) -> None:
+    if is_main():
+        console.print(message)
+
+
+def resolve_vocab(config, tokenizer_vocab: int, tensor: int) -> int:
+    """The model's vocabulary: the tokenizer's, padded to a multiple of 128 (shards evenly)."""
+    if config.model.vocab_size == 0:
+        return -(-tokenizer_vocab // 128) * 128
+    if config.model.vocab_size < tokenizer_vocab:
+        raise ConfigError("model.vocab_size", f"is {config.model.vocab_size} but the tokenizer has "
+                          f"{tokenizer_vocab} tokens; use 0 (automatic) or at least {tokenizer_vocab}")
+    if config.model.vocab_size % tensor:
+        raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is not divisible by mesh.tensor={tensor}")
+    return config.model.vocab_size
+
+
+def default_run_dir(name: str) -> Path:
+    """runs/<name>-<time>, with the time chosen by process 0 so all processes agree."""
+    stamp = int(multihost_utils.broadcast_one_to_all(np.int64(int(time.time()))))
+    return Path("runs") / f"{name}-{datetime.fromtimestamp(stamp).strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a run, or to resume one that has nothing to resume."""
+    exists = run_dir.exists() and any(run_dir.iterdir())
+    if resume:
+        if not (run_dir / "config.json").is_file() or not (run_dir / "checkpoints").is_dir():
+            raise ConfigError("--resume", f"no checkpoint in '{run_dir}'; give the run directory of an "
+                              "earlier run (--run-dir) or start a new run without --resume")
+    elif exists and not overwrite:
+        raise ConfigError("--run-dir", f"'{run_dir}' already holds a run; pass --resume to continue it "
+                          "or --overwrite to replace it")
+
+
+def check_resume_config(config, saved: dict) -> None:
+    new = json.loads(to_json(config))
+    for field in RESUME_LOCKED:
+        old_value, new_value = saved, new
+        for part in field.split("."):
+            old_value, new_value = old_value.get(part), new_value.get(part)
+        if old_value != new_value:
+            if isinstance(old_value, dict):
+                changed = sorted(k for k in old_value if old_value.get(k) != new_value.get(k))
+                field, old_value, new_value = f"{field}.{changed[0]}", old_value[changed[0]], new_value[changed[0]]
+            raise ConfigError(field, f"was {old_value!r} in the run being resumed, now {new_value!r}; "
+                              "a resumed run must keep shapes and data order (start a new run instead)")
+
+
+def resume_config(run_dir: Path):
+    return config_from_dict(json.loads((run_dir / "config.json").read_text()))
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory, written by process 0."""
+
+    def __init__(self, path: Path, resume_step: int | None):
+        self.path = path
+        if is_main() and resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line and json.loads(line).get("step", 0) <= resume_step]
+            dropped = len(path.read_text().splitlines()) - len(kept)
+            path.write_text("".join(line + "\n" for line in kept))
+            if dropped:
+                say(f"resumed at step {resume_step}: dropped {dropped} metrics lines logged after it")
+
+    def write(self, record: dict) -> None:
+        if is_main():
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrite: bool = False) -> dict:
+    """Train per `config`; returns a summary (losses, timings, run directory)."""
+    run_dir = Path(run_dir) if run_dir else default_run_dir(config.name)
+    check_run_dir(run_dir, resume, overwrite)
+    saved_config = json.loads((run_dir / "config.json").read_text()) if resume else None
+    if resume:
+        check_resume_config(config, saved_config)
+    mesh = make_mesh(config)  # validates the config against the devices before any compile
+    multihost_utils.sync_global_devices("jaxpar-run-dir-checked")
+    if is_main():
+        if overwrite and run_dir.exists() and not resume:
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(to_json(config))
+    multihost_utils.sync_global_devices("jaxpar-run-dir-ready")
+
+    data = build_token_data(config.data)
+    if is_main():
+        data.tokenizer.save(str(run_dir / "tokenizer.json"))
+    s = data.stats
+    say(f"corpus: {s['documents']:,} documents, {s['characters']:,} characters, {s['words']:,} words, "
+        f"{s['tokens']:,} tokens ({s['tokens_per_word']:.2f} tokens/word, vocab {s['vocab_size']:,}); "
+        f"{s['train_sequences']:,} train / {s['val_sequences']:,} val sequences of {config.data.seq_len}")
+
+    model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, s["vocab_size"], mesh.shape["tensor"]))
+    trainer = Trainer(config, model_cfg, mesh)
+    counts = param_count(model_cfg)
+    tokens_per_step = config.train.batch_size * config.data.seq_len
+    flops_per_step = train_flops_per_token(model_cfg, config.data.seq_len) * tokens_per_step
+    peak, peak_source = peak_flops_per_device(config.train.compute_dtype)
+    say(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
+        f"{model_cfg.layers} layers, d_model {model_cfg.d_model}; mesh: {describe(mesh)} over "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} process(es)")
+
+    rows = local_rows(trainer.batch_sharding, config.train.batch_size, config.data.seq_len + 1)
+    iterator = iter(train_dataset(data.train, config.train.batch_size, config.data.shuffle_seed, rows))
+    validation = [to_global(b, trainer.batch_sharding, config.train.batch_size)
+                  for b in val_batches(data.val, config.train.batch_size, config.train.eval_batches, rows)]
+    checkpoints = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints)
+    start = 0
+    if resume:
+        start, state = checkpoints.restore(trainer.abstract_state, iterator)
+        if start is None:
+            raise ConfigError("--resume", f"no readable checkpoint in '{run_dir / 'checkpoints'}'")
+        say(f"resumed from step {start}")
+    else:
+        state = trainer.init_state()
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl", start if resume else None)
+
+    t = config.train
+    schedule = learning_rate(t)
+    losses, pending = {}, []
+    val_loss = None
+    compile_s = None
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                        console=console, disable=not (is_main() and console.is_terminal))
+    interval_start = time.perf_counter()
+    interval_steps = 0
+    with progress:
+        task = progress.add_task("training", total=t.steps, completed=start)
+        for step in range(start + 1, t.steps + 1):
+            batch = to_global(next(iterator), trainer.batch_sharding, t.batch_size)
+            state, metrics = trainer.step(state, batch)
+            pending.append((step, metrics))
+            interval_steps += 1
+            if compile_s is None:
+                jax.block_until_ready(metrics)
+                compile_s = time.perf_counter() - interval_start
+                say(f"first step (compile + run): {compile_s:.1f} s")
+                interval_start, interval_steps = time.perf_counter(), 0
+            last = step == t.steps
+            if step % t.eval_every == 0 or last:
+                val_loss = float(np.mean([float(trainer.evaluate(state["params"], b)) for b in validation]))
+                metrics_log.write({"step": step, "val_loss": val_loss})
+            if step % t.log_every == 0 or last or step == t.fault_at_step:
+                fetched = jax.device_get([m for _, m in pending])
+                elapsed = time.perf_counter() - interval_start
+                step_time = elapsed / interval_steps if interval_steps else float("nan")
+                for (s_, _), m in zip(pending, fetched):
+                    losses[s_] = float(m["loss"])
+                    metrics_log.write({"step": s_, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                                       "lr": float(schedule(s_ - 1)), "step_time_s": step_time,
+                                       "tokens_per_s": tokens_per_step / step_time if interval_steps else None})
+                mfu = flops_per_step / step_time / (peak * jax.device_count()) if interval_steps else float("nan")
+                message = (f"step {step:>5}/{t.steps}  loss {losses[step]:.4f}"
+                           + (f"  val {val_loss:.4f}" if val_loss is not None else ""))
+                if interval_steps:
+                    message += (f"  {step_time * 1e3:.0f} ms/step  {tokens_per_step / step_time:,.0f} tok/s"
+                                f"  MFU {mfu:.1%}")
+                say(message)
+                progress.update(task, completed=step, description=f"loss {losses[step]:.3f}")
+                pending, interval_start, interval_steps = [], time.perf_counter(), 0
+            if step % t.checkpoint_every == 0 or last:
+                checkpoints.save(step, state, iterator)
+            if step == t.fault_at_step:
+                say(f"fault injection: killing this process after step {step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+    checkpoints.close()
+    say(f"MFU is measured against {peak_source}")
+
+    sample_text = None
+    if t.sample_tokens > 0:
+        sample_text = sample_from_state(state["params"], model_cfg, data.tokenizer, t.sample_prompt,
+                                        t.sample_tokens, config.data.seq_len)
+        say(f"sample: {t.sample_prompt}{sample_text}")
+    summary = {"run_dir": str(run_dir), "losses": losses, "final_val_loss": val_loss, "compile_s": compile_s,
+               "params": counts["total"], "sample": sample_text}
+    if is_main():
+        (run_dir / "summary.json").write_text(json.dumps(summary, ensure_ascii=False, indent=2))
+    say(f"run directory: {run_dir}")
+    return summary
+
+
+def sample_from_state(params, model_cfg, tokenizer, prompt: str, max_new_tokens: int, buffer_len: int, **kw) -> str:
+    """Gather the (possibly sharded, possibly multi-process) params and decode on one device."""
+    host_params = multihost_utils.process_allgather(params, tiled=True)
+    ids = tokenizer.encode(prompt).ids
+    new = generate(host_params, model_cfg, ids, max_new_tokens, buffer_len=buffer_len,
+                   stop_id=tokenizer.token_to_id(EOS), **kw)
+    return tokenizer.decode(new)

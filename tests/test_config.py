@@ -1,0 +1,74 @@
+"""Config loading, overrides and validation: bad input is one clear line, before any compile."""
+import pytest
+
+from jaxpar.config import ConfigError, apply_overrides, base_config, load_config, mesh_shape, validate
+
+
+def test_override_types_and_fields():
+    c = load_config("configs/test.py")
+    apply_overrides(c, ["model.layers=3", "train.lr=1", "data.normalize=true", "train.remat=dots"])
+    assert c.model.layers == 3 and c.train.lr == 1.0 and isinstance(c.train.lr, float)
+    assert c.data.normalize is True and c.train.remat == "dots"
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.layrs=4", "model.layrs"),
+    ("modl.layers=4", "modl"),
+    ("model.layers=four", "model.layers"),
+    ("model.layers=4.5", "model.layers"),
+    ("data.normalize=maybe", "data.normalize"),
+    ("model=3", "model"),
+    ("layers", "--set"),
+])
+def test_bad_override_names_the_field(override, field):
+    c = base_config()
+    c.lock()
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(c, [override])
+    assert err.value.field == field
+
+
+def test_mesh_fill_and_product():
+    c = base_config()
+    assert mesh_shape(c, 8) == {"data": 8, "fsdp": 1, "pipe": 1, "expert": 1, "tensor": 1}
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, -1, 2
+    assert mesh_shape(c, 8)["fsdp"] == 2
+    c.mesh.fsdp = 3
+    with pytest.raises(ConfigError, match="uses 12 devices but 8"):
+        mesh_shape(c, 8)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["mesh.data=3"], "mesh"),                            # product 3 != 8 devices
+    (["mesh.tensor=8"], "model.heads"),
+    (["model.kv_heads=3"], "model.kv_heads"),
+    (["mesh.tensor=4"], "model.kv_heads"),               # kv_heads=2 cannot be split 4 ways
+    (["train.batch_size=12"], "train.batch_size"),
+    (["train.microbatches=3"], "train.microbatches"),
+    (["mesh.pipe=2"], "mesh.pipe"),
+    (["train.compute_dtype=float16"], "train.compute_dtype"),
+    (["train.remat=some"], "train.remat"),
+    (["data.seq_len=128"], "data.seq_len"),
+])
+def test_validation_names_the_field(overrides, field):
+    c = load_config("configs/test.py")
+    apply_overrides(c, overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(c, 8)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("path", ["configs/default.py", "configs/test.py", "configs/llama_1b.py", "configs/arabic_7b.py"])
+def test_shipped_configs_validate(path):
+    c = load_config(path)
+    validate(c, 64 if "7b" in path or "1b" in path else 8)
+
+
+def test_arabic_7b_has_llama2_7b_shape():
+    from jaxpar.model.counting import param_count
+    from jaxpar.model.transformer import ModelConfig
+    m = load_config("configs/arabic_7b.py").model
+    assert (m.layers, m.d_model, m.heads, m.mlp_dim) == (32, 4096, 32, 11008)
+    # Llama-2-7B has 6.74e9 params at vocab 32000; 64000 adds 2 x 32000 x 4096 = 0.26e9.
+    total = param_count(ModelConfig.from_config(m))["total"]
+    assert total == 6_738_415_616 + 2 * 32000 * 4096
