@@ -88,7 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 4
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 3
-    c.train.fault_at_step = 0           # fault injection: SIGKILL this process after that step (0: off)
+    c.train.fault_at_step = 0           # fault injection: SIGKILL after that step, once earlier saves are durable (0: off)
     c.train.sample_prompt = "بِسْمِ ٱللَّهِ"
     c.train.sample_tokens = 48
     return c

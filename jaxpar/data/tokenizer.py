@@ -11,12 +11,12 @@ import hashlib
 import os
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from jaxpar.config import ConfigError
 
 EOS = "<|endoftext|>"
-_FORMAT_VERSION = "bytebpe-v2"
+_FORMAT_VERSION = "bytebpe-v3"
 
 
 def cache_dir() -> Path:
@@ -25,6 +25,9 @@ def cache_dir() -> Path:
 
 def train_bpe(docs: list[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
+    # NFC puts combining marks in canonical order: the Tanzil text writes shadda before
+    # fatha, most keyboards the reverse; after NFC both spell the same tokens.
+    tok.normalizer = normalizers.NFC()
     # Split on whitespace only. GPT-2's byte-level regex treats Arabic diacritics (Unicode
     # category Mn) as punctuation and cuts every vowelled word into letter/mark fragments,
     # which caps the merges: on the Quran a 2048-token request stops at ~600 tokens and

@@ -119,24 +119,25 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     if resume:
         check_resume_config(config, saved_config)
     mesh = make_mesh(config)  # validates the config against the devices before any compile
-    multihost_utils.sync_global_devices("jaxpar-run-dir-checked")
+    data = build_token_data(config.data)
+    model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, data.stats["vocab_size"],
+                                                                    mesh.shape["tensor"]))
+    trainer = make_trainer(config, model_cfg, mesh)
+    # Every input is checked; only now does anything touch the run directory.
+    multihost_utils.sync_global_devices("jaxpar-inputs-checked")
     if is_main():
         if overwrite and run_dir.exists() and not resume:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resume and json.loads(to_json(config)) != saved_config:  # e.g. more steps: keep the old file
+            (run_dir / "config.json").rename(run_dir / f"config.before-resume-{int(time.time())}.json")
         (run_dir / "config.json").write_text(to_json(config))
-    multihost_utils.sync_global_devices("jaxpar-run-dir-ready")
-
-    data = build_token_data(config.data)
-    if is_main():
         data.tokenizer.save(str(run_dir / "tokenizer.json"))
+    multihost_utils.sync_global_devices("jaxpar-run-dir-ready")
     s = data.stats
     say(f"corpus: {s['documents']:,} documents, {s['characters']:,} characters, {s['words']:,} words, "
         f"{s['tokens']:,} tokens ({s['tokens_per_word']:.2f} tokens/word, vocab {s['vocab_size']:,}); "
         f"{s['train_sequences']:,} train / {s['val_sequences']:,} val sequences of {config.data.seq_len}")
-
-    model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, s["vocab_size"], mesh.shape["tensor"]))
-    trainer = make_trainer(config, model_cfg, mesh)
     counts = param_count(model_cfg)
     tokens_per_step = config.train.batch_size * config.data.seq_len
     flops_per_step = train_flops_per_token(model_cfg, config.data.seq_len) * tokens_per_step
@@ -168,7 +169,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         console=console, disable=not (is_main() and console.is_terminal))
     interval_start = time.perf_counter()
-    interval_steps = 0
+    interval_steps, excluded = 0, 0.0
     with progress:
         task = progress.add_task("training", total=t.steps, completed=start)
         for step in range(start + 1, t.steps + 1):
@@ -182,30 +183,39 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
                 say(f"first step (compile + run): {compile_s:.1f} s")
                 interval_start, interval_steps = time.perf_counter(), 0
             last = step == t.steps
-            if step % t.eval_every == 0 or last:
-                val_loss = float(np.mean([float(trainer.evaluate(state["params"], b)) for b in validation]))
-                metrics_log.write({"step": step, "val_loss": val_loss})
+            evaluate, save = step % t.eval_every == 0 or last, step % t.checkpoint_every == 0 or last
+            if evaluate or save:  # evaluation and checkpointing stay out of the step times
+                jax.block_until_ready(state)
+                side_start = time.perf_counter()
+                if evaluate:
+                    val_loss = float(np.mean([float(trainer.evaluate(state["params"], b)) for b in validation]))
+                    metrics_log.write({"step": step, "val_loss": val_loss})
+                if save:
+                    checkpoints.save(step, state, iterator)
+                excluded += time.perf_counter() - side_start
             if step % t.log_every == 0 or last or step == t.fault_at_step:
                 fetched = jax.device_get([m for _, m in pending])
-                elapsed = time.perf_counter() - interval_start
-                step_time = elapsed / interval_steps if interval_steps else float("nan")
+                elapsed = time.perf_counter() - interval_start - excluded
+                step_time = elapsed / interval_steps if interval_steps else None  # None: the compile step
+                tok_s = tokens_per_step / step_time if step_time else None
+                mfu = flops_per_step / step_time / (peak * jax.device_count()) if step_time and peak else None
                 for (s_, _), m in zip(pending, fetched):
                     losses[s_] = float(m["loss"])
-                    metrics_log.write({"step": s_, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                    metrics_log.write({"step": s_, "loss": losses[s_], "grad_norm": float(m["grad_norm"]),
                                        "lr": float(schedule(s_ - 1)), "step_time_s": step_time,
-                                       "tokens_per_s": tokens_per_step / step_time if interval_steps else None})
-                mfu = flops_per_step / step_time / (peak * jax.device_count()) if interval_steps else float("nan")
-                message = (f"step {step:>5}/{t.steps}  loss {losses[step]:.4f}"
-                           + (f"  val {val_loss:.4f}" if val_loss is not None else ""))
-                if interval_steps:
-                    message += (f"  {step_time * 1e3:.0f} ms/step  {tokens_per_step / step_time:,.0f} tok/s"
-                                f"  MFU {mfu:.1%}")
+                                       "tokens_per_s": tok_s, "mfu": mfu})
+                message = f"step {step:>5}/{t.steps}  loss {losses[step]:.4f}"
+                if val_loss is not None:
+                    message += f"  val {val_loss:.4f}"
+                if step_time:
+                    message += f"  {step_time * 1e3:.0f} ms/step  {tok_s:,.0f} tok/s"
+                if mfu is not None:
+                    message += f"  MFU {mfu:.1%}"
                 say(message)
                 progress.update(task, completed=step, description=f"loss {losses[step]:.3f}")
-                pending, interval_start, interval_steps = [], time.perf_counter(), 0
-            if step % t.checkpoint_every == 0 or last:
-                checkpoints.save(step, state, iterator)
-            if step == t.fault_at_step:
+                pending, interval_start, interval_steps, excluded = [], time.perf_counter(), 0, 0.0
+            if step == t.fault_at_step:  # a crash between checkpoints: the last save is durable, later steps lost
+                checkpoints.wait()
                 say(f"fault injection: killing this process after step {step}")
                 os.kill(os.getpid(), signal.SIGKILL)
     checkpoints.close()

@@ -1,0 +1,183 @@
+"""Per-device memory of a training step: what the compiler allocates, next to what theory predicts.
+
+Three views of the same bytes, so a lab can put them side by side:
+
+1. compiled   `compiled.memory_analysis()`: argument, output, alias (donated inputs
+              reused as outputs) and temp (everything else: gradients, gathered
+              weights, activations) buffers of one device's program.
+2. shardings  the abstract train state (ShapeDtypeStructs with shardings): each leaf's
+              bytes on one device = bytes of its shard (`sharding.shard_shape`), summed
+              by role (params, Adam mu/nu, counters) and dtype. Exact for the state.
+3. formula    the ZeRO paper's closed form: fp32 params 4Ψ, fp32 grads 4Ψ, Adam mu+nu
+              8Ψ, each divided by the number of devices that part is split over.
+
+Plus a rough activation estimate (Korthikanti et al. 2022) for the temp buffers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------- 1. compiled
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """`memory_analysis()` of one device's program, plus a peak estimate that means the same on every backend."""
+
+    argument: int
+    output: int
+    alias: int
+    temp: int
+    generated_code: int
+    host_temp: int
+    peak_reported: int      # the backend's `peak_memory_in_bytes`, as reported
+    peak: int               # our estimate of the live peak (see `peak_method`)
+    peak_method: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def compiled_memory(compiled, platform: str) -> CompiledMemory:
+    """Read `compiled.memory_analysis()`; estimate the peak correctly for `platform` ('cpu' or 'gpu').
+
+    XLA:CPU's `peak_memory_in_bytes` is args + out - alias and leaves temporaries out,
+    so on CPU the peak is estimated as args + out - alias + temp (an upper bound: not
+    every temp is live at once). The deviceless XLA:GPU compile reports a peak that
+    already includes temporaries (its buffer assignment's heap simulation); we take it.
+    """
+    ma = compiled.memory_analysis()
+    arg, out, alias, temp = (int(ma.argument_size_in_bytes), int(ma.output_size_in_bytes),
+                             int(ma.alias_size_in_bytes), int(ma.temp_size_in_bytes))
+    reported = int(ma.peak_memory_in_bytes)
+    if platform == "cpu":
+        peak, method = arg + out - alias + temp, "args + out - alias + temp (XLA:CPU's peak leaves temps out)"
+    else:
+        peak, method = reported, "peak_memory_in_bytes (XLA:GPU buffer assignment, temps included)"
+    return CompiledMemory(argument=arg, output=out, alias=alias, temp=temp,
+                          generated_code=int(ma.generated_code_size_in_bytes),
+                          host_temp=int(getattr(ma, "host_temp_size_in_bytes", 0) or 0),
+                          peak_reported=reported, peak=peak, peak_method=method)
+
+
+# ----------------------------------------------------------------------------- 2. from the shardings
+
+def leaf_bytes_per_device(leaf) -> int:
+    """Bytes of one device's shard of a ShapeDtypeStruct (or array) that carries a sharding."""
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+def leaf_shards(leaf) -> int:
+    """Into how many distinct pieces a leaf is split (1 = replicated)."""
+    if getattr(leaf, "sharding", None) is None:
+        return 1
+    whole = int(np.prod(leaf.shape, dtype=np.int64))
+    part = int(np.prod(leaf.sharding.shard_shape(leaf.shape), dtype=np.int64))
+    return whole // part if part else 1
+
+
+def _role(path) -> str:
+    """Role of a train-state leaf from its pytree path: params, adam_mu, adam_nu or counters."""
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    if keys and keys[0] == "params":
+        return "params"
+    if "mu" in keys:
+        return "adam_mu"
+    if "nu" in keys:
+        return "adam_nu"
+    return "counters"   # optimizer step counts, the train step, anything scalar-like
+
+
+def state_bytes(abstract_state) -> dict:
+    """Per-device bytes of the train state, by role and by dtype, read from each leaf's sharding.
+
+    Gradients are not part of the state (they live in temp buffers), but in the
+    automatic strategies they take their parameter's sharding and dtype, so their
+    per-device size is reported as `grads` = that of `params`.
+    """
+    by_role = {"params": 0, "adam_mu": 0, "adam_nu": 0, "counters": 0}
+    unsharded = dict.fromkeys(by_role, 0)
+    by_dtype: dict[str, int] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
+        role = _role(path)
+        size = leaf_bytes_per_device(leaf)
+        by_role[role] += size
+        unsharded[role] += int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        by_dtype[str(np.dtype(leaf.dtype))] = by_dtype.get(str(np.dtype(leaf.dtype)), 0) + size
+    total = sum(by_role.values())
+    return {**by_role, "optimizer": by_role["adam_mu"] + by_role["adam_nu"], "grads": by_role["params"],
+            "state_total": total, "by_dtype": by_dtype, "unsharded_total": sum(unsharded.values())}
+
+
+# ----------------------------------------------------------------------------- 3. the ZeRO formula
+
+def shard_counts(config, sizes: dict[str, int]) -> dict[str, int]:
+    """How many devices each part of the model state is split over, by strategy.
+
+    auto mode: the `fsdp` and `tensor` axes split params, grads and Adam state alike
+      (ZeRO-3 over fsdp, Megatron over tensor); `data` replicates everything.
+    manual mode, ZeRO stage s over the `data` axis (DESIGN.md): stage >= 1 splits the
+      optimizer state, >= 2 also the gradients, 3 also the parameters.
+    Norm weights are replicated in practice; the formula ignores that (<0.1% of a 7B).
+    """
+    model = sizes.get("fsdp", 1) * sizes.get("tensor", 1)
+    if config.parallel.mode == "manual":
+        n, stage = sizes.get("data", 1), config.parallel.zero_stage
+        return {"params": model * (n if stage >= 3 else 1), "grads": model * (n if stage >= 2 else 1),
+                "optimizer": model * (n if stage >= 1 else 1)}
+    return dict.fromkeys(("params", "grads", "optimizer"), model)
+
+
+def zero_formula(psi: int, shards: dict[str, int], *, param_bytes: int = 4, grad_bytes: int = 4,
+                 optimizer_bytes: int = 8) -> dict:
+    """Closed-form model-state bytes per device: K·Ψ/N for each part (ZeRO, Rajbhandari et al. 2020).
+
+    Defaults follow jaxpar's step: fp32 master params (4Ψ), fp32 grads (4Ψ: gradients of
+    fp32 params; pass 2 for bf16 gradient buffers), Adam mu + nu in fp32 (8Ψ).
+    Classic ZeRO (fp16 params and grads, K=12) is param_bytes=2, grad_bytes=2, optimizer_bytes=12.
+    """
+    parts = {"params": param_bytes * psi / shards["params"],
+             "grads": grad_bytes * psi / shards["grads"],
+             "optimizer": optimizer_bytes * psi / shards["optimizer"]}
+    parts["state"] = parts["params"] + parts["optimizer"]          # what the step takes as arguments
+    parts["total"] = parts["state"] + parts["grads"]
+    return parts
+
+
+# ----------------------------------------------------------------------------- activations
+
+def activation_estimate(*, layers: int, seq_len: int, micro_batch: int, d_model: int, heads: int,
+                        vocab_size: int, tensor: int = 1, compute_bytes: int = 2, remat: str = "none") -> dict:
+    """Rough activation bytes per device for one microbatch (Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models"), adapted. Assumptions, stated:
+
+    - Per layer, bf16, tensor parallel t without sequence parallelism:
+      s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes (= s·b·h·(34 + 5·a·s/h) at t=1). The constants
+      are GPT-3's (GeLU 4h MLP, dropout masks); jaxpar's block (SwiGLU, no dropout, fp32
+      softmax) differs, so treat this as +-30%, not exact.
+    - Other compute dtypes: every term scaled by compute_bytes / 2 (fp32 doubles it).
+    - remat 'none': all L layers' activations are kept.
+      remat 'full' (nothing saveable): only each layer's input is kept (s·b·h·compute_bytes,
+      replicated over tensor), plus one layer's full activations while that layer is
+      recomputed and differentiated in the backward pass.
+      remat 'dots'/'names': not modelled; reported as the 'none' figure (an upper bound).
+    - Output layer (not in Korthikanti): fp32 logits and their gradient, 2·4·s·b·V/t.
+    """
+    s, b, h, a, t = seq_len, micro_batch, d_model, heads, tensor
+    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * compute_bytes / 2
+    layer_inputs = layers * s * b * h * compute_bytes
+    if remat == "full":
+        layers_total, note = layer_inputs + per_layer, "remat full: L layer inputs + one layer recomputed"
+    elif remat == "none":
+        layers_total, note = layers * per_layer, "no remat: L x per-layer activations"
+    else:
+        layers_total, note = layers * per_layer, f"remat '{remat}' not modelled: no-remat upper bound"
+    logits = 2 * 4 * s * b * vocab_size / t
+    return {"per_layer": per_layer, "layers": layers_total, "logits": logits,
+            "total": layers_total + logits, "note": note}
