@@ -58,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpar.bench.collectives import add_bench_arguments
     add_bench_arguments(p)
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices")
+
+    p = sub.add_parser("dryrun", help="compile a full training step for N devices without allocating it",
+                       description="Per-device memory, collectives by mesh axis, FLOPs and predicted step time "
+                                   "of a config's training step, compiled for a CPU mesh or (deviceless) GPUs.")
+    p.add_argument("--config", metavar="FILE", help="config file defining get_config() (default: the embedded default)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set mesh.fsdp=64 (repeatable)")
+    p.add_argument("--target", choices=("cpu", "h100", "h200", "a100"), default="cpu",
+                   help="cpu: N virtual CPU devices; h100/h200/a100: deviceless XLA:GPU compile (needs the CUDA plugin)")
+    p.add_argument("--devices", type=int, metavar="N", help="device count (cpu: set before JAX starts)")
+    p.add_argument("--topology", metavar="PxHxG", help="GPU targets: partitions x hosts x GPUs per host, e.g. 1x8x8")
+    p.add_argument("--out", metavar="DIR", help="also write dryrun.json and dryrun.md into DIR")
     return parser
 
 
@@ -140,7 +152,18 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
-COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench}
+def cmd_dryrun(args) -> int:
+    from jaxpar.dryrun import dryrun, markdown_report, prepare_process, write_json
+    prepare_process(args.target, args.devices)   # before JAX starts a backend
+    result = dryrun(load(args), args.target, devices=args.devices, topology=args.topology)
+    print(markdown_report(result))
+    if args.out:
+        print(f"\nwrote {write_json(result, args.out)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
+            "dryrun": cmd_dryrun}
 
 
 def main(argv=None) -> int:

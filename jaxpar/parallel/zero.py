@@ -175,9 +175,11 @@ def regather_policy(policy):
     """The remat policy for ZeRO-3's layer body: `policy` (None: save everything), but never a gathered weight.
 
     An unsaved gathered weight is recomputed in the backward pass: that is the backward re-gather.
+    Broadcasts are never saved either: they are free to recompute and bigger than their input (else
+    the norm scales' [B, S, D] broadcasts would be saved instead of re-gathering the [D] scales).
     """
     def saveable(prim, *args, **params):
-        if _is_gather(prim, params):
+        if _is_gather(prim, params) or prim.name == "broadcast_in_dim":
             return False
         return True if policy is None else policy(prim, *args, **params)
     return saveable

@@ -1,0 +1,230 @@
+"""Manual DDP and ZeRO-1/2/3 (jaxpar/parallel/zero.py): same losses as one device, the right collectives, the right shards."""
+import json
+from collections import defaultdict
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.config import ConfigError, apply_overrides, load_config
+from jaxpar.measure.hlo import collectives
+from jaxpar.mesh import make_mesh
+from jaxpar.model.transformer import ModelConfig
+from jaxpar.parallel.zero import ZeroTrainer
+from jaxpar.train.step import Trainer
+
+STEPS = 5
+VOCAB = 512
+N = 8
+BASE = ["train.weight_decay=0.1", "train.warmup_steps=1"]
+
+
+def make(overrides, devices=None, manual=True):
+    config = load_config("configs/test.py")
+    apply_overrides(config, BASE + (["parallel.mode=manual"] if manual else []) + overrides)
+    devices = jax.devices() if devices is None else devices
+    cls = ZeroTrainer if manual else Trainer
+    return cls(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
+
+
+def zero(stage, *overrides):
+    return make([f"mesh.data={N}", f"parallel.zero_stage={stage}", *overrides])
+
+
+def single_device(*overrides):
+    return make(["mesh.data=1", *overrides], jax.devices()[:1], manual=False)
+
+
+def batches(config):
+    """Learnable data (as in test_strategies): each row counts up by a row-specific stride."""
+    rng = np.random.default_rng(0)
+    shape = (config.train.batch_size, config.data.seq_len + 1)
+    out = []
+    for _ in range(STEPS):
+        start = rng.integers(0, VOCAB, (shape[0], 1))
+        stride = rng.integers(1, 4, (shape[0], 1))
+        out.append(((start + stride * np.arange(shape[1])) % VOCAB).astype(np.int32))
+    return out
+
+
+def run(trainer):
+    state = trainer.init_state()
+    losses, norms = [], []
+    for batch in batches(trainer.config):
+        state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    return np.array(losses), np.array(norms), state
+
+
+def compiled_step(trainer):
+    tokens = jax.ShapeDtypeStruct((trainer.config.train.batch_size, trainer.config.data.seq_len + 1), np.int32,
+                                  sharding=trainer.batch_sharding)
+    with jax.set_mesh(trainer.mesh):
+        return trainer.step_fn.lower(trainer.abstract_state, tokens).compile()
+
+
+def shard_fraction(array):
+    return array.addressable_shards[0].data.size / array.size
+
+
+def nbytes(tree):
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    losses, norms, state = run(single_device())
+    assert losses[-1] < losses[0]
+    return losses, norms, state
+
+
+@pytest.fixture(scope="module")
+def trainers():
+    return {stage: zero(stage) for stage in range(4)}
+
+
+# ---------------------------------------------------------------------------- equivalence
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_matches_single_device(stage, trainers, oracle):
+    losses, norms, state = run(trainers[stage])
+    np.testing.assert_allclose(losses, oracle[0], rtol=1e-4)
+    np.testing.assert_allclose(norms, oracle[1], rtol=1e-4)
+    assert int(state["step"]) == STEPS
+    for got, want in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(oracle[2]["params"])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
+
+
+def test_zero3_clipping_microbatches_and_remat_match_single_device():
+    """Clipping by the *global* norm of reduce-scattered grads (it fires: grad_clip below every norm),
+    gradient accumulation over microbatches, and a remat policy, all at once."""
+    extra = ["train.grad_clip=0.05", "train.microbatches=2", "train.remat=full"]
+    want, want_norms, _ = run(single_device(*extra))
+    got, got_norms, _ = run(zero(3, *extra))
+    assert (want_norms > 0.05).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    np.testing.assert_allclose(got_norms, want_norms, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- layout
+
+def test_zero3_slices_params_and_adam_state_zero1_only_adam_state(trainers):
+    for stage, params_fraction in ((1, 1.0), (3, 1 / N)):
+        state = trainers[stage].init_state()
+        adam = state["opt_state"][1][0]
+        for leaf in jax.tree.leaves(state["params"]):
+            assert shard_fraction(leaf) == params_fraction, stage
+        for leaf in jax.tree.leaves((adam.mu, adam.nu)):
+            assert shard_fraction(leaf) == 1 / N, stage
+    state = trainers[0].init_state()
+    assert all(shard_fraction(leaf) == 1.0 for leaf in jax.tree.leaves(state))
+    # the split rule: largest divisible dimension, never the stacked layers axis
+    dims = trainers[3].dims
+    assert dims["embed"] == 0 and dims["lm_head"] == 1                  # vocab (512) > d_model (64)
+    assert dims["blocks"]["wq"] == 1 and dims["blocks"]["w_up"] == 2    # d_model; mlp (128)
+    assert dims["blocks"]["attn_norm"] == 1
+
+
+def test_checkpoints_interchange_with_the_auto_trainer(trainers):
+    auto = make(["mesh.data=1", "mesh.fsdp=8"], manual=False).abstract_state
+    for trainer in trainers.values():
+        ours = trainer.abstract_state
+        assert jax.tree.structure(ours) == jax.tree.structure(auto)
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), ours) == jax.tree.map(lambda a: (a.shape, a.dtype), auto)
+
+
+def test_bad_manual_configs_raise_config_error():
+    with pytest.raises(ConfigError) as err:
+        make(["mesh.data=1", "mesh.fsdp=8"])
+    assert err.value.field == "parallel.mode" and "parallel.mode=auto" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        make(["mesh.data=2", "mesh.tensor=4", "model.kv_heads=4"])
+    assert err.value.field == "parallel.mode" and "mesh.tensor=4" in str(err.value)
+    # d_model=64, heads 4, kv 2, head_dim 16, layers 2: no dimension of wq is divisible by 3
+    with pytest.raises(ConfigError) as err:
+        make(["mesh.data=3", "parallel.zero_stage=2", "train.batch_size=12"], jax.devices()[:3])
+    assert err.value.field == "mesh.data" and "blocks.wq" in str(err.value)
+    make(["mesh.data=3", "parallel.zero_stage=0", "train.batch_size=12"], jax.devices()[:3])  # DDP splits nothing
+
+
+# ---------------------------------------------------------------------------- compiled program
+
+@pytest.fixture(scope="module")
+def compiled(trainers):
+    return {stage: compiled_step(t) for stage, t in trainers.items()}
+
+
+def test_collectives_per_stage_match_the_theory(trainers, compiled):
+    params = trainers[0].abstract_state["params"]
+    psi = nbytes(params)                                    # fp32 parameter bytes
+    ring = (N - 1) / N
+    blocks = nbytes(params["blocks"])
+    L = trainers[0].model_cfg.layers
+    found = {s: collectives(c.as_text(), trainers[s].mesh) for s, c in compiled.items()}
+    for cs in found.values():
+        assert all(c.axes == ("data",) and c.trip_count_known for c in cs)
+
+    def by_op(cs):
+        out = defaultdict(float)
+        for c in cs:
+            out[c.op] += c.bytes_per_step
+        return out
+
+    small = 64  # bytes: the loss and grad-norm scalars
+    ddp, z1, z2, z3 = (by_op(found[s]) for s in range(4))
+    assert set(ddp) == {"all-reduce"}
+    assert ddp["all-reduce"] == pytest.approx(2 * ring * psi, abs=small)
+    assert set(z1) == {"all-reduce", "all-gather"}
+    assert z1["all-reduce"] == pytest.approx(2 * ring * psi, abs=small)
+    assert z1["all-gather"] == pytest.approx(ring * psi)
+    assert set(z2) == {"reduce-scatter", "all-gather", "all-reduce"} and z2["all-reduce"] < small
+    assert z2["reduce-scatter"] == pytest.approx(ring * psi) and z2["all-gather"] == pytest.approx(ring * psi)
+    kept = sum(c.result_bytes for c in found[2] if c.op == "reduce-scatter")
+    assert kept == psi / N                                  # each device keeps 1/N of the gradient
+
+    # ZeRO-3: inside the layer loops every layer's weights are gathered twice (forward, and again
+    # in the backward pass) and their gradients reduce-scattered, L times each
+    loops = defaultdict(lambda: defaultdict(int))
+    for c in found[3]:
+        if c.runs_per_step == L:
+            loops[c.computation][c.op] += c.result_bytes
+    gathering = [ops for ops in loops.values() if ops["all-gather"]]
+    assert len(gathering) == 2, dict(loops)                 # the forward loop and the backward loop
+    assert all(ops["all-gather"] == blocks / L for ops in gathering)
+    assert sum(ops["reduce-scatter"] for ops in loops.values()) == blocks / L / N
+    outside = psi - blocks                                  # embed, final_norm, lm_head: gathered once
+    assert z3["all-gather"] == pytest.approx(ring * (2 * blocks + outside))
+    assert z3["reduce-scatter"] == pytest.approx(ring * psi)
+    assert z3["all-reduce"] < small
+
+
+def test_memory_per_device_follows_the_zero_formulas(trainers, compiled):
+    """Per-device arguments: fp32 params 4Ψ, Adam m+v 8Ψ: DDP 12Ψ; ZeRO-1/2 4Ψ + 8Ψ/N; ZeRO-3 12Ψ/N."""
+    psi = sum(leaf.size for leaf in jax.tree.leaves(trainers[0].abstract_state["params"]))
+    c = trainers[0].config
+    extras = c.train.batch_size // N * (c.data.seq_len + 1) * 4 + 3 * 4   # tokens, step, two Adam counts
+    args = {s: compiled[s].memory_analysis().argument_size_in_bytes for s in range(4)}
+    assert args[0] == 12 * psi + extras
+    assert args[1] == args[2] == 4 * psi + 8 * psi // N + extras
+    assert args[3] == 12 * psi // N + extras
+
+
+# ---------------------------------------------------------------------------- the training loop
+
+def test_jaxpar_train_with_zero3_checkpoints_and_samples(tmp_path, capsys):
+    run_dir = tmp_path / "zero3"
+    assert main(["train", "--config", "configs/test.py", "--run-dir", str(run_dir),
+                 "--set", "parallel.mode=manual", "--set", "parallel.zero_stage=3"]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(losses) == list(range(1, 9)) and losses[8] < 0.8 * losses[1]
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["sample"] and summary["final_val_loss"] < losses[1]
+    # `jaxpar sample` restores the ZeRO-3 checkpoint with the automatic trainer on one device
+    capsys.readouterr()
+    assert main(["sample", "--run-dir", str(run_dir), "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("[step 8] ")
