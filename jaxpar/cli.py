@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     group.add_argument("--overwrite", action="store_true", help="delete an existing --run-dir and start afresh")
+    p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
 
     p = sub.add_parser("sample", help="generate text from a trained run")
     p.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by `jaxpar train`")
@@ -97,7 +98,7 @@ def cmd_train(args) -> int:
             apply_overrides(config, args.overrides)
     else:
         config = load(args)
-    train(config, args.run_dir, resume=args.resume, overwrite=args.overwrite)
+    train(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile)
     return 0
 
 

@@ -221,10 +221,10 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     import jax
     import jax.numpy as jnp
 
-    from jaxpar.measure import hlo
-    from jaxpar.measure.flops import compiled_flops, model_flops_per_step
-    from jaxpar.measure.memory import (activation_estimate, compiled_memory, shard_counts, state_bytes,
-                                       zero_formula)
+    from jaxpar.measure import hardware, hlo
+    from jaxpar.measure.flops import compiled_flops, mfu, model_flops_per_step
+    from jaxpar.measure.memory import (activation_estimate, compiled_memory, leaf_bytes_per_device, shard_counts,
+                                       state_bytes, zero_formula)
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.counting import param_count
     from jaxpar.model.transformer import ModelConfig
@@ -258,7 +258,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     compute_bytes = jnp.dtype(DTYPES[config.train.compute_dtype]).itemsize
     state = state_bytes(trainer.abstract_state)
     formula = zero_formula(psi, shard_counts(config, sizes))
-    batch_bytes = B * (S + 1) * 4 // (sizes["data"] * sizes["fsdp"])
+    batch_bytes = leaf_bytes_per_device(tokens)
     micro = B // config.train.microbatches // (sizes["data"] * sizes["fsdp"])
     acts = activation_estimate(layers=model_cfg.layers, seq_len=S, micro_batch=micro, d_model=model_cfg.d_model,
                                heads=model_cfg.heads, vocab_size=model_cfg.vocab_size, tensor=sizes["tensor"],
@@ -290,8 +290,6 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     comm_s = sum(row["time_s"] for row in axes.values())
     overlap_s, serial_s = max(compute_s, comm_s), compute_s + comm_s
     usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
-
-    from jaxpar.measure import hardware
     hbm = hardware.ACCELERATORS[machine["accelerator"]].hbm_bytes if machine["accelerator"] else None
     return {
         "config": config.name, "target": target, "machine": machine, "devices": n, "mesh": sizes,
@@ -312,8 +310,8 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
                   "peak_per_device": peak, "peak_source": peak_source},
         "time": {"compute_s": compute_s, "communication_s": comm_s, "overlapped_s": overlap_s,
                  "serial_s": serial_s,
-                 "mfu_overlapped": model_flops / (overlap_s * n * peak),
-                 "mfu_serial": model_flops / (serial_s * n * peak)},
+                 "mfu_overlapped": mfu(model_flops, overlap_s, n, peak),
+                 "mfu_serial": mfu(model_flops, serial_s, n, peak)},
     }
 
 

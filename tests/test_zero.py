@@ -85,11 +85,23 @@ def trainers():
     return {stage: zero(stage) for stage in range(4)}
 
 
+@pytest.fixture(scope="module")
+def runs(trainers):
+    """Each stage's 5-step run, made once (by whichever test asks first)."""
+    cache = {}
+
+    def get(stage):
+        if stage not in cache:
+            cache[stage] = run(trainers[stage])
+        return cache[stage]
+    return get
+
+
 # ---------------------------------------------------------------------------- equivalence
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_stage_matches_single_device(stage, trainers, oracle):
-    losses, norms, state = run(trainers[stage])
+def test_stage_matches_single_device(stage, runs, oracle):
+    losses, norms, state = runs(stage)
     np.testing.assert_allclose(losses, oracle[0], rtol=1e-4)
     np.testing.assert_allclose(norms, oracle[1], rtol=1e-4)
     assert int(state["step"]) == STEPS
@@ -110,15 +122,16 @@ def test_zero3_clipping_microbatches_and_remat_match_single_device():
 
 # ---------------------------------------------------------------------------- layout
 
-def test_zero3_slices_params_and_adam_state_zero1_only_adam_state(trainers):
+def test_zero3_slices_params_and_adam_state_zero1_only_adam_state(trainers, runs):
+    """The state after 5 steps (so the step keeps the layout, not only init_state)."""
     for stage, params_fraction in ((1, 1.0), (3, 1 / N)):
-        state = trainers[stage].init_state()
+        state = runs(stage)[2]
         adam = state["opt_state"][1][0]
         for leaf in jax.tree.leaves(state["params"]):
             assert shard_fraction(leaf) == params_fraction, stage
         for leaf in jax.tree.leaves((adam.mu, adam.nu)):
             assert shard_fraction(leaf) == 1 / N, stage
-    state = trainers[0].init_state()
+    state = runs(0)[2]
     assert all(shard_fraction(leaf) == 1.0 for leaf in jax.tree.leaves(state))
     # the split rule: largest divisible dimension, never the stacked layers axis
     dims = trainers[3].dims

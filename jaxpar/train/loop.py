@@ -23,6 +23,7 @@ from jaxpar.config import ConfigError, config_from_dict, to_json
 from jaxpar.data.pipeline import build_token_data, local_rows, to_global, train_dataset, val_batches
 from jaxpar.data.tokenizer import EOS
 from jaxpar.measure.hardware import peak_flops_per_device
+from jaxpar.measure.profile import StepProfiler, parse_window
 from jaxpar.mesh import describe, make_mesh
 from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
@@ -111,8 +112,13 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
 
 
-def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrite: bool = False) -> dict:
-    """Train per `config`; returns a summary (losses, timings, run directory)."""
+def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrite: bool = False,
+          profile: str | None = None) -> dict:
+    """Train per `config`; returns a summary (losses, timings, run directory).
+
+    `profile`: "START:END" traces those steps with jax.profiler into the run directory.
+    """
+    window = parse_window(profile, config.train.steps)
     run_dir = Path(run_dir) if run_dir else default_run_dir(config.name)
     check_run_dir(run_dir, resume, overwrite)
     saved_config = json.loads((run_dir / "config.json").read_text()) if resume else None
@@ -168,13 +174,26 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     compile_s = None
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         console=console, disable=not (is_main() and console.is_terminal))
+    profiler = StepProfiler(window, run_dir / "profile")
     interval_start = time.perf_counter()
     interval_steps, excluded = 0, 0.0
     with progress:
         task = progress.add_task("training", total=t.steps, completed=start)
         for step in range(start + 1, t.steps + 1):
             batch = to_global(next(iterator), trainer.batch_sharding, t.batch_size)
-            state, metrics = trainer.step(state, batch)
+            side_start = time.perf_counter()
+            profiler.before(step)
+            excluded += time.perf_counter() - side_start
+            with profiler.annotate(step):
+                state, metrics = trainer.step(state, batch)
+            side_start = time.perf_counter()
+            profiled = profiler.after(step, state)
+            if profiled and is_main():
+                (run_dir / "profile_summary.md").write_text(profiled["markdown"] + "\n")
+                (run_dir / "profile_summary.json").write_text(json.dumps(profiled, indent=2))
+                say(profiled["markdown"])
+            if profiled:
+                excluded += time.perf_counter() - side_start
             pending.append((step, metrics))
             interval_steps += 1
             if compile_s is None:
