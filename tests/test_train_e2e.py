@@ -65,7 +65,11 @@ def test_resume_after_kill_reproduces_the_uninterrupted_losses(reference_run, tm
                          ids=["data=8", "data2-fsdp2-tensor2"])
 def test_two_processes_match_one(mesh, reference_run, tmp_path):
     run_dir = tmp_path / "two-process"
-    code = launch(2, 4, ["train", *TINY, "--run-dir", str(run_dir), *mesh], timeout=300)
+    if mesh:
+        code = launch(2, 4, ["train", *TINY, "--run-dir", str(run_dir), *mesh], timeout=300)
+    else:  # through the command line, as a user types it
+        code = main(["launch", "--nproc", "2", "--cpu-devices", "4", "--timeout", "300", "--",
+                     "train", *TINY, "--run-dir", str(run_dir)])
     assert code == 0
     two = metrics(run_dir)
     if mesh:
