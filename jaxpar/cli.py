@@ -28,7 +28,7 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="jaxpar", description="Distributed training in JAX, measured against theory.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = parser.add_subparsers(dest="subcommand", required=True, parser_class=Parser)
 
     p = sub.add_parser("train", help="train a model on a device mesh",
                        description="Train the configured model. Mesh axis sizes select the strategy: "
@@ -170,11 +170,11 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command != "launch":
+        if args.subcommand != "launch":
             from jaxpar.mesh import init_distributed, set_cpu_devices
             set_cpu_devices(getattr(args, "cpu_devices", None))
             init_distributed()
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.subcommand](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return _exit(EXIT_BAD_INPUT)

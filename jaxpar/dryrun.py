@@ -140,14 +140,16 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     e = bytes per element on the wire: the compute dtype on GPU; 4 on CPU, where XLA
     computes (and communicates) bf16 in fp32. m = microbatches, b = micro-batch per device.
 
-    fsdp (F):  weight all-gathers (F-1)/F·e·(2Ψ_L + Ψ_o)/T per microbatch: XLA gathers each
-               scanned layer once in the forward loop and again in the backward loop (the
-               gathered weights do not survive the loop boundary, with or without remat),
-               the embedding and head once (it sometimes gathers the head twice: ~+1%);
-               gradient reduction of Ψ/T: GPU reduce-scatter (F-1)/F·e, CPU all-reduce of
-               the full gradient + slice 2(F-1)/F·4. So ZeRO-3 ≈ 3Ψ·e·(F-1)/F on GPU, and
-               ≈ 4Ψ·4·(F-1)/F on CPU.
-    data (D):  gradient all-reduce 2(D-1)/D·e·Ψ/(F·T) (DDP: 2Ψ·e).
+    fsdp (F):  weight all-gathers (F-1)/F·e·(2·m·Ψ_L + Ψ_o)/T: XLA gathers each scanned layer
+               once in the forward loop and again in the backward loop of every microbatch
+               (the gathered weights do not survive the loop boundary, with or without
+               remat); the embedding and head once per step (loop-invariant, hoisted out of
+               the accumulation loop; the head is sometimes gathered twice: ~+1%).
+               Gradient reduction of Ψ/T once per microbatch (XLA reduces inside the
+               accumulation loop): GPU reduce-scatter (F-1)/F·e, CPU all-reduce of the full
+               gradient + slice 2(F-1)/F·4. So ZeRO-3 ≈ 3Ψ·e·(F-1)/F on GPU and
+               ≈ 4Ψ·4·(F-1)/F on CPU, at m = 1.
+    data (D):  gradient all-reduce 2(D-1)/D·e·Ψ/(F·T) per microbatch (DDP: 2Ψ·e).
     tensor (T): activation all-reduces 2(T-1)/T·e·b·s·h each: Megatron's 2 forward + 2 backward
                per layer, +1 with remat 'full' (XLA recomputes the attention output projection's
                all-reduce, not the MLP's), +2 per microbatch outside the layers (the
@@ -169,11 +171,11 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     b = config.train.batch_size // m // (D * F)
     out = {}
     if F > 1:
-        gathers = (F - 1) / F * e * (2 * psi_layers + psi_other) / T * m
-        reduce = (F - 1) / F * psi / T * (2 * 4 if platform == "cpu" else e)
+        gathers = (F - 1) / F * e * (2 * m * psi_layers + psi_other) / T
+        reduce = (F - 1) / F * psi / T * (2 * 4 if platform == "cpu" else e) * m
         out["fsdp"] = gathers + reduce
     if D > 1:
-        out["data"] = 2 * (D - 1) / D * e * psi / (F * T)
+        out["data"] = 2 * (D - 1) / D * e * psi / (F * T) * m
     if T > 1:
         per_layer = 4 + (1 if config.train.remat == "full" else 0)
         count = (per_layer * model_cfg.layers + 2) * m

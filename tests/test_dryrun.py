@@ -70,6 +70,15 @@ def test_fsdp_collective_bytes_match_theory(fsdp8):
     assert 3 * (F - 1) / F * 4 * psi < col["total_bytes"] < zero3_cpu
 
 
+def test_ddp_reduces_gradients_once_per_microbatch():
+    """Gradient accumulation: XLA all-reduces inside the accumulation loop, m x 2(D-1)/D·4Ψ (not once)."""
+    r = dryrun(tiny("mesh.data=8", "train.microbatches=2"), "cpu")
+    data = r["collectives"]["by_axis"]["data"]
+    psi, D = r["model"]["params"], 8
+    assert data["bytes"] == pytest.approx(2 * 2 * (D - 1) / D * 4 * psi, rel=0.01)
+    assert data["bytes"] == pytest.approx(data["predicted_bytes"], rel=0.01)
+
+
 def test_report_has_every_section(fsdp8):
     text = markdown_report(fsdp8)
     for heading in ("## Memory per device", "## Collectives per step", "## FLOPs per device per step",
