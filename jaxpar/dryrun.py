@@ -246,7 +246,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     B, S = config.train.batch_size, config.data.seq_len
 
     start = time.perf_counter()
-    trainer = make_trainer(config, model_cfg, mesh)
+    trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
     tokens = jax.ShapeDtypeStruct((B, S + 1), jnp.int32, sharding=trainer.batch_sharding)
     with jax.set_mesh(mesh):
         lowered = trainer.step_fn.lower(trainer.abstract_state, tokens)

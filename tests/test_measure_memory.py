@@ -30,7 +30,7 @@ def fsdp_step():
     config = tiny("mesh.data=1", f"mesh.fsdp={N}")
     mesh = make_mesh(config)
     model_cfg = ModelConfig.from_config(config.model)
-    trainer = make_trainer(config, model_cfg, mesh)
+    trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
     tokens = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1), jnp.int32,
                                   sharding=trainer.batch_sharding)
     with jax.set_mesh(mesh):

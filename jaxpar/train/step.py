@@ -83,7 +83,7 @@ def eval_step(params, tokens, *, model_cfg, compute_dtype):
 class Trainer:
     """Builds the sharded state and the jitted step functions for one config on one mesh."""
 
-    def __init__(self, config, model_cfg: ModelConfig, mesh):
+    def __init__(self, config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
         self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
         self.optimizer = make_optimizer(config.train)
         self.compute_dtype = DTYPES[config.train.compute_dtype]
@@ -96,8 +96,14 @@ class Trainer:
         step = partial(train_step, model_cfg=model_cfg, optimizer=self.optimizer, compute_dtype=self.compute_dtype,
                        policy=remat_policy(config.train), microbatches=config.train.microbatches)
         replicated = NamedSharding(mesh, P())
+        # Donating the state lets XLA update it in place: one copy of params and Adam state
+        # instead of two on an accelerator. XLA:CPU runs the donated step ~15% slower
+        # (measured: 571 vs 490 ms on the default config), and host memory is not the limit.
+        # `donate=None`: donate except on CPU; dry runs pass True to see accelerator memory.
+        if donate is None:
+            donate = mesh.devices.flat[0].platform != "cpu"
         self.step_fn = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
-                               out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+                               out_shardings=(self.state_shardings, replicated), donate_argnums=(0,) if donate else ())
         self.eval_fn = jax.jit(partial(eval_step, model_cfg=model_cfg, compute_dtype=self.compute_dtype),
                                in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
 
@@ -127,9 +133,9 @@ class Trainer:
             return self.eval_fn(params, batch)
 
 
-def make_trainer(config, model_cfg: ModelConfig, mesh):
+def make_trainer(config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
     """The trainer for `parallel.mode`: compiler-driven (auto) or hand-written shard_map (manual)."""
     if config.parallel.mode == "manual":
         from jaxpar.parallel.zero import ZeroTrainer
-        return ZeroTrainer(config, model_cfg, mesh)
-    return Trainer(config, model_cfg, mesh)
+        return ZeroTrainer(config, model_cfg, mesh)  # TODO(lead): pass donate once zero.py takes it
+    return Trainer(config, model_cfg, mesh, donate=donate)
