@@ -86,7 +86,7 @@ def cmd_train(args) -> int:
     from pathlib import Path
 
     from jaxpar.config import apply_overrides
-    from jaxpar.train.loop import check_resume_config, resume_config, train
+    from jaxpar.train.loop import resume_config, train
     if args.resume:
         if not args.run_dir:
             raise ConfigError("--resume", "needs --run-dir DIR naming the run to continue")

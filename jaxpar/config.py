@@ -249,6 +249,14 @@ def validate(config, num_devices: int) -> dict[str, int]:
     for axis in ("pipe", "expert"):
         if sizes[axis] != 1:
             raise ConfigError(f"mesh.{axis}", f"is {sizes[axis]}; {axis} parallelism is not built yet, use 1")
+    if config.parallel.mode == "manual":
+        others = [f"mesh.{axis}={size}" for axis, size in sizes.items() if axis != "data" and size > 1]
+        if others:
+            raise ConfigError("parallel.mode", f"manual mode supports only mesh.data > 1, got {', '.join(others)}; "
+                              "for fsdp/tensor parallelism use parallel.mode=auto")
+        if config.parallel.zero_stage > 0 and m.d_model % sizes["data"]:
+            raise ConfigError("mesh.data", f"ZeRO-{config.parallel.zero_stage} splits every parameter over "
+                              f"mesh.data={sizes['data']}, which must divide model.d_model={m.d_model}")
     tp = sizes["tensor"]
     if m.heads % tp:
         raise ConfigError("model.heads", f"heads={m.heads} is not divisible by mesh.tensor={tp}")

@@ -1,6 +1,5 @@
 """End to end: `jaxpar train` writes a run, resumes exactly after a crash, runs on 2 processes, samples."""
 import json
-import os
 import subprocess
 import sys
 

@@ -69,9 +69,13 @@ def tree_shardings(logical_tree, mesh):
 
 
 def constrain(x, names: tuple[str | None, ...]):
-    """Pin an activation's sharding from its logical names; a no-op outside a mesh."""
+    """Pin an activation's sharding from its logical names, over the mesh's Auto axes.
+
+    A no-op outside a mesh, and inside `shard_map` for the axes it made Manual (the
+    manual strategies place data themselves).
+    """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or all(size == 1 for size in mesh.shape.values()):
+    auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
+    if mesh.empty or not auto:
         return x
-    spec = logical_to_spec(names, mesh.axis_names)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, auto)))

@@ -9,20 +9,30 @@ with `psum`/`pmean` (all-reduce), `psum_scatter` (reduce-scatter) and
 `zero1_step`, `zero2_step`, `zero3_step`); put them side by side to see exactly
 which collective changes from one stage to the next:
 
-| stage    | params  | grads   | Adam m,v | gradient reduction          | after the update        | bytes sent/device/step |
-|----------|---------|---------|----------|-----------------------------|-------------------------|------------------------|
-| 0 (DDP)  | full    | full    | full     | all-reduce (pmean)          | -                       | 2Ψ                     |
-| 1        | full    | full    | 1/N      | all-reduce (pmean)          | all-gather the params   | 2Ψ + Ψ = 3Ψ            |
-| 2        | full    | 1/N     | 1/N      | reduce-scatter (psum_scatter)| all-gather the params  | Ψ + Ψ = 2Ψ             |
-| 3        | 1/N     | 1/N     | 1/N      | reduce-scatter, per layer,  | - (params stay sliced)  | Ψ + Ψ + Ψ = 3Ψ         |
-|          |         |         |          | in the backward pass        |                         |                        |
+| stage   | params | grads | Adam m,v | gradient reduction             | after the update      | sent/device/step  |
+|---------|--------|-------|----------|--------------------------------|-----------------------|-------------------|
+| 0 (DDP) | full   | full  | full     | all-reduce (pmean)             | -                     | 2Ψ                |
+| 1       | full   | full  | 1/N      | all-reduce (pmean)             | all-gather the params | 2Ψ + Ψ = 3Ψ       |
+| 2       | full   | 1/N   | 1/N      | reduce-scatter (psum_scatter)  | all-gather the params | Ψ + Ψ = 2Ψ        |
+| 3       | 1/N    | 1/N   | 1/N      | reduce-scatter, layer by layer | - (params stay 1/N)   | Ψ + Ψ + Ψ = 3Ψ    |
+|         |        |       |          | in the backward pass           |                       |                   |
 
-(Ψ = parameter bytes, each term times (N-1)/N under a ring. Stage 1 sends more
-than DDP *as written here*, because it all-reduces the full gradient and then
-also all-gathers the params; DeepSpeed's stage 1 reduce-scatters like stage 2.
-We keep the all-reduce so that stage 1 -> stage 2 is a one-line diff.)
-ZeRO-3 additionally all-gathers every layer's weights in the forward pass and
-*again* in the backward pass: `ZERO-3 forward` below.
+Ψ = number of parameters; "sent" counts elements (times 4 bytes in fp32), each
+term times (N-1)/N under a ring. Stage 1 as written sends more than DDP,
+because it all-reduces the full gradient and then also all-gathers the params;
+the ZeRO paper's P_os (and DeepSpeed) already reduce-scatter in stage 1, which
+in a functional program makes it identical to stage 2. We keep the all-reduce
+so that each stage changes one thing. ZeRO-3 all-gathers every layer's weights
+in the forward pass and *again* in the backward pass, then reduce-scatters its
+gradient: 3Ψ for the layers. The embedding, final norm and lm_head are
+gathered once (see "ZeRO-3 forward"), so the measured total is
+3Ψ_layers + 2Ψ_rest.
+
+Memory, in bytes (fp32 params 4Ψ, Adam m+v 8Ψ): the state each device stores
+is 12Ψ (DDP), 4Ψ + 8Ψ/N (ZeRO-1/2) and 12Ψ/N (ZeRO-3). Gradients are
+temporaries of the step. ZeRO-2's saving is the reduced gradient (4Ψ/N instead
+of 4Ψ); the full *local* gradient still exists before the reduce-scatter, since
+without bucketing the backward pass finishes before any reduction starts.
 
 Rules and choices (documented here, checked in `split_dims`):
 
@@ -60,6 +70,8 @@ Rules and choices (documented here, checked in `split_dims`):
   "ZeRO-3 moves 3Ψ" of the course; `tests/test_zero.py` checks in the compiled
   HLO that all-gathers run L times in the forward loop and L times in the
   backward loop. Other activations are saved per `train.remat` as usual.
+  (Values computed from gathered weights alone may still be saved when the
+  policy allows it: in bfloat16 the fp32 upcast of the two [D] norm scales.)
   The embedding, final norm and lm_head are gathered at use outside the layer
   loop, once per step: the embedding's backward needs no weights, and the
   head's backward comes right after its forward (PyTorch FSDP likewise does
@@ -78,7 +90,6 @@ automatic path (ConfigError otherwise).
 """
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 
 import jax
@@ -87,9 +98,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError
-from jaxpar.model import transformer
 from jaxpar.model.transformer import ModelConfig, block, embed_lookup, rms_norm, rope_tables
-from jaxpar.parallel.rules import logical_to_spec
 from jaxpar.train.step import DTYPES, Trainer, loss_fn, make_optimizer, remat_policy
 
 AXIS = "data"
@@ -207,13 +216,6 @@ def zero3_loss(shards, tokens, dims, cfg: ModelConfig, compute_dtype, policy):
 
 # ============================================================================ checks and the split rule
 
-def check_manual_mesh(mesh) -> None:
-    others = [f"mesh.{axis}={size}" for axis, size in mesh.shape.items() if axis != AXIS and size > 1]
-    if others:
-        raise ConfigError("parallel.mode", f"manual mode supports only mesh.data > 1, got {', '.join(others)}; "
-                          "for fsdp/tensor parallelism use parallel.mode=auto")
-
-
 def split_dims(abstract_params, n: int, stage: int) -> dict:
     """For each parameter, the dimension split over `data`: the largest one divisible by n (not `layers`)."""
     def pick(path, leaf):
@@ -234,34 +236,12 @@ def split_dims(abstract_params, n: int, stage: int) -> dict:
     return dims
 
 
-# TEMPORARY, until `rules.constrain` skips Manual mesh axes itself: inside shard_map every
-# mesh axis is Manual, and `with_sharding_constraint` on a Manual axis is an error, so while
-# the per-device program is traced the model's sharding hints use this version instead.
-def _constrain_auto_axes_only(x, names):
-    mesh = jax.sharding.get_abstract_mesh()
-    auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
-    if mesh.empty or not auto:
-        return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, auto)))
-
-
-@contextlib.contextmanager
-def _model_hints_skip_manual_axes():
-    saved = transformer.constrain
-    transformer.constrain = _constrain_auto_axes_only
-    try:
-        yield
-    finally:
-        transformer.constrain = saved
-
-
 # ============================================================================ the trainer
 
 class ZeroTrainer:
     """`Trainer`'s interface and state layout (checkpoints interchange); the step is a shard_map program."""
 
-    def __init__(self, config, model_cfg: ModelConfig, mesh):
-        check_manual_mesh(mesh)
+    def __init__(self, config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
         self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
         self.stage = int(config.parallel.zero_stage)
         self.n = int(mesh.shape[AXIS])
@@ -282,10 +262,13 @@ class ZeroTrainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_shardings)
 
         replicated = NamedSharding(mesh, P())
+        if donate is None:                                # as Trainer: donate the state except on CPU
+            donate = mesh.devices.flat[0].platform != "cpu"
         step = jax.shard_map(self._local_step, mesh=mesh, in_specs=(self.state_specs, P(AXIS, None)),
                              out_specs=(self.state_specs, P()), check_vma=True)
         self.step_fn = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
-                               out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+                               out_shardings=(self.state_shardings, replicated),
+                               donate_argnums=(0,) if donate else ())
         evaluate = jax.shard_map(self._local_eval, mesh=mesh, in_specs=(self.param_specs, P(AXIS, None)),
                                  out_specs=P(), check_vma=True)
         self.eval_fn = jax.jit(evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
@@ -369,17 +352,15 @@ class ZeroTrainer:
 
     # ---------------------------------------------------------------- the shard_map programs
     def _local_step(self, state, tokens):
-        with _model_hints_skip_manual_axes():
-            loss, params, opt_state, norm = STAGES[self.stage](self, state["params"], state["opt_state"], tokens)
+        loss, params, opt_state, norm = STAGES[self.stage](self, state["params"], state["opt_state"], tokens)
         metrics = {"loss": jax.lax.pmean(loss, AXIS), "grad_norm": norm}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def _local_eval(self, params, tokens):
-        with _model_hints_skip_manual_axes():
-            if self.stage == 3:
-                loss = zero3_loss(params, tokens, self.dims, self.model_cfg, self.compute_dtype, None)
-            else:
-                loss = loss_fn(params, tokens, self.model_cfg, self.compute_dtype, None)
+        if self.stage == 3:
+            loss = zero3_loss(params, tokens, self.dims, self.model_cfg, self.compute_dtype, None)
+        else:
+            loss = loss_fn(params, tokens, self.model_cfg, self.compute_dtype, None)
         return jax.lax.pmean(loss, AXIS)
 
     # ---------------------------------------------------------------- Trainer's interface

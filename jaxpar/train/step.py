@@ -137,5 +137,5 @@ def make_trainer(config, model_cfg: ModelConfig, mesh, donate: bool | None = Non
     """The trainer for `parallel.mode`: compiler-driven (auto) or hand-written shard_map (manual)."""
     if config.parallel.mode == "manual":
         from jaxpar.parallel.zero import ZeroTrainer
-        return ZeroTrainer(config, model_cfg, mesh)  # TODO(lead): pass donate once zero.py takes it
+        return ZeroTrainer(config, model_cfg, mesh, donate=donate)
     return Trainer(config, model_cfg, mesh, donate=donate)
