@@ -71,6 +71,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, metavar="N", help="device count (cpu: set before JAX starts)")
     p.add_argument("--topology", metavar="PxHxG", help="GPU targets: partitions x hosts x GPUs per host, e.g. 1x8x8")
     p.add_argument("--out", metavar="DIR", help="also write dryrun.json and dryrun.md into DIR")
+
+    p = sub.add_parser("memory", help="model-state memory per device of DDP and ZeRO-1/2/3, any model size",
+                       description="The ZeRO formulas for any parameter count and device count, in the ZeRO "
+                                   "paper's accounting and in jaxpar's own (what its step stores).")
+    p.add_argument("--params", required=True, metavar="N", help="parameter count, e.g. 7.5e9 or 7.5B")
+    p.add_argument("--devices", required=True, metavar="N", help="data-parallel devices the state is split over")
+    p.add_argument("--optimizer", default="adam", metavar="NAME", help="adam (default), sgd (momentum), adafactor")
+    p.add_argument("--precision", default="mixed", metavar="NAME",
+                   help="mixed (default: fp16/bf16 params and grads, fp32 optimizer state), fp32, bf16")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of markdown")
+
+    p = sub.add_parser("lab", help="run a course module's lab")
+    labs = p.add_subparsers(dest="lab", required=True, parser_class=Parser)
+    p = labs.add_parser("zero", help="module 2: DDP, ZeRO-1/2/3, FSDP: losses, memory, bytes, remat, precision",
+                        description="Lab 02 (experiments/02_zero): same losses, different memory, different bytes.")
+    from jaxpar.labs.zero import add_arguments as add_lab_zero_arguments
+    add_lab_zero_arguments(p)
     return parser
 
 
@@ -103,43 +120,10 @@ def cmd_train(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from pathlib import Path
-
-    import jax
-    from tokenizers import Tokenizer
-
-    from jaxpar.data.tokenizer import EOS
-    from jaxpar.mesh import make_mesh
-    from jaxpar.model.transformer import ModelConfig
-    from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.loop import resolve_vocab, resume_config
-    from jaxpar.train.sample import generate
-    from jaxpar.train.step import make_trainer
-
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "config.json").is_file() or not (run_dir / "tokenizer.json").is_file():
-        raise ConfigError("--run-dir", f"'{run_dir}' is not a jaxpar run directory (no config.json / tokenizer.json)")
-    if args.max_tokens <= 0:
-        raise ConfigError("--max-tokens", "must be positive")
-    if args.top_k < 0 or args.temperature < 0:
-        raise ConfigError("--top-k/--temperature", "must not be negative")
-    config = resume_config(run_dir)
-    for axis in config.mesh:
-        config.mesh[axis] = 1  # decode on one device, whatever mesh trained the run
-    config.parallel.mode = "auto"  # checkpoints of every strategy share one layout
-    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
-    model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, tokenizer.get_vocab_size(), 1))
-    trainer = make_trainer(config, model_cfg, make_mesh(config, jax.devices()[:1]))
-    step, state = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints).restore(trainer.abstract_state)
-    if step is None:
-        raise ConfigError("--run-dir", f"no readable checkpoint in '{run_dir / 'checkpoints'}'")
-    ids = tokenizer.encode(args.prompt).ids
-    if not ids:
-        raise ConfigError("--prompt", "encodes to no tokens; give some text")
-    new = generate(state["params"], model_cfg, ids, args.max_tokens, buffer_len=config.data.seq_len,
-                   temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                   stop_id=tokenizer.token_to_id(EOS))
-    print(f"[step {step}] {args.prompt}{tokenizer.decode(new)}")
+    from jaxpar.train.sample import sample_run
+    step, text = sample_run(args.run_dir, args.prompt, args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, seed=args.seed)
+    print(f"[step {step}] {args.prompt}{text}")
     return 0
 
 
@@ -163,8 +147,22 @@ def cmd_dryrun(args) -> int:
     return 0
 
 
+def cmd_memory(args) -> int:
+    import json
+
+    from jaxpar.measure.memory import model_state_markdown, model_state_table
+    table = model_state_table(args.params, args.devices, args.optimizer, args.precision)
+    print(json.dumps(table, indent=2) if args.json else model_state_markdown(table))
+    return 0
+
+
+def cmd_lab(args) -> int:
+    from jaxpar.labs import zero
+    return {"zero": zero.run_from_args}[args.lab](args)
+
+
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
-            "dryrun": cmd_dryrun}
+            "dryrun": cmd_dryrun, "memory": cmd_memory, "lab": cmd_lab}
 
 
 def main(argv=None) -> int:

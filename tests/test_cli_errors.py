@@ -96,3 +96,10 @@ def test_subprocess_exit_status_and_no_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip() == "error: model.kv_heads: kv_heads=3 must divide heads=8"
+
+
+def test_sample_bad_input(capsys, tmp_path, finished_run):
+    code, err = run_main(capsys, ["sample", "--run-dir", str(tmp_path / "none")])
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --run-dir: ")
+    code, err = run_main(capsys, ["sample", "--run-dir", str(finished_run), "--max-tokens", "0"])
+    assert code == 2 and err[0].startswith("error: --max-tokens: ")

@@ -21,14 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from jaxpar.config import ConfigError, config_from_dict, to_json
 from jaxpar.data.pipeline import build_token_data, local_rows, to_global, train_dataset, val_batches
-from jaxpar.data.tokenizer import EOS
 from jaxpar.measure.hardware import peak_flops_per_device
 from jaxpar.measure.profile import StepProfiler, parse_window
 from jaxpar.mesh import describe, make_mesh
 from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.train.checkpoint import Checkpoints
-from jaxpar.train.sample import generate
+from jaxpar.train.sample import complete
 from jaxpar.train.step import learning_rate, make_trainer
 
 console = Console(highlight=False)
@@ -253,10 +252,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     return summary
 
 
-def sample_from_state(params, model_cfg, tokenizer, prompt: str, max_new_tokens: int, buffer_len: int, **kw) -> str:
+def sample_from_state(params, model_cfg, tokenizer, prompt: str, max_new_tokens: int, buffer_len: int) -> str:
     """Gather the (possibly sharded, possibly multi-process) params and decode on one device."""
     host_params = multihost_utils.process_allgather(params, tiled=True)
-    ids = tokenizer.encode(prompt).ids
-    new = generate(host_params, model_cfg, ids, max_new_tokens, buffer_len=buffer_len,
-                   stop_id=tokenizer.token_to_id(EOS), **kw)
-    return tokenizer.decode(new)
+    return complete(host_params, model_cfg, tokenizer, prompt, max_new_tokens, buffer_len)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.data.tokenizer import EOS
 from jaxpar.model.transformer import ModelConfig, forward
 
 
@@ -46,3 +47,52 @@ def generate(params, model_cfg: ModelConfig, prompt_ids: list[int], max_new_toke
         if stop_id is not None and token == stop_id:
             break
     return new
+
+
+def complete(params, model_cfg: ModelConfig, tokenizer, prompt: str, max_new_tokens: int, buffer_len: int,
+             **sampling) -> str:
+    """The text the model writes after `prompt` (stops at end-of-document).
+
+    A byte-level token can end inside a multi-byte UTF-8 character; the dangling
+    replacement character that leaves at the end is dropped.
+    """
+    ids = tokenizer.encode(prompt).ids
+    new = generate(params, model_cfg, ids, max_new_tokens, buffer_len=buffer_len,
+                   stop_id=tokenizer.token_to_id(EOS), **sampling)
+    return tokenizer.decode(new).rstrip("\ufffd")
+
+
+def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=0, seed=0) -> tuple[int, str]:
+    """Restore a run's newest checkpoint onto one device and continue `prompt`; returns (step, text)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from jaxpar.config import ConfigError
+    from jaxpar.mesh import make_mesh
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.loop import resolve_vocab, resume_config
+    from jaxpar.train.step import make_trainer
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file() or not (run_dir / "tokenizer.json").is_file():
+        raise ConfigError("--run-dir", f"'{run_dir}' is not a jaxpar run directory (no config.json / tokenizer.json)")
+    if max_tokens <= 0:
+        raise ConfigError("--max-tokens", f"is {max_tokens}; must be positive")
+    if top_k < 0 or temperature < 0:
+        raise ConfigError("--top-k/--temperature", "must not be negative")
+    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    if not tokenizer.encode(prompt).ids:
+        raise ConfigError("--prompt", "encodes to no tokens; give some text")
+    config = resume_config(run_dir)
+    for axis in config.mesh:
+        config.mesh[axis] = 1          # decode on one device, whatever mesh trained the run
+    config.parallel.mode = "auto"      # checkpoints of every strategy share one layout
+    model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, tokenizer.get_vocab_size(), 1))
+    trainer = make_trainer(config, model_cfg, make_mesh(config, jax.devices()[:1]))
+    step, state = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints).restore(trainer.abstract_state)
+    if step is None:
+        raise ConfigError("--run-dir", f"no readable checkpoint in '{run_dir / 'checkpoints'}'")
+    text = complete(state["params"], model_cfg, tokenizer, prompt, max_tokens, config.data.seq_len,
+                    temperature=temperature, top_k=top_k, seed=seed)
+    return step, text
