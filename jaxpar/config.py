@@ -15,7 +15,7 @@ from pathlib import Path
 import ml_collections
 
 MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
-COMPUTE_DTYPES = ("float32", "bfloat16")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float8")
 REMAT_POLICIES = ("none", "full", "dots", "names")
 PARALLEL_MODES = ("auto", "manual")
 
@@ -80,7 +80,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.b2 = 0.95
     c.train.eps = 1e-8
     c.train.grad_clip = 1.0
-    c.train.compute_dtype = "float32"   # or "bfloat16" (fp32 master weights and optimizer state)
+    c.train.compute_dtype = "float32"   # or "bfloat16", or "float8" (FP8 weight matmuls, bf16 activations);
+                                        # always fp32 master weights and optimizer state
     c.train.remat = "none"              # none | full | dots | names
     c.train.remat_names = "attn_out,mlp_out"   # saved activations for remat="names"
     c.train.log_every = 25

@@ -159,12 +159,12 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     import numpy as np
 
     from jaxpar.model.counting import param_count
-    from jaxpar.train.step import DTYPES
+    from jaxpar.train.step import activation_dtype
 
     counts = param_count(model_cfg)
     psi, psi_layers = counts["total"], counts["blocks"]
     psi_other = psi - psi_layers
-    compute_bytes = np.dtype(DTYPES[config.train.compute_dtype]).itemsize
+    compute_bytes = np.dtype(activation_dtype(config.train.compute_dtype)).itemsize  # float8: bf16 (XLA may gather fp8)
     e = 4 if platform == "cpu" else compute_bytes
     F, D, T = sizes.get("fsdp", 1), sizes.get("data", 1), sizes.get("tensor", 1)
     m = config.train.microbatches
@@ -209,7 +209,9 @@ def _peak_flops(config, machine, num_devices: int) -> tuple[float, str]:
         return host.fp32_flops / num_devices, (f"host f32 matmul {host.fp32_flops / 1e9:.1f} GFLOP/s (measured) "
                                                 f"shared by {num_devices} virtual devices")
     acc = hardware.ACCELERATORS[machine["accelerator"]]
-    if config.train.compute_dtype == "bfloat16":
+    if config.train.compute_dtype == "float8" and acc.fp8_flops:
+        return acc.fp8_flops, f"{acc.name} fp8 dense peak (only the weight matmuls run in fp8)"
+    if config.train.compute_dtype in ("bfloat16", "float8"):
         return acc.bf16_flops, f"{acc.name} bf16 dense peak"
     return acc.tf32_flops, f"{acc.name} TF32 dense peak (XLA's default for f32 dots)"
 
@@ -230,7 +232,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.counting import param_count
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.train.step import DTYPES, make_trainer
+    from jaxpar.train.step import activation_dtype, make_trainer
 
     if config.model.vocab_size <= 0:
         raise ConfigError("model.vocab_size", f"is {config.model.vocab_size}; a dry run has no tokenizer to take "
@@ -257,7 +259,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
 
     # memory
     psi = param_count(model_cfg)["total"]
-    compute_bytes = jnp.dtype(DTYPES[config.train.compute_dtype]).itemsize
+    compute_bytes = jnp.dtype(activation_dtype(config.train.compute_dtype)).itemsize
     state = state_bytes(trainer.abstract_state)
     formula = zero_formula(psi, shard_counts(config, sizes))
     batch_bytes = leaf_bytes_per_device(tokens)

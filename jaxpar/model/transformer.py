@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.model.fp8 import fp8_einsum
 from jaxpar.parallel.rules import constrain
 
 
@@ -122,11 +123,27 @@ def apply_rope(x, cos, sin):
     return out.astype(x.dtype)
 
 
-def attention(x, p, cos, sin, cfg: ModelConfig):
-    """Causal grouped-query attention; heads are the tensor-parallel axis."""
-    q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
-    k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
-    v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+def precision(compute_dtype):
+    """(activation dtype, einsum for the activation x weight matmuls) of a compute dtype.
+
+    float32 and bfloat16: that dtype and `jnp.einsum`. float8 (`jnp.float8_e4m3fn`) is a recipe,
+    not an activation dtype: activations stay bfloat16 between matmuls and the weight matmuls run
+    as `fp8.fp8_einsum` (e4m3 operands forward, e5m2 gradients backward, per-tensor scales).
+    """
+    if jnp.dtype(compute_dtype) == jnp.float8_e4m3fn:
+        return jnp.bfloat16, fp8_einsum
+    return compute_dtype, jnp.einsum
+
+
+def attention(x, p, cos, sin, cfg: ModelConfig, matmul=jnp.einsum):
+    """Causal grouped-query attention; heads are the tensor-parallel axis.
+
+    `matmul` computes the four weight matmuls (see `precision`); the score and value
+    einsums multiply two activations and always use `jnp.einsum`.
+    """
+    q = matmul("bsd,dhk->bshk", x, p["wq"])
+    k = matmul("bsd,dhk->bshk", x, p["wk"])
+    v = matmul("bsd,dhk->bshk", x, p["wv"])
     q = constrain(q, ("batch", "length", "heads", "head_dim"))
     k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -140,23 +157,23 @@ def attention(x, p, cos, sin, cfg: ModelConfig):
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, S, H, Dh)
     out = constrain(out, ("batch", "length", "heads", "head_dim"))
-    return jnp.einsum("bshk,hkd->bsd", out, p["wo"])
+    return matmul("bshk,hkd->bsd", out, p["wo"])
 
 
-def mlp(x, p):
+def mlp(x, p, matmul=jnp.einsum):
     """SwiGLU: gate and up are column-parallel, down is row-parallel under tensor parallelism."""
-    gate = jnp.einsum("bsd,df->bsf", x, p["w_gate"])
-    up = jnp.einsum("bsd,df->bsf", x, p["w_up"])
+    gate = matmul("bsd,df->bsf", x, p["w_gate"])
+    up = matmul("bsd,df->bsf", x, p["w_up"])
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    return jnp.einsum("bsf,fd->bsd", hidden, p["w_down"])
+    return matmul("bsf,fd->bsd", hidden, p["w_down"])
 
 
-def block(x, p, cos, sin, cfg: ModelConfig):
+def block(x, p, cos, sin, cfg: ModelConfig, matmul=jnp.einsum):
     """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
-    attn_out = attention(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg)
+    attn_out = attention(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, matmul)
     x = x + checkpoint_name(attn_out, "attn_out")
     x = constrain(x, ("batch", "length", "act_embed"))
-    mlp_out = mlp(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p)
+    mlp_out = mlp(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, matmul)
     x = x + checkpoint_name(mlp_out, "mlp_out")
     return constrain(x, ("batch", "length", "act_embed"))
 
@@ -176,24 +193,27 @@ def embed_lookup(tokens, table):
 def forward(params, tokens, cfg: ModelConfig, *, compute_dtype=jnp.float32, remat_policy=None):
     """tokens [B, S] int32 -> logits [B, S, vocab] float32.
 
-    `params` is the pure dict of fp32 master weights; they are cast to
-    `compute_dtype` at use (mixed precision), norms and softmax stay fp32.
+    `params` is the pure dict of fp32 master weights; they are cast to the
+    activation dtype at use (mixed precision), norms and softmax stay fp32.
+    `compute_dtype`: float32, bfloat16, or float8_e4m3fn for FP8 matmuls with
+    bfloat16 activations (see `precision`; the embedding lookup stays bfloat16).
     `remat_policy`: None (keep activations) or a `jax.checkpoint_policies` policy.
     """
-    cast = lambda a: a.astype(compute_dtype)
+    dtype, matmul = precision(compute_dtype)
+    cast = lambda a: a.astype(dtype)
     S = tokens.shape[1]
     cos, sin = rope_tables(S, cfg.head_dim, cfg.rope_theta)
     x = embed_lookup(tokens, cast(params["embed"]))
 
     def body(carry, layer_params):
-        return block(carry, jax.tree.map(cast, layer_params), cos, sin, cfg), None
+        return block(carry, jax.tree.map(cast, layer_params), cos, sin, cfg, matmul), None
 
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
     x, _ = jax.lax.scan(body, x, params["blocks"])
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("bsd,dv->bsv", x, cast(head), preferred_element_type=jnp.float32)
+    logits = matmul("bsd,dv->bsv", x, cast(head), preferred_element_type=jnp.float32)
     return constrain(logits, ("batch", "length", "vocab"))
 
 

@@ -78,6 +78,14 @@ Rules and choices (documented here, checked in `split_dims`):
   not reshard the root module after forward).
   Weights are cast to the compute dtype *before* the gather, so a bfloat16 run
   gathers and reduce-scatters bfloat16 (PyTorch FSDP's default MixedPrecision).
+  A float8 run gathers bfloat16 too and quantizes after the gather (current
+  scaling needs the whole weight's amax). Quantizing each shard with a pmax'd
+  amax and gathering fp8 would halve the bytes again: not done here, though
+  the automatic FSDP path's partitioner does it by itself (its compiled step
+  all-gathers the dots' fp8 operands; XLA:CPU carries them as f16).
+  `fp8_einsum` keeps the gathered weight, not its fp8 copy, for the backward
+  pass, so the re-gather above still happens. In manual mode each device
+  scales its activations and gradients by their local amax (model/fp8.py).
 - **Microbatches.** Stages 0-2 accumulate the local gradient over microbatches
   and reduce once (DDP's `no_sync`); stage 3 reduce-scatters in every
   microbatch's backward pass, as FSDP does.
@@ -98,7 +106,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError
-from jaxpar.model.transformer import ModelConfig, block, embed_lookup, rms_norm, rope_tables
+from jaxpar.model.transformer import ModelConfig, block, embed_lookup, precision, rms_norm, rope_tables
 from jaxpar.train.step import DTYPES, Trainer, loss_fn, make_optimizer, remat_policy
 
 AXIS = "data"
@@ -197,20 +205,21 @@ def regather_policy(policy):
 def zero3_loss(shards, tokens, dims, cfg: ModelConfig, compute_dtype, policy):
     """`train.step.loss_fn` on sliced params: `transformer.forward` with each weight gathered at use."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    cast = lambda a: a.astype(compute_dtype)
+    dtype, matmul = precision(compute_dtype)              # float8: bfloat16 weights, FP8 matmuls
+    cast = lambda a: a.astype(dtype)
     cos, sin = rope_tables(inputs.shape[1], cfg.head_dim, cfg.rope_theta)
     embed = gather_weight(cast(shards["embed"]), dims["embed"])
     x = embed_lookup(inputs, embed)
 
     def layer(x, layer_shards):                           # one layer: its slices [no layers axis] in, x out
         weights = jax.tree.map(lambda s, d: gather_weight(cast(s), d - 1), layer_shards, dims["blocks"])
-        return block(x, weights, cos, sin, cfg), None
+        return block(x, weights, cos, sin, cfg, matmul), None
 
     layer = jax.checkpoint(layer, policy=regather_policy(policy), prevent_cse=False)
     x, _ = jax.lax.scan(layer, x, shards["blocks"])
     x = rms_norm(x, gather_weight(shards["final_norm"], dims["final_norm"]), cfg.norm_eps)
     head = embed.T if cfg.tie_embeddings else gather_weight(cast(shards["lm_head"]), dims["lm_head"])
-    logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+    logits = matmul("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 

@@ -12,10 +12,17 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.model.transformer import ModelConfig, forward, init_params, param_axes
+from jaxpar.model.transformer import ModelConfig, forward, init_params, param_axes, precision
 from jaxpar.parallel.rules import constrain, logical_to_spec, tree_shardings
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# train.compute_dtype -> what `forward` takes. "float8" is FP8 matmuls (e4m3 forward, e5m2
+# gradients) between bfloat16 activations: see `transformer.precision` and model/fp8.py.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float8": jnp.float8_e4m3fn}
+
+
+def activation_dtype(compute_dtype: str):
+    """The dtype of activations and of cast (gathered) weights for a `train.compute_dtype`: bfloat16 for float8."""
+    return precision(DTYPES[compute_dtype])[0]
 
 
 def remat_policy(train_cfg):
