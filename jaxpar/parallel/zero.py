@@ -107,7 +107,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import ModelConfig, block, embed_lookup, precision, rms_norm, rope_tables
-from jaxpar.train.step import DTYPES, Trainer, loss_fn, make_optimizer, remat_policy
+from jaxpar.train.step import DTYPES, TrainerBase, donate_state, loss_fn, make_optimizer, remat_policy
 
 AXIS = "data"
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -247,7 +247,7 @@ def split_dims(abstract_params, n: int, stage: int) -> dict:
 
 # ============================================================================ the trainer
 
-class ZeroTrainer:
+class ZeroTrainer(TrainerBase):
     """`Trainer`'s interface and state layout (checkpoints interchange); the step is a shard_map program."""
 
     def __init__(self, config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
@@ -271,21 +271,17 @@ class ZeroTrainer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_shardings)
 
         replicated = NamedSharding(mesh, P())
-        if donate is None:                                # as Trainer: donate the state except on CPU
-            donate = mesh.devices.flat[0].platform != "cpu"
         step = jax.shard_map(self._local_step, mesh=mesh, in_specs=(self.state_specs, P(AXIS, None)),
                              out_specs=(self.state_specs, P()), check_vma=True)
         self.step_fn = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                                out_shardings=(self.state_shardings, replicated),
-                               donate_argnums=(0,) if donate else ())
+                               donate_argnums=donate_state(mesh, donate))
         evaluate = jax.shard_map(self._local_eval, mesh=mesh, in_specs=(self.param_specs, P(AXIS, None)),
                                  out_specs=P(), check_vma=True)
         self.eval_fn = jax.jit(evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
                                out_shardings=replicated)
 
     # ---------------------------------------------------------------- layout
-    _init_state = Trainer._init_state
-
     def _split_spec(self, leaf, dim):
         return P(*[AXIS if d == dim else None for d in range(leaf.ndim)])
 
@@ -371,17 +367,3 @@ class ZeroTrainer:
         else:
             loss = loss_fn(params, tokens, self.model_cfg, self.compute_dtype, None)
         return jax.lax.pmean(loss, AXIS)
-
-    # ---------------------------------------------------------------- Trainer's interface
-    def init_state(self):
-        """Initialise directly into the sliced layout (same values as Trainer: same seed, same init)."""
-        with jax.set_mesh(self.mesh):
-            return jax.jit(self._init_state, out_shardings=self.state_shardings)()
-
-    def step(self, state, batch):
-        with jax.set_mesh(self.mesh):
-            return self.step_fn(state, batch)
-
-    def evaluate(self, params, batch):
-        with jax.set_mesh(self.mesh):
-            return self.eval_fn(params, batch)
