@@ -11,7 +11,9 @@ Three views of the same bytes, so a lab can put them side by side:
 3. formula    the ZeRO paper's closed form: fp32 params 4Ψ, fp32 grads 4Ψ, Adam mu+nu
               8Ψ, each divided by the number of devices that part is split over.
 
-Plus a rough activation estimate (Korthikanti et al. 2022) for the temp buffers.
+Plus a rough activation estimate (Korthikanti et al. 2022) for the temp buffers, and
+(`model_state_table`, behind `jaxpar memory`) the ZeRO table for any model size and
+device count, in the paper's accounting and in jaxpar's own.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import dataclasses
 
 import jax
 import numpy as np
+
+from jaxpar.config import ConfigError
 
 GIB = 2**30
 
@@ -181,3 +185,127 @@ def activation_estimate(*, layers: int, seq_len: int, micro_batch: int, d_model:
     logits = 2 * 4 * s * b * vocab_size / t
     return {"per_layer": per_layer, "layers": layers_total, "logits": logits,
             "total": layers_total + logits, "note": note}
+
+
+# ----------------------------------------------------------------------------- 4. any model size
+
+PRECISIONS = ("mixed", "fp32", "bf16")
+# moment tensors per parameter: Adam mu and nu; SGD's momentum buffer; Adafactor (optax's default:
+# no momentum) keeps only factored second moments, O(rows + cols) per matrix, counted as 0
+OPTIMIZER_MOMENTS = {"adam": 2, "sgd": 1, "adafactor": 0}
+GB = 1e9
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text, field: str, *, integer: bool = False) -> float:
+    """'7.5e9', '7.5B', '350M', '64' -> a positive number; anything else is a ConfigError naming `field`."""
+    raw = str(text).strip()
+    scale = _SUFFIX.get(raw[-1:].lower(), 1.0) if raw else 1.0
+    try:
+        value = float(raw[:-1] if scale != 1.0 else raw) * scale
+    except ValueError:
+        raise ConfigError(field, f"'{text}' is not a number (e.g. 7.5e9, 7.5B, 350M)") from None
+    if not np.isfinite(value) or value <= 0:
+        raise ConfigError(field, f"is {text}; must be positive")
+    if integer and value != int(value):
+        raise ConfigError(field, f"is {text}; must be a whole number")
+    return int(value) if integer else value
+
+
+def bytes_per_param(optimizer: str, precision: str, accounting: str) -> dict[str, int]:
+    """Bytes per parameter of (params, grads, optimizer state) in one of two accountings.
+
+    paper   (ZeRO, Rajbhandari et al. 2020): mixed = fp16 params and grads (2 + 2) and fp32
+            optimizer state K = 4 (master weights) + 4 per moment (Adam: K = 12); fp32 = 4 + 4,
+            K = 4 per moment (the params are the master copy); bf16 = everything in bf16,
+            no master copy (2 + 2, K = 2 per moment).
+    jaxpar  what jaxpar's step holds whatever the precision: the fp32 params *are* the master
+            weights (4), their gradients are fp32 (4: the transpose of the bf16 cast), the
+            moments are fp32 (4 each); `train.compute_dtype` changes only the temporaries
+            (a bf16 copy of the weights, activations) and, in ZeRO-3, the bytes on the wire.
+    """
+    if optimizer not in OPTIMIZER_MOMENTS:
+        raise ConfigError("--optimizer", f"unknown optimizer '{optimizer}'; valid: {', '.join(OPTIMIZER_MOMENTS)}")
+    if precision not in PRECISIONS:
+        raise ConfigError("--precision", f"unknown precision '{precision}'; valid: {', '.join(PRECISIONS)}")
+    moments = OPTIMIZER_MOMENTS[optimizer]
+    if accounting == "jaxpar":
+        return {"params": 4, "grads": 4, "optimizer": 4 * moments}
+    return {"mixed": {"params": 2, "grads": 2, "optimizer": 4 + 4 * moments},
+            "fp32": {"params": 4, "grads": 4, "optimizer": 4 * moments},
+            "bf16": {"params": 2, "grads": 2, "optimizer": 2 * moments}}[precision]
+
+
+def _stage_formula(sizes: dict[str, int], shards: dict[str, int]) -> str:
+    """'2Ψ + 2Ψ + 12Ψ/N' (parts split over N get /N), with the replicated and split sums merged."""
+    whole = sum(sizes[k] for k in ("params", "grads", "optimizer") if shards[k] == 1)
+    split = sum(sizes[k] for k in ("params", "grads", "optimizer") if shards[k] > 1)
+    parts = ([f"{whole}Ψ"] if whole else []) + ([f"{split}Ψ/N"] if split else [])
+    return " + ".join(parts) or "0"
+
+
+def model_state_table(params: float, devices: int, optimizer: str = "adam", precision: str = "mixed") -> dict:
+    """Model-state bytes per device of DDP and ZeRO-1/2/3 (data parallel over `devices`), both accountings.
+
+    Stage s splits what `shard_counts` says (optimizer state from 1, grads from 2, params at 3);
+    each part is `zero_formula`'s K·Ψ/N. Activations, temporaries and fragmentation are not counted.
+    """
+    from types import SimpleNamespace
+    psi = parse_count(params, "--params")
+    n = parse_count(devices, "--devices", integer=True)
+    out = {"params": psi, "devices": n, "optimizer": optimizer, "precision": precision, "unit": "GB (1e9 bytes)"}
+    for accounting in ("paper", "jaxpar"):
+        sizes = bytes_per_param(optimizer, precision, accounting)
+        rows = []
+        for stage, name in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
+            manual = SimpleNamespace(parallel=SimpleNamespace(mode="manual", zero_stage=stage))
+            shards = shard_counts(manual, {"data": n})
+            f = zero_formula(psi, shards, param_bytes=sizes["params"], grad_bytes=sizes["grads"],
+                             optimizer_bytes=sizes["optimizer"])
+            rows.append({"stage": stage, "name": name, "formula": _stage_formula(sizes, shards),
+                         **{k: f[k] for k in ("params", "grads", "optimizer", "total")}})
+        out[accounting] = {"bytes_per_param": sizes, "rows": rows}
+    return out
+
+
+def model_state_markdown(t: dict) -> str:
+    """`model_state_table` as the markdown `jaxpar memory` prints (predictions: formulas, nothing measured)."""
+    psi, n = t["params"], t["devices"]
+    def row(r):
+        cells = " | ".join(f"{r[k] / GB:,.3f}" for k in ("params", "grads", "optimizer", "total"))
+        return f"| {r['name']} | {r['formula']} | {cells} |"
+
+    pp, jp = t["paper"]["bytes_per_param"], t["jaxpar"]["bytes_per_param"]
+    moments = OPTIMIZER_MOMENTS[t["optimizer"]]
+    lines = [f"# Model-state memory per device: {psi:,.0f} params ({psi / 1e9:.3g} B), N = {n} data-parallel "
+             f"devices, {t['optimizer']}, {t['precision']} precision",
+             "",
+             "Predictions from the ZeRO formulas (GB = 1e9 bytes; activations, temporaries and fragmentation "
+             "not included). Measure a real config with `jaxpar dryrun`.",
+             ""]
+    header = ["| stage | formula | params | grads | optimizer state | **total** |", "|---|---|---:|---:|---:|---:|"]
+    lines += [f"## ZeRO paper's accounting: {pp['params']} + {pp['grads']} bytes, K = {pp['optimizer']}", "",
+              *header, *(row(r) for r in t["paper"]["rows"]), "",
+              f"## jaxpar's accounting: {jp['params']} + {jp['grads']} bytes, optimizer {jp['optimizer']}", "",
+              *header, *(row(r) for r in t["jaxpar"]["rows"]), "", "Notes:", ""]
+    paper_note = {"mixed": "fp16/bf16 params and grads, fp32 master weights + moments in the optimizer state",
+                  "fp32": "fp32 params (they are the master weights) and grads, fp32 moments",
+                  "bf16": "params, grads and moments all bf16, no master copy"}[t["precision"]]
+    lines.append(f"- Paper: {paper_note}; K = {pp['optimizer']} bytes per parameter of optimizer state "
+                 f"({moments} moment(s)).")
+    lines.append("- jaxpar: fp32 params are the master weights (4), fp32 grads (4), fp32 moments "
+                 f"({4 * moments}). `train.compute_dtype=bfloat16` casts a bf16 copy of the weights inside the "
+                 "step (a temporary, per layer in ZeRO-3, where it also halves the gathered bytes) and takes the "
+                 "gradient back to fp32; it changes no stored byte.")
+    if t["precision"] == "bf16":
+        lines.append("- jaxpar has no pure-bf16 storage (its bfloat16 is compute only): its column is the same "
+                     "for every --precision.")
+    if t["optimizer"] != "adam":
+        lines.append(f"- jaxpar trains with AdamW only; its column applies jaxpar's fp32 layout to "
+                     f"{t['optimizer']} ({moments} fp32 moment(s) per parameter"
+                     + ("; Adafactor's factored second moments, O(rows + cols), counted as 0"
+                        if t["optimizer"] == "adafactor" else "") + ").")
+    lines.append("- Gradients are temporaries of jaxpar's step, not stored state. Its manual ZeRO-2 keeps 1/N of "
+                 "the reduced gradient, but the full local gradient still exists before the reduce-scatter "
+                 "(no bucketing): the peak holds both.")
+    return "\n".join(lines)

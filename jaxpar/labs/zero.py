@@ -1,0 +1,800 @@
+"""Lab 02 (course module 2): DDP, ZeRO-1/2/3 and FSDP on one mesh: same losses, different memory, different bytes.
+
+One run, five parts, every number beside its prediction (experiments/02_zero/README.md is the lab sheet):
+
+a. equivalence   losses of the single-device oracle, auto data=N, auto fsdp=N and the manual stages 0-3
+                 (`parallel/zero.py`) over the same batches, fp32: max relative deviation vs the oracle.
+b. memory        per-device params, grads, optimizer state: the ZeRO formulas in jaxpar's dtypes
+                 (`measure.memory.zero_formula`) vs the compiled step (input shardings, memory_analysis).
+c. communication collectives per step from the compiled HLO (`measure.hlo`) vs 2Ψ / 3Ψ, and what XLA's
+                 partitioner chose for the automatic FSDP beside the hand-written ZeRO-3.
+d. remat         none/full/dots/names on the auto FSDP step: temp bytes and step time (interleaved).
+e. precision     fp32, bf16 (fp32 master weights), fp8 when jaxpar has it: loss curves on the real corpus.
+
+Parts a-d run in float32 whatever the config says (e is the precision part). Every step is
+compiled once ahead of time (`lower().compile()`); the same executable is run, timed and read
+(memory_analysis, HLO), so nothing is compiled twice. Files in the run directory: report.md,
+results.json, config.json, equivalence.png, memory.png, communication.png, remat.png, precision.png.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, to_json
+
+TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_zero.py uses the same)
+REMATS = ("none", "full", "dots", "names")
+PRECISIONS = (("float32", "fp32"), ("bfloat16", "bf16 (fp32 master weights)"), ("float8", "fp8"))
+MIB = 2**20
+
+
+# ============================================================================ building and running one step
+
+@dataclasses.dataclass
+class Built:
+    """One strategy's trainer and its compiled step (compiled once: run, timed and inspected)."""
+
+    key: str
+    label: str
+    config: object
+    trainer: object
+    compiled: object
+    compile_s: float
+    sizes: dict
+
+    @property
+    def hlo(self) -> str:
+        return self.compiled.as_text()
+
+
+class Lab:
+    def __init__(self, config, devices, out: Path, log=print):
+        from jaxpar.data.pipeline import build_token_data, train_dataset
+        from jaxpar.model.counting import param_count
+        from jaxpar.model.transformer import ModelConfig
+        from jaxpar.train.loop import resolve_vocab
+
+        self.base, self.devices, self.n, self.out, self.log = config, devices, len(devices), out, log
+        self.platform = devices[0].platform
+        self.data = build_token_data(config.data)
+        self.model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, self.data.stats["vocab_size"], 1))
+        self.counts = param_count(self.model_cfg)
+        self.psi = self.counts["total"]
+        B = config.train.batch_size
+        self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
+        self._batches: list[np.ndarray] = []
+        self._cache: dict[tuple, Built] = {}
+        self._initial = None
+        self._strategies: list[Built] | None = None
+
+    def batches(self, count: int) -> list[np.ndarray]:
+        """The first `count` training batches: the same list for every strategy and precision."""
+        while len(self._batches) < count:
+            self._batches.append(np.asarray(next(self._stream)))
+        return self._batches[:count]
+
+    def variant(self, key: str, *, mode="auto", data=1, fsdp=1, stage=0, remat=None, dtype="float32") -> Built:
+        """Configure, build and compile one strategy (cached by its settings)."""
+        from jaxpar.mesh import make_mesh
+        from jaxpar.train.step import make_trainer
+
+        remat = remat or self.base.train.remat
+        settings = (mode, data, fsdp, stage, remat, dtype, jax.config.jax_default_matmul_precision)
+        if settings in self._cache:
+            return self._cache[settings]
+        config = copy.deepcopy(self.base)
+        apply_overrides(config, [f"parallel.mode={mode}", f"parallel.zero_stage={stage}", f"mesh.data={data}",
+                                 f"mesh.fsdp={fsdp}", "mesh.pipe=1", "mesh.expert=1", "mesh.tensor=1",
+                                 f"train.remat={remat}", f"train.compute_dtype={dtype}"])
+        devices = self.devices[:data * fsdp]
+        mesh = make_mesh(config, devices)
+        trainer = make_trainer(config, self.model_cfg, mesh)
+        tokens = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1), jnp.int32,
+                                      sharding=trainer.batch_sharding)
+        start = time.perf_counter()
+        with jax.set_mesh(mesh):
+            compiled = trainer.step_fn.lower(trainer.abstract_state, tokens).compile()
+        built = Built(key, _label(mode, data, fsdp, stage), config, trainer, compiled, time.perf_counter() - start,
+                      {name: int(size) for name, size in mesh.shape.items()})
+        self.log(f"  compiled {built.label} (remat {remat}, {dtype}) in {built.compile_s:.1f} s")
+        self._cache[settings] = built
+        return built
+
+    def initial_state(self, built: Built):
+        """The initial train state in `built`'s layout. Every trainer initialises the same values (same
+        seed, same init), so it is made once, kept on the host and placed per layout: one init
+        compile instead of one per strategy."""
+        if self._initial is None:
+            self._initial = jax.device_get(built.trainer.init_state())
+        return jax.device_put(self._initial, built.trainer.state_shardings)
+
+    def run(self, built: Built, batches) -> tuple[list[float], list[float]]:
+        """Train from the initial state over `batches`: per-step losses and step times (blocked)."""
+        state = self.initial_state(built)
+        losses, times = [], []
+        with jax.set_mesh(built.trainer.mesh):
+            for batch in batches:
+                tokens = jax.device_put(batch, built.trainer.batch_sharding)
+                start = time.perf_counter()
+                state, metrics = built.compiled(state, tokens)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - start)
+                losses.append(float(metrics["loss"]))
+        del state
+        return losses, times
+
+    def manual(self, stage: int) -> Built:
+        return self.variant(f"zero{stage}" if stage else "ddp", mode="manual", data=self.n, stage=stage)
+
+    def strategies(self) -> list[Built]:
+        """single device (the oracle), auto data=N, auto fsdp=N, manual DDP and ZeRO-1/2/3: the executables
+        of part a (made there, on accelerators at matmul precision 'highest'), which parts b and c read."""
+        if self._strategies is None:
+            self._strategies = [self.variant("single"), self.variant("auto-data", data=self.n),
+                                self.variant("auto-fsdp", fsdp=self.n), *(self.manual(s) for s in range(4))]
+        return self._strategies
+
+
+def _label(mode, data, fsdp, stage) -> str:
+    if mode == "manual":
+        return ("manual DDP", "manual ZeRO-1", "manual ZeRO-2", "manual ZeRO-3")[stage]
+    if data * fsdp == 1:
+        return "single device"
+    return f"auto data={data}" if data > 1 else f"auto fsdp={fsdp}"
+
+
+def _median_ms(times) -> float:
+    rest = times[1:] if len(times) > 1 else times   # the first call pays one-off costs
+    return 1e3 * statistics.median(rest)
+
+
+def _rel_dev(got, want) -> float:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    return float(np.max(np.abs(got - want) / np.abs(want)))
+
+
+def _b(x) -> str:
+    """Bytes, binary units."""
+    if x is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", MIB), ("KiB", 2**10)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _r(measured, predicted) -> str:
+    return f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
+
+
+def _table(header: list[str], rows: list[list], align: str | None = None) -> str:
+    align = align or "l" + "r" * (len(header) - 1)
+    sep = ["---:" if a == "r" else "---" for a in align]
+    return "\n".join(["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |",
+                      *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)])
+
+
+# ============================================================================ a. equivalence
+
+def equivalence(lab: Lab, steps: int) -> dict:
+    """The same batches through every strategy; fp32 matmuls at full precision.
+
+    XLA:GPU would run fp32 matmuls in TF32 (~1e-3 deviations), so on accelerators these
+    steps are compiled with matmul precision 'highest' (cached apart from the later parts'
+    default-precision compiles). XLA:CPU computes fp32 dots in fp32 either way.
+    """
+    batches = lab.batches(steps)
+    runs = {}
+    exact = contextlib.nullcontext() if lab.platform == "cpu" else jax.default_matmul_precision("highest")
+    with exact:
+        for built in lab.strategies():
+            losses, times = lab.run(built, batches)
+            runs[built.key] = {"label": built.label, "losses": losses, "step_ms": _median_ms(times),
+                               "compile_s": built.compile_s}
+    oracle = runs["single"]
+    for r in runs.values():
+        r["max_rel_dev"] = _rel_dev(r["losses"], oracle["losses"])
+        r["within_tolerance"] = r["max_rel_dev"] <= TOLERANCE
+    rows = [[r["label"], f"{r['losses'][0]:.5f}", f"{r['losses'][-1]:.5f}", f"{r['max_rel_dev']:.2e}",
+             "0 (fp32 rounding only)", f"{TOLERANCE:.0e}", "yes" if r["within_tolerance"] else "**NO**",
+             f"{r['step_ms']:.1f}", _r(r["step_ms"], oracle["step_ms"])] for r in runs.values()]
+    md = "\n".join([
+        f"## a. Equivalence: {steps} steps, same batches, fp32",
+        "",
+        _table(["strategy", "loss step 1", f"loss step {steps}", "max rel. deviation vs single device (measured)",
+                "predicted", "tolerance", "within", "step ms (median)", "vs single device"], rows),
+        "",
+        "Deviation = max over steps of |loss - oracle| / oracle. The strategies compute the same sums in a "
+        "different order (per-device partial sums, then a collective), so only fp32 rounding separates them.",
+    ])
+    return {"steps": steps, "tolerance": TOLERANCE, "runs": runs, "markdown": md}
+
+
+# ============================================================================ b. memory
+
+def memory(lab: Lab) -> dict:
+    from jaxpar.measure.memory import activation_estimate, compiled_memory, shard_counts, state_bytes, zero_formula
+
+    rows = {}
+    for built in lab.strategies():
+        cfg, sizes, trainer = built.config, built.sizes, built.trainer
+        shards = shard_counts(cfg, sizes)
+        formula = zero_formula(lab.psi, shards)            # jaxpar's dtypes: fp32 params 4, grads 4, Adam 8
+        # what the compiled executable takes in, leaf by leaf: its input shardings x the global shapes
+        in_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                trainer.abstract_state, built.compiled.input_shardings[0][0])
+        compiled_state = state_bytes(in_state)
+        mem = compiled_memory(built.compiled, lab.platform)
+        batch_bytes = cfg.train.batch_size // (sizes["data"] * sizes["fsdp"]) * (cfg.data.seq_len + 1) * 4
+        micro = cfg.train.batch_size // cfg.train.microbatches // (sizes["data"] * sizes["fsdp"])
+        acts = activation_estimate(layers=lab.model_cfg.layers, seq_len=cfg.data.seq_len, micro_batch=micro,
+                                   d_model=lab.model_cfg.d_model, heads=lab.model_cfg.heads,
+                                   vocab_size=lab.model_cfg.vocab_size, compute_bytes=4, remat=cfg.train.remat)
+        rows[built.key] = {
+            "label": built.label, "shards": shards, "formula": formula, "compiled_state": compiled_state,
+            "compiled": mem.as_dict(), "batch_bytes": batch_bytes, "activations_estimate": acts["total"],
+            "arguments_check": compiled_state["state_total"] + batch_bytes == mem.argument,
+            "temp_predicted": formula["grads"] + acts["total"],
+        }
+    state_rows, temp_rows = [], []
+    for r in rows.values():
+        f, c, m = r["formula"], r["compiled_state"], r["compiled"]
+        s = r["shards"]
+        state_rows.append([r["label"], f"{s['params']} / {s['grads']} / {s['optimizer']}",
+                           _b(f["params"]), _b(c["params"]), _r(c["params"], f["params"]),
+                           _b(f["optimizer"]), _b(c["optimizer"]), _r(c["optimizer"], f["optimizer"]),
+                           _b(m["argument"]), "yes" if r["arguments_check"] else "**no**"])
+        temp_rows.append([r["label"], _b(f["grads"]), _b(r["activations_estimate"]), _b(r["temp_predicted"]),
+                          _b(m["temp"]), _r(m["temp"], r["temp_predicted"]), _b(m["peak"])])
+    md = "\n".join([
+        "## b. Memory per device",
+        "",
+        "Stored state: formula = `zero_formula` in jaxpar's dtypes (fp32 params 4Ψ, Adam mu + nu 8Ψ, each / its "
+        "shard count); compiled = the executable's input shardings applied to the state's shapes.",
+        "",
+        _table(["strategy", "shards p / g / opt", "params: formula", "params: compiled", "ratio",
+                "Adam mu+nu: formula", "Adam: compiled", "ratio", "arguments (memory_analysis)",
+                "= state + counters + batch"], state_rows),
+        "",
+        "Gradients are not arguments: they live in the step's temporaries, with the activations. Predicted "
+        "temp = grads (4Ψ / grad shards) + activations (Korthikanti et al., adapted: an estimate, fp32).",
+        "",
+        _table(["strategy", "grads: formula", "activations: estimate", "temp: predicted", "temp: compiled",
+                "ratio", "peak (compiled)"], temp_rows),
+        "",
+        f"Peak: {rows['single']['compiled']['peak_method']}.",
+    ])
+    return {"rows": rows, "markdown": md}
+
+
+# ============================================================================ c. communication
+
+def _by_op(found) -> dict:
+    out = defaultdict(lambda: {"instructions": 0, "runs": 0, "bytes": 0.0})
+    for c in found:
+        out[c.op]["instructions"] += 1
+        out[c.op]["runs"] += c.runs_per_step
+        out[c.op]["bytes"] += c.bytes_per_step
+    return dict(out)
+
+
+_INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\([^)]*\)|\S+)\s+([\w\-]+)\((.*)$")
+
+
+def reduce_then_slice(hlo_text: str, runs: dict[str, int] | None = None) -> dict:
+    """Gradient all-reduces whose result is only sliced afterwards: a reduce-scatter spelled all-reduce + slice.
+
+    For every non-scalar buffer an all-reduce produces (tuple elements through their
+    get-tuple-element), look at its users: a user that keeps fewer elements and
+    slices (a dynamic-slice, directly or inside the fusion it calls) means the device
+    summed the whole buffer and kept a piece of it. `runs`: instruction name -> runs per
+    step (`hlo.collectives`), to count the sliced bytes per step.
+    """
+    from jaxpar.measure.hlo import dtype_bytes, parse_shapes
+
+    computations, current = {}, None
+    instrs, users = {}, defaultdict(list)
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            m = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s", line)
+            current = m.group(1) if m and line.rstrip().endswith("{") else None
+            if current:
+                computations[current] = []
+            continue
+        if current:
+            computations[current].append(line)
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        operands = rest.split("metadata=")[0]
+        instrs[name] = (shape, op, line, operands)
+        for operand in re.findall(r"%([\w.\-]+)", operands):
+            users[operand].append(name)
+    slicing = {name for name, body in computations.items() if any("dynamic-slice(" in b for b in body)}
+
+    def elements(shape):
+        return sum(int(np.prod(d, dtype=np.int64)) for _, d in parse_shapes(shape))
+
+    def is_slice(user, size):
+        shape, op, _, operands = instrs[user]
+        calls = re.search(r"calls=%?([\w.\-]+)", operands)
+        sliced = op == "dynamic-slice" or (op == "fusion" and calls and calls.group(1) in slicing)
+        return sliced and elements(shape) < size
+
+    reduced, sliced, sliced_bytes, example, whole = 0, 0, 0.0, None, []
+    for name, (shape, op, line, _) in instrs.items():
+        if op not in ("all-reduce", "all-reduce-start"):
+            continue
+        parts = parse_shapes(shape)
+        if len(parts) == 1:
+            buffers = [(name, parts[0])]
+        else:
+            buffers = []
+            for user in users[name]:
+                index = re.search(r"index=(\d+)", instrs[user][3])
+                if instrs[user][1] == "get-tuple-element" and index:
+                    buffers.append((user, parts[int(index.group(1))]))
+        for buffer, (dtype, dims) in buffers:
+            size = int(np.prod(dims, dtype=np.int64))
+            if size <= 1:
+                continue
+            reduced += 1
+            cut = [u for u in users[buffer] if is_slice(u, size)]
+            if not cut:
+                whole.append(f"{dtype}[{','.join(map(str, dims))}]")
+            else:
+                sliced += 1
+                sliced_bytes += size * dtype_bytes(dtype) * (runs or {}).get(name, 1)
+                if example is None or size > example["elements"]:
+                    example = {"elements": size, "all_reduce": _short(line), "user": _short(instrs[cut[0]][2])}
+    reduce_scatters = sum(1 for shape, op, _, _ in instrs.values() if op in ("reduce-scatter", "reduce-scatter-start"))
+    return {"all_reduced_buffers": reduced, "then_sliced": sliced, "sliced_bytes": sliced_bytes,
+            "reduce_scatter_instructions": reduce_scatters, "example": example, "kept_whole": whole}
+
+
+def _short(line: str, width: int = 230) -> str:
+    text = re.sub(r",\s*metadata=\{.*$", "", line.strip())
+    text = re.sub(r"/\*index=\d+\*/", "", text)
+    return text if len(text) <= width else text[:width] + " ..."
+
+
+def communication(lab: Lab) -> dict:
+    from jaxpar.dryrun import predicted_collective_bytes
+    from jaxpar.measure.hlo import collectives
+
+    n = lab.n
+    ring = (n - 1) / n
+    W, WL = 4 * lab.psi, 4 * lab.counts["blocks"]         # fp32 bytes of all params, of the scanned layers
+    Wo = W - WL
+    course = {"single": (0, "0"), "auto-data": (2, "2Ψ"), "ddp": (2, "2Ψ"), "zero1": (2, "2Ψ (paper's P_os)"),
+              "zero2": (2, "2Ψ"), "zero3": (3, "3Ψ"), "auto-fsdp": (3, "3Ψ")}
+    written = {"single": (0, "none"), "ddp": (2 * ring * W, "all-reduce 2Ψ"),
+               "zero1": (3 * ring * W, "all-reduce 2Ψ + all-gather Ψ"),
+               "zero2": (2 * ring * W, "reduce-scatter Ψ + all-gather Ψ"),
+               "zero3": (ring * (3 * WL + 2 * Wo), "3Ψ_layers + 2Ψ_rest (embed/head gathered once)")}
+    rows, found_by = {}, {}
+    for built in lab.strategies():
+        found = collectives(built.hlo, built.trainer.mesh)
+        found_by[built.key] = found
+        ops = _by_op(found)
+        if built.key in ("auto-data", "auto-fsdp"):
+            pred = predicted_collective_bytes(built.config, lab.model_cfg, built.sizes, lab.platform)
+            how = ("dryrun: all-reduce 2Ψ" if built.key == "auto-data" else
+                   "dryrun: gathers 2Ψ_L + Ψ_o, " + ("all-reduce + slice 2Ψ" if lab.platform == "cpu"
+                                                      else "reduce-scatter Ψ"))
+            written[built.key] = (sum(pred.values()), how)
+        factor, theory_text = course[built.key]
+        rows[built.key] = {"label": built.label, "by_op": ops, "compiled_bytes": sum(o["bytes"] for o in ops.values()),
+                           "course_bytes": factor * ring * W, "course": theory_text,
+                           "written_bytes": written[built.key][0], "written": written[built.key][1]}
+    table = []
+    for r in rows.values():
+        ops = ", ".join(f"{op} x{o['runs']}" for op, o in sorted(r["by_op"].items())) or "none"
+        table.append([r["label"], ops, _b(r["compiled_bytes"]), f"{r['course']} = {_b(r['course_bytes'])}",
+                      _r(r["compiled_bytes"], r["course_bytes"]), f"{r['written']} = {_b(r['written_bytes'])}",
+                      _r(r["compiled_bytes"], r["written_bytes"])])
+    auto_fsdp = next(b for b in lab.strategies() if b.key == "auto-fsdp")
+    xla = reduce_then_slice(auto_fsdp.hlo,
+                            {c.name: c.runs_per_step for c in found_by["auto-fsdp"]})
+    auto, hand = rows["auto-fsdp"]["by_op"], rows["zero3"]["by_op"]
+    side = []
+    for op in sorted(set(auto) | set(hand)):
+        a, h = auto.get(op), hand.get(op)
+        side.append([op, *(f"{x['instructions']} / {x['runs']} / {_b(x['bytes'])}" if x else "-" for x in (a, h))])
+    side.append(["**total**", _b(rows["auto-fsdp"]["compiled_bytes"]), _b(rows["zero3"]["compiled_bytes"])])
+    if xla["then_sliced"]:
+        chose = (f"XLA's SPMD partitioner on {lab.platform} reduced {xla['all_reduced_buffers']} gradient-sized "
+                 f"buffers with all-reduce, and {xla['then_sliced']} of them ({_b(xla['sliced_bytes'])} per step) are "
+                 "only sliced afterwards: each device sums the *whole* gradient of a weight and keeps its 1/N "
+                 "(a dynamic-slice at an offset from partition-id, fused into the next op). That is a "
+                 "reduce-scatter spelled all-reduce + slice, and it costs 2(N-1)/N instead of (N-1)/N of the "
+                 f"buffer. The other {xla['all_reduced_buffers'] - xla['then_sliced']} "
+                 f"({', '.join(sorted(set(xla['kept_whole'])))}) are kept whole: gradients of replicated "
+                 "parameters (the norm scales, which jaxpar's rules do not shard). "
+                 f"The compiled program has {xla['reduce_scatter_instructions']} reduce-scatter "
+                 "instructions, although XLA:CPU runs them fine: the manual ZeRO-3 asks for them explicitly "
+                 "(psum_scatter) and gets them.")
+    else:
+        chose = (f"No all-reduce + slice pattern found; the compiled program has "
+                 f"{xla['reduce_scatter_instructions']} reduce-scatter instructions (XLA:GPU's partitioner "
+                 "turns all-reduce + dynamic-slice into reduce-scatter).")
+    excerpt = []
+    if xla["example"]:
+        excerpt = ["", "The largest such pair in the auto FSDP HLO (metadata cut):", "", "```",
+                   xla["example"]["all_reduce"], xla["example"]["user"], "```"]
+    md = "\n".join([
+        f"## c. Communication per device per step (ring model, fp32 on the wire, N = {n})",
+        "",
+        f"Ψ = {lab.psi:,} params = {_b(W)} in fp32; scanned layers Ψ_L = {lab.counts['blocks']:,}, "
+        f"the rest (embedding, head, final norm) Ψ_o = {lab.psi - lab.counts['blocks']:,}. "
+        "Course theory: DDP, ZeRO-1, ZeRO-2 ≈ 2Ψ, ZeRO-3 ≈ 3Ψ, times (N-1)/N x 4 bytes. "
+        "'As written' is what jaxpar's code does (zero.py's docstring; the auto rows from "
+        "`dryrun.predicted_collective_bytes`).",
+        "",
+        _table(["strategy", "collectives (runs/step)", "compiled", "course theory", "ratio",
+                "jaxpar as written", "ratio"], table),
+        "",
+        "ZeRO-1 as written all-reduces the full gradient and then all-gathers the updated params (3Ψ); the "
+        "paper's P_os (and DeepSpeed) reduce-scatter instead, which makes it stage 2's 2Ψ.",
+        "",
+        "### What XLA chose for you: automatic FSDP beside the hand-written ZeRO-3",
+        "",
+        "instructions / runs per step / bytes per device per step:",
+        "",
+        _table(["op", f"auto fsdp={n}", "manual ZeRO-3"], side, "lrr"),
+        "",
+        chose,
+        *excerpt,
+    ])
+    return {"rows": rows, "xla_auto_fsdp": xla, "markdown": md}
+
+
+# ============================================================================ d. activation checkpointing
+
+def remat(lab: Lab, repeats: int) -> dict:
+    """remat none/full/dots/names on the auto FSDP step: temp bytes, FLOPs, interleaved step times."""
+    from jaxpar.measure.flops import compiled_flops
+    from jaxpar.measure.memory import activation_estimate, compiled_memory
+
+    builts = {policy: lab.variant("auto-fsdp", fsdp=lab.n, remat=policy) for policy in REMATS}
+    batch = lab.batches(1)[0]
+    any_built = builts["none"]
+    state = lab.initial_state(any_built)                 # the same shardings for all four: one state goes round
+    tokens = jax.device_put(batch, any_built.trainer.batch_sharding)
+    times = {p: [] for p in REMATS}
+    with jax.set_mesh(any_built.trainer.mesh):
+        for policy in REMATS:                            # warm-up: first call of each executable
+            state, metrics = builts[policy].compiled(state, tokens)
+            jax.block_until_ready(metrics)
+        for _ in range(repeats):
+            for policy in REMATS:
+                start = time.perf_counter()
+                state, metrics = builts[policy].compiled(state, tokens)
+                jax.block_until_ready(metrics)
+                times[policy].append(time.perf_counter() - start)
+    del state
+    cfg = any_built.config
+    micro = cfg.train.batch_size // cfg.train.microbatches // lab.n
+    rows = {}
+    for policy, built in builts.items():
+        mem = compiled_memory(built.compiled, lab.platform)
+        flops = compiled_flops(built.compiled, built.hlo)["corrected"]
+        acts = activation_estimate(layers=lab.model_cfg.layers, seq_len=cfg.data.seq_len, micro_batch=micro,
+                                   d_model=lab.model_cfg.d_model, heads=lab.model_cfg.heads,
+                                   vocab_size=lab.model_cfg.vocab_size, compute_bytes=4, remat=policy)
+        rows[policy] = {"temp": mem.temp, "activations_estimate": acts["total"], "estimate_note": acts["note"],
+                        "flops": flops, "step_ms": 1e3 * statistics.median(times[policy]),
+                        "times_ms": [1e3 * t for t in times[policy]]}
+    base = rows["none"]
+    table = [[p, _b(r["temp"]), _r(r["temp"], base["temp"]), _b(r["activations_estimate"]),
+              _r(r["temp"] - base["temp"], r["activations_estimate"] - base["activations_estimate"])
+              if p == "full" else "-",
+              f"{r['flops']:.3g}", _r(r["flops"], base["flops"]), f"{r['step_ms']:.1f}",
+              _r(r["step_ms"], base["step_ms"])] for p, r in rows.items()]
+    md = "\n".join([
+        f"## d. Activation checkpointing (auto fsdp={lab.n}, fp32, {repeats} interleaved steps per policy)",
+        "",
+        _table(["remat", "temp (compiled)", "vs none", "activations: estimate",
+                "Δtemp / Δestimate", "FLOPs/device (compiled, loop-corrected)", "predicted time ratio (FLOPs)",
+                "step ms (median, measured)", "measured time ratio"], table),
+        "",
+        "Predicted time ratio = compiled FLOPs / those of remat none (recomputation is extra FLOPs); "
+        "measured = median step time / that of none, with the four policies run in turn so that load on "
+        "the machine hits them alike. No pass/fail: small steps on CPU are dominated by fixed overheads. "
+        f"Estimate: {rows['full']['estimate_note']}; 'dots'/'names' are not modelled (no-remat upper bound). "
+        f"'names' saves {cfg.train.remat_names}.",
+    ])
+    return {"repeats": repeats, "rows": rows, "markdown": md}
+
+
+# ============================================================================ e. mixed precision
+
+def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
+    from jaxpar.measure.memory import activation_estimate, compiled_memory, zero_formula
+    from jaxpar.train.step import DTYPES
+
+    notes, chosen = [], []
+    for dtype, label in PRECISIONS:
+        if wanted is not None and dtype not in wanted:
+            continue
+        if dtype not in COMPUTE_DTYPES:
+            notes.append(f"{dtype} skipped: not in jaxpar.config.COMPUTE_DTYPES {COMPUTE_DTYPES} "
+                         "(not built yet in this checkout)")
+            lab.log(f"  note: {notes[-1]}")
+            continue
+        chosen.append((dtype, label))
+    batches = lab.batches(steps)
+    runs = {}
+    for dtype, label in chosen:
+        built = lab.variant("auto-fsdp", fsdp=lab.n, dtype=dtype)
+        losses, times = lab.run(built, batches)
+        mem = compiled_memory(built.compiled, lab.platform)
+        cfg = built.config
+        # activations are stored in the compute dtype; float8 keeps bfloat16 activations (FP8 only inside matmuls)
+        width = 2 if dtype == "float8" else (np.dtype(DTYPES[dtype]).itemsize if dtype in DTYPES else None)
+        acts = (activation_estimate(layers=lab.model_cfg.layers, seq_len=cfg.data.seq_len,
+                                    micro_batch=cfg.train.batch_size // cfg.train.microbatches // lab.n,
+                                    d_model=lab.model_cfg.d_model, heads=lab.model_cfg.heads,
+                                    vocab_size=lab.model_cfg.vocab_size, compute_bytes=width,
+                                    remat=cfg.train.remat)["total"] if width else None)
+        formula = zero_formula(lab.psi, {"params": lab.n, "grads": lab.n, "optimizer": lab.n})
+        runs[dtype] = {"label": label, "losses": losses, "step_ms": _median_ms(times), "argument": mem.argument,
+                       "temp": mem.temp, "state_formula": formula["state"],
+                       "temp_predicted": formula["grads"] + acts if acts is not None else None}
+    table = []
+    ref = runs.get("float32")
+    tail = max(1, steps // 10)
+    for dtype, r in runs.items():
+        dev = _rel_dev(r["losses"], ref["losses"]) if ref else None
+        r["max_rel_dev_vs_fp32"] = dev
+        r["final_mean"] = float(np.mean(r["losses"][-tail:]))
+        table.append([r["label"], f"{r['losses'][0]:.4f}", f"{r['final_mean']:.4f}",
+                      "-" if dev is None else f"{dev:.2e}",
+                      _b(r["argument"]), _b(r["state_formula"]), _r(r["argument"], r["state_formula"]),
+                      _b(r["temp"]), _b(r["temp_predicted"]), _r(r["temp"], r["temp_predicted"]),
+                      f"{r['step_ms']:.1f}", _r(r["step_ms"], ref["step_ms"]) if ref else "-"])
+    md = "\n".join([
+        f"## e. Mixed precision (auto fsdp={lab.n}, {steps} steps, the same batches of the real corpus)",
+        "",
+        _table(["compute dtype", "loss step 1", f"loss, mean of last {tail}", "max rel. deviation vs fp32",
+                "arguments (compiled)", "predicted 12Ψ/N", "ratio", "temp (compiled)",
+                "predicted grads + activations", "ratio", "step ms (median)", "vs fp32"], table),
+        "",
+        "The stored state is the same in every precision (fp32 master params and Adam moments: 12Ψ/N); the "
+        "compute dtype changes only the temporaries. Predicted temp counts activations at 4 bytes (fp32) or "
+        "2 (bf16; float8 keeps bf16 activations and casts to fp8 inside the matmuls). XLA:CPU keeps some bf16 "
+        "work in fp32 and has no fp8 matmul units, so only a GPU run says what the dtypes save.",
+        *([""] + [f"Note: {n}" for n in notes] if notes else []),
+    ])
+    return {"steps": steps, "runs": runs, "notes": notes, "markdown": md}
+
+
+# ============================================================================ plots
+
+def _figure(width=7.5, height=4.5):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_equivalence(result: dict, path: Path) -> None:
+    fig = _figure(11, 4.2)
+    ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    oracle = np.asarray(result["runs"]["single"]["losses"])
+    for i, r in enumerate(result["runs"].values()):
+        steps = np.arange(1, len(r["losses"]) + 1)
+        ax.plot(steps, r["losses"], marker="o", ms=3, lw=1, label=r["label"], alpha=0.8,
+                linestyle="-" if i == 0 else "--")
+        if r["label"] != "single device":
+            d = np.abs(np.asarray(r["losses"]) - oracle) / oracle
+            dev.plot(steps, np.maximum(d, 1e-10), marker="o", ms=3, lw=1, label=r["label"])
+    dev.axhline(result["tolerance"], color="k", ls=":", label="tolerance")
+    dev.set_yscale("log")
+    ax.set(xlabel="step", ylabel="loss", title="loss: every strategy")
+    dev.set(xlabel="step", ylabel="|loss - oracle| / oracle (0 drawn at 1e-10)",
+            title="deviation from the single device")
+    ax.legend(fontsize=7)
+    dev.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_memory(result: dict, path: Path) -> None:
+    rows = list(result["rows"].values())
+    fig = _figure(10, 4.8)
+    ax = fig.add_subplot()
+    x = np.arange(len(rows))
+    w = 0.38
+    bottom = np.zeros(len(rows))
+    for part, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
+        vals = np.array([r["formula"][part] for r in rows]) / MIB
+        ax.bar(x - w / 2, vals, w, bottom=bottom, color=color, label=f"formula: {part}")
+        bottom += vals
+    args = np.array([r["compiled"]["argument"] for r in rows]) / MIB
+    temp = np.array([r["compiled"]["temp"] for r in rows]) / MIB
+    ax.bar(x + w / 2, args, w, color="#8172b3", label="compiled: arguments (params + Adam + batch)")
+    ax.bar(x + w / 2, temp, w, bottom=args, color="#c4ad66", label="compiled: temp (grads + activations)")
+    ax.set_xticks(x, [r["label"].replace("manual ", "") for r in rows], fontsize=8)
+    ax.set(ylabel="MiB per device", title="per-device memory: ZeRO formula (left) vs compiled step (right)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_communication(result: dict, path: Path) -> None:
+    rows = [r for r in result["rows"].values() if r["label"] != "single device"]
+    fig = _figure(10, 4.5)
+    ax = fig.add_subplot()
+    x = np.arange(len(rows))
+    w = 0.27
+    ops = sorted({op for r in rows for op in r["by_op"]})
+    bottom = np.zeros(len(rows))
+    for op in ops:
+        vals = np.array([r["by_op"].get(op, {}).get("bytes", 0.0) for r in rows]) / MIB
+        ax.bar(x - w, vals, w, bottom=bottom, label=f"compiled: {op}")
+        bottom += vals
+    ax.bar(x, np.array([r["course_bytes"] for r in rows]) / MIB, w, color="0.6", label="course theory (2Ψ / 3Ψ)")
+    ax.bar(x + w, np.array([r["written_bytes"] for r in rows]) / MIB, w, color="0.35", label="jaxpar as written")
+    ax.set_xticks(x, [r["label"].replace("manual ", "") for r in rows], fontsize=8)
+    ax.set(ylabel="MiB sent per device per step", title="collectives per step: compiled vs theory")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_remat(result: dict, path: Path) -> None:
+    fig = _figure(6.5, 4.5)
+    ax = fig.add_subplot()
+    for policy, r in result["rows"].items():
+        ax.scatter(r["step_ms"], r["temp"] / MIB, s=50)
+        ax.annotate(policy, (r["step_ms"], r["temp"] / MIB), textcoords="offset points", xytext=(6, 4))
+    ax.set(xlabel="step time, median (ms)", ylabel="temp per device (MiB, compiled)",
+           title="activation checkpointing: memory vs time")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_precision(result: dict, path: Path) -> None:
+    fig = _figure(7.5, 4.5)
+    ax = fig.add_subplot()
+    for r in result["runs"].values():
+        ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], lw=1.2, label=r["label"])
+    ax.set(xlabel="step", ylabel="training loss", title="loss by compute dtype (same batches)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ============================================================================ the whole lab
+
+def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision_steps: int = 60,
+            remat_repeats: int = 10, precisions: list[str] | None = None, log=print) -> dict:
+    """Run parts a-e on every local device; write the run directory; return every number."""
+    start = time.perf_counter()
+    for name, value in (("--steps", steps), ("--precision-steps", precision_steps),
+                        ("--remat-repeats", remat_repeats)):
+        if value < 1:
+            raise ConfigError(name, f"is {value}; must be at least 1")
+    if precisions is not None:
+        unknown = [p for p in precisions if p not in {d for d, _ in PRECISIONS}]
+        if unknown:
+            raise ConfigError("--precisions", f"unknown {', '.join(unknown)}; valid: "
+                              f"{', '.join(d for d, _ in PRECISIONS)}")
+    devices = jax.devices()
+    if len(devices) < 2:
+        raise ConfigError("--cpu-devices", f"the lab compares strategies over several devices but JAX has "
+                          f"{len(devices)}; on CPU pass --cpu-devices 8")
+    out = Path(out or f"runs/lab-zero-{time.strftime('%Y%m%d-%H%M%S')}")
+    log(f"lab zero: {len(devices)} x {devices[0].platform} devices, run directory {out}")
+    lab = Lab(config, devices, out, log)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(to_json(config))
+    m = lab.model_cfg
+    header = "\n".join([
+        f"# Lab 02: DDP, ZeRO-1/2/3 and FSDP: config {config.name}, {len(devices)} x {devices[0].platform}",
+        "",
+        f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: {lab.psi:,} params "
+        f"(d_model {m.d_model}, {m.layers} layers, vocab {m.vocab_size}), batch {config.train.batch_size} x "
+        f"{config.data.seq_len} tokens, real corpus '{config.data.corpus}'. Measured values come from the "
+        "compiled program or the clock; predicted values from the formulas named beside them.",
+    ])
+    results = {"config": config.name, "devices": len(devices), "platform": devices[0].platform,
+               "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "params": lab.psi,
+               "params_blocks": lab.counts["blocks"]}
+    parts = [header]
+    log(header + "\n")
+    for name, fn in (("equivalence", lambda: equivalence(lab, steps)), ("memory", lambda: memory(lab)),
+                     ("communication", lambda: communication(lab)), ("remat", lambda: remat(lab, remat_repeats)),
+                     ("precision", lambda: precision(lab, precision_steps, precisions))):
+        t0 = time.perf_counter()
+        log(f"[{name}]")
+        result = fn()
+        result["seconds"] = time.perf_counter() - t0
+        results[name] = result
+        parts.append(result["markdown"])
+        log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
+    for name, plot in (("equivalence", plot_equivalence), ("memory", plot_memory),
+                       ("communication", plot_communication), ("remat", plot_remat),
+                       ("precision", plot_precision)):
+        plot(results[name], out / f"{name}.png")
+    total = time.perf_counter() - start
+    results["total_seconds"] = total
+    compile_s = sum(b.compile_s for b in lab._cache.values())
+    footer = (f"Total lab time {total:.1f} s ({len(lab._cache)} compiles, {compile_s:.1f} s of them), "
+              f"parts: " + ", ".join(f"{k} {results[k]['seconds']:.1f} s" for k in
+                                     ("equivalence", "memory", "communication", "remat", "precision")) + ".")
+    parts.append(footer)
+    (out / "report.md").write_text("\n\n".join(parts) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json) + "\n")
+    log(footer)
+    log(f"wrote {out / 'report.md'}, results.json and 5 plots")
+    return results
+
+
+def _json(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return str(x)
+
+
+# ============================================================================ command line
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="config file (default: the embedded default, ~3.4M params; configs/test.py: the tiny "
+                        "test model, ~2x faster)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set model.layers=4 (repeatable)")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-zero-<time>)")
+    p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
+    p.add_argument("--precision-steps", type=int, default=60,
+                   help="training steps of each precision's loss curve (default 60)")
+    p.add_argument("--remat-repeats", type=int, default=10, help="timed steps per remat policy (default 10)")
+    p.add_argument("--precisions", metavar="LIST", default=None,
+                   help="comma-separated compute dtypes (default: float32,bfloat16 and float8 when jaxpar has it)")
+
+
+def run_from_args(args) -> int:
+    """`jaxpar lab zero` and run.py: the CPU device count must already be set (before JAX started)."""
+    config = load_config(args.config)
+    apply_overrides(config, args.overrides)
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
+    run_lab(config, args.out, steps=args.steps, precision_steps=args.precision_steps,
+            remat_repeats=args.remat_repeats, precisions=precisions)
+    return 0
+
+
+def main(argv=None) -> int:
+    """Standalone entry (experiments/02_zero/run.py): parse, set the CPU devices, run; bad input exits 2."""
+    from jaxpar.mesh import set_cpu_devices
+    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    set_cpu_devices(args.cpu_devices)
+    try:
+        return run_from_args(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
