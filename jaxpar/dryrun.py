@@ -150,6 +150,13 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
                gradient + slice 2(F-1)/F·4. So ZeRO-3 ≈ 3Ψ·e·(F-1)/F on GPU and
                ≈ 4Ψ·4·(F-1)/F on CPU, at m = 1.
     data (D):  gradient all-reduce 2(D-1)/D·e·Ψ/(F·T) per microbatch (DDP: 2Ψ·e).
+    manual mode (parallel.mode=manual, over `data`; zero.py): gradients are fp32 (4 bytes),
+               accumulated locally and reduced once per step. DDP all-reduce 2(D-1)/D·4Ψ;
+               ZeRO-1 all-reduce + all-gather of the updated fp32 params 3(D-1)/D·4Ψ;
+               ZeRO-2 reduce-scatter + all-gather 2(D-1)/D·4Ψ; ZeRO-3 per microbatch, in the
+               compute dtype: layers gathered forward and backward and reduce-scattered
+               3Ψ_L, embedding/head/final norm gathered once and reduce-scattered 2Ψ_o,
+               times (D-1)/D·e·m.
     tensor (T): activation all-reduces 2(T-1)/T·e·b·s·h each: Megatron's 2 forward + 2 backward
                per layer, +1 with remat 'full' (XLA recomputes the attention output projection's
                all-reduce, not the MLP's), +2 per microbatch outside the layers (the
@@ -170,6 +177,12 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     m = config.train.microbatches
     b = config.train.batch_size // m // (D * F)
     out = {}
+    if config.parallel.mode == "manual":
+        if D > 1:
+            ring, stage = (D - 1) / D, config.parallel.zero_stage
+            out["data"] = (ring * e * m * (3 * psi_layers + 2 * psi_other) if stage == 3
+                           else ring * 4 * psi * {0: 2, 1: 3, 2: 2}[stage])
+        return out
     if F > 1:
         gathers = (F - 1) / F * e * (2 * m * psi_layers + psi_other) / T
         reduce = (F - 1) / F * psi / T * (2 * 4 if platform == "cpu" else e) * m

@@ -241,3 +241,13 @@ def test_jaxpar_train_with_zero3_checkpoints_and_samples(tmp_path, capsys):
     capsys.readouterr()
     assert main(["sample", "--run-dir", str(run_dir), "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("[step 8] ")
+
+
+def test_dryrun_prediction_matches_each_compiled_stage(trainers, compiled):
+    """`dryrun.predicted_collective_bytes` knows the manual stages: compiled / predicted = 1 (+ scalars)."""
+    from jaxpar.dryrun import predicted_collective_bytes
+    for stage, trainer in trainers.items():
+        found = collectives(compiled[stage].as_text(), trainer.mesh)
+        sizes = dict(trainer.mesh.shape)
+        predicted = predicted_collective_bytes(trainer.config, trainer.model_cfg, sizes, "cpu")["data"]
+        assert sum(c.bytes_per_step for c in found) == pytest.approx(predicted, abs=64), stage

@@ -379,29 +379,24 @@ def communication(lab: Lab) -> dict:
 
     n = lab.n
     ring = (n - 1) / n
-    W, WL = 4 * lab.psi, 4 * lab.counts["blocks"]         # fp32 bytes of all params, of the scanned layers
-    Wo = W - WL
+    W = 4 * lab.psi                                       # fp32 bytes of all params
     course = {"single": (0, "0"), "auto-data": (2, "2Ψ"), "ddp": (2, "2Ψ"), "zero1": (2, "2Ψ (paper's P_os)"),
               "zero2": (2, "2Ψ"), "zero3": (3, "3Ψ"), "auto-fsdp": (3, "3Ψ")}
-    written = {"single": (0, "none"), "ddp": (2 * ring * W, "all-reduce 2Ψ"),
-               "zero1": (3 * ring * W, "all-reduce 2Ψ + all-gather Ψ"),
-               "zero2": (2 * ring * W, "reduce-scatter Ψ + all-gather Ψ"),
-               "zero3": (ring * (3 * WL + 2 * Wo), "3Ψ_layers + 2Ψ_rest (embed/head gathered once)")}
+    written = {"single": "none", "ddp": "all-reduce 2Ψ", "zero1": "all-reduce 2Ψ + all-gather Ψ",
+               "zero2": "reduce-scatter Ψ + all-gather Ψ", "zero3": "3Ψ_layers + 2Ψ_rest (embed/head gathered once)",
+               "auto-data": "dryrun: all-reduce 2Ψ",
+               "auto-fsdp": "dryrun: gathers 2Ψ_L + Ψ_o, " + ("all-reduce + slice 2Ψ" if lab.platform == "cpu"
+                                                             else "reduce-scatter Ψ")}
     rows, found_by = {}, {}
     for built in lab.strategies():
         found = collectives(built.hlo, built.trainer.mesh)
         found_by[built.key] = found
         ops = _by_op(found)
-        if built.key in ("auto-data", "auto-fsdp"):
-            pred = predicted_collective_bytes(built.config, lab.model_cfg, built.sizes, lab.platform)
-            how = ("dryrun: all-reduce 2Ψ" if built.key == "auto-data" else
-                   "dryrun: gathers 2Ψ_L + Ψ_o, " + ("all-reduce + slice 2Ψ" if lab.platform == "cpu"
-                                                      else "reduce-scatter Ψ"))
-            written[built.key] = (sum(pred.values()), how)
+        pred = predicted_collective_bytes(built.config, lab.model_cfg, built.sizes, lab.platform)
         factor, theory_text = course[built.key]
         rows[built.key] = {"label": built.label, "by_op": ops, "compiled_bytes": sum(o["bytes"] for o in ops.values()),
                            "course_bytes": factor * ring * W, "course": theory_text,
-                           "written_bytes": written[built.key][0], "written": written[built.key][1]}
+                           "written_bytes": sum(pred.values()), "written": written[built.key]}
     table = []
     for r in rows.values():
         ops = ", ".join(f"{op} x{o['runs']}" for op, o in sorted(r["by_op"].items())) or "none"
