@@ -22,6 +22,7 @@ from jaxpar.model.fp8 import E4M3, fp8_einsum, quantize
 from jaxpar.model.transformer import ModelConfig, init_params
 from jaxpar.parallel.zero import ZeroTrainer
 from jaxpar.train.step import DTYPES, Trainer, loss_fn
+from synthetic import counting_batches
 
 VOCAB = 512
 FP8 = "train.compute_dtype=float8"
@@ -101,15 +102,7 @@ def make_trainer(*overrides, manual=False):
 
 
 def batches(config, steps):
-    """Each row counts up by a row-specific stride from a random start."""
-    rng = np.random.default_rng(0)
-    shape = (config.train.batch_size, config.data.seq_len + 1)
-    out = []
-    for _ in range(steps):
-        start = rng.integers(0, VOCAB, (shape[0], 1))
-        stride = rng.integers(1, 4, (shape[0], 1))
-        out.append(((start + stride * np.arange(shape[1])) % VOCAB).astype(np.int32))
-    return out
+    return counting_batches(config, steps, VOCAB)
 
 
 def run(trainer, steps):

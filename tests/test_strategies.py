@@ -7,6 +7,7 @@ from jaxpar.config import apply_overrides, load_config
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, param_axes
 from jaxpar.train.step import Trainer
+from synthetic import counting_batches
 
 STEPS = 5
 VOCAB = 512
@@ -25,15 +26,7 @@ def make_trainer(overrides, devices):
 
 
 def batches(trainer):
-    rng = np.random.default_rng(0)
-    c = trainer.config
-    shape = (c.train.batch_size, c.data.seq_len + 1)
-    # Learnable data: each row counts up by a row-specific stride from a random start.
-    def batch():
-        start = rng.integers(0, VOCAB, (shape[0], 1))
-        stride = rng.integers(1, 4, (shape[0], 1))
-        return ((start + stride * np.arange(shape[1])) % VOCAB).astype(np.int32)
-    return [batch() for _ in range(STEPS)]
+    return counting_batches(trainer.config, STEPS, VOCAB)
 
 
 def run(trainer):

@@ -13,6 +13,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.zero import ZeroTrainer
 from jaxpar.train.step import Trainer
+from synthetic import counting_batches
 
 STEPS = 5
 VOCAB = 512
@@ -37,15 +38,7 @@ def single_device(*overrides):
 
 
 def batches(config):
-    """Learnable data (as in test_strategies): each row counts up by a row-specific stride."""
-    rng = np.random.default_rng(0)
-    shape = (config.train.batch_size, config.data.seq_len + 1)
-    out = []
-    for _ in range(STEPS):
-        start = rng.integers(0, VOCAB, (shape[0], 1))
-        stride = rng.integers(1, 4, (shape[0], 1))
-        out.append(((start + stride * np.arange(shape[1])) % VOCAB).astype(np.int32))
-    return out
+    return counting_batches(config, STEPS, VOCAB)
 
 
 def run(trainer):
