@@ -1,0 +1,46 @@
+"""Child of tests/test_multiprocess_strategies.py: `python -m strategies_worker --cpu-devices M`.
+
+Joins the job `jaxpar launch` sets up and trains every strategy for a few steps on
+one global mesh spanning all processes; process 0 prints `LOSSES <name> <json>`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+STRATEGIES = {
+    "auto-fsdp": ["mesh.data=1", "mesh.fsdp=8"],
+    "auto-3d": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    **{f"zero-{s}": ["mesh.data=8", "parallel.mode=manual", f"parallel.zero_stage={s}"] for s in range(4)},
+}
+STEPS, VOCAB = 5, 512
+
+
+def main(argv: list[str]) -> int:
+    from jaxpar import mesh as jmesh
+    jmesh.set_cpu_devices(int(argv[argv.index("--cpu-devices") + 1]))
+    jmesh.init_distributed()
+
+    import jax
+
+    from jaxpar.config import apply_overrides, load_config
+    from jaxpar.model.transformer import ModelConfig
+    from jaxpar.train.step import make_trainer
+    from synthetic import counting_batches
+
+    for name, overrides in STRATEGIES.items():
+        config = load_config("configs/test.py")
+        apply_overrides(config, ["train.warmup_steps=1", *overrides])
+        trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), jmesh.make_mesh(config))
+        state, losses = trainer.init_state(), []
+        for batch in counting_batches(config, STEPS, VOCAB):
+            global_batch = jax.make_array_from_callback(batch.shape, trainer.batch_sharding, lambda idx: batch[idx])
+            state, metrics = trainer.step(state, global_batch)
+            losses.append(float(metrics["loss"]))
+        if jax.process_index() == 0:
+            print(f"LOSSES {name} {json.dumps(losses)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
