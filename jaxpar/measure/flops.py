@@ -95,8 +95,8 @@ class HloFlops:
 
 def hlo_flops(hlo_text: str) -> HloFlops:
     """Count FLOPs in post-optimization HLO text, once per computation and per step."""
-    instructions, entry = hlo._parse_module(hlo_text)
-    runs = hlo._runs_per_computation(instructions, entry)
+    instructions, entry = hlo.parse_module(hlo_text)
+    runs = hlo.runs_per_computation(instructions, entry)
     shapes = {(ins.computation, ins.name): ins.shape_text for ins in instructions}
     once = per_step = dot_once = dot_per_step = 0.0
     known = True

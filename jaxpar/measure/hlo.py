@@ -336,7 +336,7 @@ class _Instruction:
     computation: str
 
 
-def _parse_module(hlo_text: str):
+def parse_module(hlo_text: str):
     """Split HLO text into computations of instructions; return (instructions, entry name)."""
     instructions, entry, current = [], None, None
     for line in hlo_text.splitlines():
@@ -378,7 +378,7 @@ def _trip_count(loop: _Instruction, by_computation) -> int | None:
     return None
 
 
-def _runs_per_computation(instructions, entry):
+def runs_per_computation(instructions, entry):
     """How many times each computation runs per execution of `entry`, and whether every trip count was known."""
     by_computation = defaultdict(list)
     for ins in instructions:
@@ -424,8 +424,8 @@ def _num_devices(hlo_text: str) -> int:
 
 def collectives(hlo_text: str, mesh=None) -> list[Collective]:
     """Every collective in post-SPMD HLO text, in program order; pass the mesh to name axes."""
-    instructions, entry = _parse_module(hlo_text)
-    runs = _runs_per_computation(instructions, entry)
+    instructions, entry = parse_module(hlo_text)
+    runs = runs_per_computation(instructions, entry)
     num_devices = _num_devices(hlo_text)
     axis_groups = mesh_axis_groups(mesh) if mesh is not None else None
     done_shapes = {}
