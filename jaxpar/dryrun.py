@@ -140,28 +140,38 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     e = bytes per element on the wire: the compute dtype on GPU; 4 on CPU, where XLA
     computes (and communicates) bf16 in fp32. m = microbatches, b = micro-batch per device.
 
-    fsdp (F):  weight all-gathers (F-1)/F·e·(2·m·Ψ_L + Ψ_o)/T: XLA gathers each scanned layer
+    fsdp (F):  weight all-gathers (F-1)/F·e·(2·m·Ψ_L + Ψ_o')/T: XLA gathers each scanned layer
                once in the forward loop and again in the backward loop of every microbatch
                (the gathered weights do not survive the loop boundary, with or without
-               remat); the embedding and head once per step (loop-invariant, hoisted out of
-               the accumulation loop; the head is sometimes gathered twice: ~+1%).
-               Gradient reduction of Ψ/T once per microbatch (XLA reduces inside the
+               remat); the head and final norm (Ψ_o') once per step (loop-invariant, hoisted
+               out of the accumulation loop; the head is sometimes gathered twice: ~+1%).
+               An untied embedding is neither gathered nor its gradient reduced: the partitioner
+               gathers the tokens of the fsdp group (F-1)/F·4·b·F·s, looks up its own columns
+               of the table and moves the activations to batch sharding with an all-to-all,
+               (F-1)/F·e·b·s·h forward and again backward, per microbatch; the backward
+               all-to-all brings each device the gradient of its own columns (a tied table is
+               gathered for the head like any weight, and so is a table also split by vocab
+               over `tensor`, see parallel/auto.py).
+               Gradient reduction of the rest, Ψ/T, once per microbatch (XLA reduces inside the
                accumulation loop): GPU reduce-scatter (F-1)/F·e, CPU all-reduce of the full
                gradient + slice 2(F-1)/F·4. So ZeRO-3 ≈ 3Ψ·e·(F-1)/F on GPU and
                ≈ 4Ψ·4·(F-1)/F on CPU, at m = 1.
     data (D):  gradient all-reduce 2(D-1)/D·e·Ψ/(F·T) per microbatch (DDP: 2Ψ·e).
-    manual mode (parallel.mode=manual, over `data`; zero.py): gradients are fp32 (4 bytes),
-               accumulated locally and reduced once per step. DDP all-reduce 2(D-1)/D·4Ψ;
-               ZeRO-1 all-reduce + all-gather of the updated fp32 params 3(D-1)/D·4Ψ;
-               ZeRO-2 reduce-scatter + all-gather 2(D-1)/D·4Ψ; ZeRO-3 per microbatch, in the
-               compute dtype: layers gathered forward and backward and reduce-scattered
-               3Ψ_L, embedding/head/final norm gathered once and reduce-scattered 2Ψ_o,
-               times (D-1)/D·e·m.
+    parallel.data = ddp / zero1 (shard_map over `data`, parallel/zero.py): fp32 gradients accumulated
+               locally and reduced once per step: DDP all-reduce 2(D-1)/D·4Ψ; ZeRO-1
+               reduce-scatter + all-gather of the updated fp32 params 2(D-1)/D·4Ψ.
+               zero2: each layer's gradient reduce-scattered inside every microbatch's backward
+               pass, in the compute dtype, (D-1)/D·e·m·Ψ, + the fp32 all-gather (D-1)/D·4Ψ.
+               zero3: per microbatch, in the compute dtype, layers gathered forward and backward
+               and reduce-scattered 3Ψ_L, embedding/head/final norm gathered once and
+               reduce-scattered 2Ψ_o (a tied embedding twice: 4Ψ_embed), times (D-1)/D·e·m.
     tensor (T): activation all-reduces 2(T-1)/T·e·b·s·h each: Megatron's 2 forward + 2 backward
                per layer, +1 with remat 'full' (XLA recomputes the attention output projection's
                all-reduce, not the MLP's), +2 per microbatch outside the layers (the
                vocab-parallel embedding forward, the head backward). XLA:CPU does not merge
-               the q/k/v and gate/up input-gradient sums before reducing: ~8 per layer there.
+               the q/k/v and gate/up input-gradient sums before reducing: 2 forward + 5
+               backward = 7 per layer there. The cross-entropy's vocab reductions (max,
+               sum of exponentials, target logit: b·s numbers each) are left out.
     """
     import numpy as np
 
@@ -177,22 +187,28 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     m = config.train.microbatches
     b = config.train.batch_size // m // (D * F)
     out = {}
-    if config.parallel.mode == "manual":
+    stage = config.parallel.data
+    if stage != "auto":
         if D > 1:
-            ring, stage = (D - 1) / D, config.parallel.zero_stage
-            out["data"] = (ring * e * m * (3 * psi_layers + 2 * psi_other) if stage == 3
-                           else ring * 4 * psi * {0: 2, 1: 3, 2: 2}[stage])
+            ring = (D - 1) / D
+            tied = 2 * counts["embedding"] if model_cfg.tie_embeddings else 0
+            out["data"] = ring * {"ddp": 2 * 4 * psi, "zero1": 2 * 4 * psi, "zero2": e * m * psi + 4 * psi,
+                                  "zero3": e * m * (3 * psi_layers + 2 * psi_other + tied)}[stage]
         return out
+    s, h = config.data.seq_len, model_cfg.d_model
     if F > 1:
-        gathers = (F - 1) / F * e * (2 * m * psi_layers + psi_other) / T
-        reduce = (F - 1) / F * psi / T * (2 * 4 if platform == "cpu" else e) * m
-        out["fsdp"] = gathers + reduce
+        ring = (F - 1) / F
+        looked_up = 0 if model_cfg.tie_embeddings or T > 1 else counts["embedding"]
+        gathers = ring * e * (2 * m * psi_layers + psi_other - looked_up) / T
+        lookup = ring * m * (4 * b * F * s + 2 * e * b * s * h / T) if looked_up else 0
+        reduce = ring * (psi - looked_up) / T * (2 * 4 if platform == "cpu" else e) * m
+        out["fsdp"] = gathers + lookup + reduce
     if D > 1:
         out["data"] = 2 * (D - 1) / D * e * psi / (F * T) * m
     if T > 1:
-        per_layer = 4 + (1 if config.train.remat == "full" else 0)
+        per_layer = (7 if platform == "cpu" else 4) + (1 if config.train.remat == "full" else 0)
         count = (per_layer * model_cfg.layers + 2) * m
-        out["tensor"] = count * 2 * (T - 1) / T * e * b * config.data.seq_len * model_cfg.d_model
+        out["tensor"] = count * 2 * (T - 1) / T * e * b * s * h
     return out
 
 
@@ -240,12 +256,19 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
 
     from jaxpar.measure import hardware, hlo
     from jaxpar.measure.flops import compiled_flops, mfu, model_flops_per_step
-    from jaxpar.measure.memory import (activation_estimate, compiled_memory, leaf_bytes_per_device, shard_counts,
-                                       state_bytes, zero_formula)
+    from jaxpar.measure.memory import (
+        activation_estimate,
+        compiled_memory,
+        leaf_bytes_per_device,
+        shard_counts,
+        state_bytes,
+        zero_formula,
+    )
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.counting import param_count
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.train.step import activation_dtype, make_trainer
+    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.train.step import activation_dtype
 
     if config.model.vocab_size <= 0:
         raise ConfigError("model.vocab_size", f"is {config.model.vocab_size}; a dry run has no tokenizer to take "
@@ -262,10 +285,10 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
 
     start = time.perf_counter()
     trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
-    tokens = jax.ShapeDtypeStruct((B, S + 1), jnp.int32, sharding=trainer.batch_sharding)
+    tokens = trainer.abstract_batch()
+    lowered = trainer.lower_step()
+    lowered_at = time.perf_counter()
     with jax.set_mesh(mesh):
-        lowered = trainer.step_fn.lower(trainer.abstract_state, tokens)
-        lowered_at = time.perf_counter()
         compiled = lowered.compile()
     compiled_at = time.perf_counter()
     hlo_text = compiled.as_text()

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import MESH_AXES, validate
+from jaxpar.config import MESH_AXES, ConfigError, validate
 
 # Environment the local launcher (`jaxpar launch`) sets for each process it starts.
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
@@ -23,8 +23,11 @@ ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
 
 def set_cpu_devices(count: int | None) -> None:
     """Give the CPU backend `count` virtual devices; must run before JAX starts a backend."""
-    if count:
-        jax.config.update("jax_num_cpu_devices", int(count))
+    if count is None:
+        return
+    if count < 1:
+        raise ConfigError("--cpu-devices", f"is {count}; give a positive device count, e.g. --cpu-devices 8")
+    jax.config.update("jax_num_cpu_devices", int(count))
 
 
 def init_distributed() -> None:

@@ -11,7 +11,7 @@ import sys
 STRATEGIES = {
     "auto-fsdp": ["mesh.data=1", "mesh.fsdp=8"],
     "auto-3d": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    **{f"zero-{s}": ["mesh.data=8", "parallel.mode=manual", f"parallel.zero_stage={s}"] for s in range(4)},
+    **{s: ["mesh.data=8", f"parallel.data={s}"] for s in ("ddp", "zero1", "zero2", "zero3")},
 }
 STEPS, VOCAB = 5, 512
 
@@ -22,11 +22,11 @@ def main(argv: list[str]) -> int:
     jmesh.init_distributed()
 
     import jax
+    from synthetic import counting_batches
 
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.train.step import make_trainer
-    from synthetic import counting_batches
+    from jaxpar.parallel.registry import make_trainer
 
     for name, overrides in STRATEGIES.items():
         config = load_config("configs/test.py")

@@ -15,14 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from synthetic import counting_batches
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.mesh import make_mesh
 from jaxpar.model.fp8 import E4M3, fp8_einsum, quantize
-from jaxpar.model.transformer import ModelConfig, init_params
+from jaxpar.model.ops import DTYPES, make_ops
+from jaxpar.model.transformer import ModelConfig, init_params, loss
+from jaxpar.parallel.auto import AutoTrainer
 from jaxpar.parallel.zero import ZeroTrainer
-from jaxpar.train.step import DTYPES, Trainer, loss_fn
-from synthetic import counting_batches
 
 VOCAB = 512
 FP8 = "train.compute_dtype=float8"
@@ -97,7 +98,7 @@ def test_fp8_einsum_under_checkpoint_keeps_gradients():
 def make_trainer(*overrides, manual=False):
     config = load_config("configs/test.py")
     apply_overrides(config, ["train.weight_decay=0.1", "train.warmup_steps=1", *overrides])
-    cls = ZeroTrainer if manual else Trainer
+    cls = ZeroTrainer if manual else AutoTrainer
     return cls(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()))
 
 
@@ -124,16 +125,14 @@ def test_float8_validates_and_keeps_the_state_layout():
 
 def test_weight_matmuls_are_fp8_forward_and_backward():
     """The train step's dots: 7 weight matmuls in the layer body + lm_head, each with an e4m3 forward and two
-    backward dots against the e5m2 gradient; the attention score/value einsums and the embedding stay bf16."""
+    backward dots against the e5m2 gradient; the attention score/value einsums stay bf16 (the embedding is a
+    gather, no dot)."""
     trainer = make_trainer("mesh.data=8", FP8)
-    tokens = jax.ShapeDtypeStruct((trainer.config.train.batch_size, trainer.config.data.seq_len + 1), np.int32,
-                                  sharding=trainer.batch_sharding)
-    with jax.set_mesh(trainer.mesh):
-        lowered = trainer.step_fn.lower(trainer.abstract_state, tokens)
+    lowered = trainer.lower_step()
     operand = r"tensor<(?:[0-9]+x)*(\w+)>"
     dots = Counter(re.findall(rf"stablehlo\.dot_general .*: \({operand}, {operand}\)", lowered.as_text()))
     assert dots == {("f8E4M3FN", "f8E4M3FN"): 8, ("f8E5M2", "f8E4M3FN"): 8, ("f8E4M3FN", "f8E5M2"): 8,
-                    ("bf16", "bf16"): 8}, dots  # bf16: 2 attention einsums x (1 fwd + 2 bwd) + embedding fwd, bwd
+                    ("bf16", "bf16"): 6}, dots  # bf16: 2 attention einsums x (1 fwd + 2 bwd)
     compiled = lowered.compile().as_text()
     assert "f8e4m3fn[" in compiled and "f8e5m2[" in compiled     # XLA kept the quantized operands
 
@@ -147,9 +146,9 @@ def test_gradients_reach_every_parameter_and_follow_fp32():
     model_cfg = ModelConfig.from_config(config.model, VOCAB)
     params = init_params(model_cfg, 0)
     tokens = jnp.asarray(batches(config, 1)[0])
-    grad = jax.jit(jax.grad(loss_fn), static_argnums=(2, 3, 4))
-    want = grad(params, tokens, model_cfg, jnp.float32, None)
-    got = grad(params, tokens, model_cfg, DTYPES["float8"], None)
+    grad = jax.jit(jax.grad(lambda p, t, ops: loss(p, t, model_cfg, ops)[0]), static_argnums=2)
+    want = grad(params, tokens, make_ops("float32"))
+    got = grad(params, tokens, make_ops("float8"))
     for path, g, w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got), jax.tree.leaves(want)):
         name = jax.tree_util.keystr(path[0])
         assert g.dtype == jnp.float32 and np.isfinite(g).all() and np.abs(g).max() > 0, name
@@ -170,7 +169,7 @@ def test_manual_zero3_trains_in_fp8():
     """ZeRO-3 gathers bf16 weights and quantizes after the gather; each device scales its own batch shard,
     so it is close to (not equal to) the automatic run. Measured: losses within 0.07%, grad norms 0.9%."""
     auto, auto_norms = run(make_trainer("mesh.data=8", FP8), 5)
-    manual, manual_norms = run(make_trainer("mesh.data=8", "parallel.mode=manual", "parallel.zero_stage=3", FP8,
+    manual, manual_norms = run(make_trainer("mesh.data=8", "parallel.data=zero3", FP8,
                                             manual=True), 5)
     np.testing.assert_allclose(manual, auto, rtol=5e-3)
     np.testing.assert_allclose(manual_norms, auto_norms, rtol=3e-2)

@@ -50,7 +50,7 @@ def torch_logits(model, toks):
 
 
 def jax_logits(params, cfg, toks):
-    return np.asarray(jax.jit(forward, static_argnums=2)(params, toks, cfg))
+    return np.asarray(jax.jit(forward, static_argnums=2)(params, toks, cfg)[0])
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -4,15 +4,23 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import apply_overrides, load_config
-from jaxpar.measure.memory import (activation_estimate, compiled_memory, leaf_bytes_per_device, leaf_shards,
-                                   shard_counts, state_bytes, zero_formula)
+from jaxpar.measure.memory import (
+    activation_estimate,
+    compiled_memory,
+    leaf_bytes_per_device,
+    leaf_shards,
+    shard_counts,
+    state_bytes,
+    zero_formula,
+)
 from jaxpar.mesh import make_mesh
 from jaxpar.model.counting import param_count
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.train.step import make_trainer
+from jaxpar.parallel.registry import make_trainer
 
 N = 8
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,10 +39,8 @@ def fsdp_step():
     mesh = make_mesh(config)
     model_cfg = ModelConfig.from_config(config.model)
     trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
-    tokens = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1), jnp.int32,
-                                  sharding=trainer.batch_sharding)
     with jax.set_mesh(mesh):
-        compiled = trainer.step_fn.lower(trainer.abstract_state, tokens).compile()
+        compiled = trainer.lower_step().compile()
     return config, model_cfg, trainer, compiled
 
 
@@ -76,10 +82,11 @@ def test_cpu_peak_includes_temporaries(fsdp_step):
     assert mem.alias > 0                           # the donated state is reused for the new state
 
 
-@pytest.mark.parametrize("stage, expected", [(0, 16), (1, 4 + 12 / 64), (2, 2 + 14 / 64), (3, 16 / 64)])
+@pytest.mark.parametrize("stage, expected", [("ddp", 16), ("zero1", 4 + 12 / 64), ("zero2", 2 + 14 / 64),
+                                             ("zero3", 16 / 64)])
 def test_zero_stages_match_the_paper(stage, expected):
     """DESIGN.md's mixed-precision ZeRO (fp16 params and grads, K=12): 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."""
-    config = tiny("parallel.mode=manual", f"parallel.zero_stage={stage}")
+    config = tiny(f"parallel.data={stage}")
     shards = shard_counts(config, {"data": 64, "fsdp": 1, "tensor": 1})
     formula = zero_formula(1000, shards, param_bytes=2, grad_bytes=2, optimizer_bytes=12)
     assert formula["total"] == pytest.approx(expected * 1000)

@@ -7,14 +7,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from strategies_worker import STEPS, STRATEGIES, VOCAB
+from synthetic import counting_batches
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.launch import launch
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.train.step import make_trainer
-from strategies_worker import STEPS, STRATEGIES, VOCAB
-from synthetic import counting_batches
+from jaxpar.parallel.registry import make_trainer
 
 TESTS_DIR = str(Path(__file__).parent)
 

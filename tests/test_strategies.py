@@ -2,12 +2,12 @@
 import jax
 import numpy as np
 import pytest
+from synthetic import counting_batches
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.mesh import make_mesh
-from jaxpar.model.transformer import ModelConfig, param_axes
-from jaxpar.train.step import Trainer
-from synthetic import counting_batches
+from jaxpar.model.transformer import ModelConfig
+from jaxpar.parallel.auto import AutoTrainer
 
 STEPS = 5
 VOCAB = 512
@@ -22,7 +22,7 @@ MESHES = {
 def make_trainer(overrides, devices):
     config = load_config("configs/test.py")
     apply_overrides(config, ["train.weight_decay=0.1", "train.warmup_steps=1"] + overrides)
-    return Trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
+    return AutoTrainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
 
 
 def batches(trainer):
@@ -67,7 +67,7 @@ def test_fsdp_shards_params_and_adam_state_eightfold():
     state = trainer.init_state()
     params = state["params"]
     adam = state["opt_state"][1][0]
-    axes = param_axes(trainer.model_cfg)
+    axes = trainer.model_cfg.param_axes()
     for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(params),
                                    jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))):
         expected = 1 / 8 if "embed" in names else 1.0  # every matrix has an `embed` axis; norm scales replicate

@@ -5,32 +5,36 @@ from collections import defaultdict
 import jax
 import numpy as np
 import pytest
+from synthetic import counting_batches
 
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig
+from jaxpar.parallel.auto import AutoTrainer
 from jaxpar.parallel.zero import ZeroTrainer
-from jaxpar.train.step import Trainer
-from synthetic import counting_batches
 
 STEPS = 5
 VOCAB = 512
 N = 8
 BASE = ["train.weight_decay=0.1", "train.warmup_steps=1"]
+STAGES = ("ddp", "zero1", "zero2", "zero3")
 
 
 def make(overrides, devices=None, manual=True):
     config = load_config("configs/test.py")
-    apply_overrides(config, BASE + (["parallel.mode=manual"] if manual else []) + overrides)
+    apply_overrides(config, BASE + overrides)
     devices = jax.devices() if devices is None else devices
-    cls = ZeroTrainer if manual else Trainer
-    return cls(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
+    mesh = make_mesh(config, devices)
+    cls = ZeroTrainer if manual else AutoTrainer
+    if manual:
+        cls.check(config, dict(mesh.shape))
+    return cls(config, ModelConfig.from_config(config.model, VOCAB), mesh)
 
 
 def zero(stage, *overrides):
-    return make([f"mesh.data={N}", f"parallel.zero_stage={stage}", *overrides])
+    return make([f"mesh.data={N}", f"parallel.data={stage}", *overrides])
 
 
 def single_device(*overrides):
@@ -52,10 +56,8 @@ def run(trainer):
 
 
 def compiled_step(trainer):
-    tokens = jax.ShapeDtypeStruct((trainer.config.train.batch_size, trainer.config.data.seq_len + 1), np.int32,
-                                  sharding=trainer.batch_sharding)
     with jax.set_mesh(trainer.mesh):
-        return trainer.step_fn.lower(trainer.abstract_state, tokens).compile()
+        return trainer.lower_step().compile()
 
 
 def shard_fraction(array):
@@ -75,7 +77,7 @@ def oracle():
 
 @pytest.fixture(scope="module")
 def trainers():
-    return {stage: zero(stage) for stage in range(4)}
+    return {stage: zero(stage) for stage in STAGES}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def runs(trainers):
 
 # ---------------------------------------------------------------------------- equivalence
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", STAGES)
 def test_stage_matches_single_device(stage, runs, oracle):
     losses, norms, state = runs(stage)
     np.testing.assert_allclose(losses, oracle[0], rtol=1e-4)
@@ -102,12 +104,13 @@ def test_stage_matches_single_device(stage, runs, oracle):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
 
 
-def test_zero3_clipping_microbatches_and_remat_match_single_device():
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_clipping_microbatches_and_remat_match_single_device(stage):
     """Clipping by the *global* norm of reduce-scattered grads (it fires: grad_clip below every norm),
-    gradient accumulation over microbatches, and a remat policy, all at once."""
+    gradient accumulation over microbatches (reduce-scattered in each one), and a remat policy, at once."""
     extra = ["train.grad_clip=0.05", "train.microbatches=2", "train.remat=full"]
     want, want_norms, _ = run(single_device(*extra))
-    got, got_norms, _ = run(zero(3, *extra))
+    got, got_norms, _ = run(zero(stage, *extra))
     assert (want_norms > 0.05).all()
     np.testing.assert_allclose(got, want, rtol=1e-4)
     np.testing.assert_allclose(got_norms, want_norms, rtol=1e-4)
@@ -117,17 +120,17 @@ def test_zero3_clipping_microbatches_and_remat_match_single_device():
 
 def test_zero3_slices_params_and_adam_state_zero1_only_adam_state(trainers, runs):
     """The state after 5 steps (so the step keeps the layout, not only init_state)."""
-    for stage, params_fraction in ((1, 1.0), (3, 1 / N)):
+    for stage, params_fraction in (("zero1", 1.0), ("zero3", 1 / N)):
         state = runs(stage)[2]
         adam = state["opt_state"][1][0]
         for leaf in jax.tree.leaves(state["params"]):
             assert shard_fraction(leaf) == params_fraction, stage
         for leaf in jax.tree.leaves((adam.mu, adam.nu)):
             assert shard_fraction(leaf) == 1 / N, stage
-    state = runs(0)[2]
+    state = runs("ddp")[2]
     assert all(shard_fraction(leaf) == 1.0 for leaf in jax.tree.leaves(state))
     # the split rule: largest divisible dimension, never the stacked layers axis
-    dims = trainers[3].dims
+    dims = trainers["zero3"].dims
     assert dims["embed"] == 0 and dims["lm_head"] == 1                  # vocab (512) > d_model (64)
     assert dims["blocks"]["wq"] == 1 and dims["blocks"]["w_up"] == 2    # d_model; mlp (128)
     assert dims["blocks"]["attn_norm"] == 1
@@ -143,17 +146,17 @@ def test_checkpoints_interchange_with_the_auto_trainer(trainers):
 
 def test_bad_manual_configs_raise_config_error():
     with pytest.raises(ConfigError) as err:
-        make(["mesh.data=1", "mesh.fsdp=8"])
-    assert err.value.field == "parallel.mode" and "parallel.mode=auto" in str(err.value)
+        make(["mesh.data=1", "mesh.fsdp=8", "parallel.data=zero1"])
+    assert err.value.field == "parallel.data" and "parallel.data=auto" in str(err.value)
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError) as err:
-        make(["mesh.data=2", "mesh.tensor=4", "model.kv_heads=4"])
-    assert err.value.field == "parallel.mode" and "mesh.tensor=4" in str(err.value)
-    # d_model=64 is not divisible by 3: config validation refuses before anything is built
+        make(["mesh.data=2", "mesh.tensor=4", "model.kv_heads=4", "parallel.data=ddp"])
+    assert err.value.field == "parallel.data" and "mesh.tensor=4" in str(err.value)
+    # d_model=64 is not divisible by 3: the strategy refuses before anything is built
     with pytest.raises(ConfigError) as err:
-        make(["mesh.data=3", "parallel.zero_stage=2", "train.batch_size=12"], jax.devices()[:3])
+        make(["mesh.data=3", "parallel.data=zero2", "train.batch_size=12"], jax.devices()[:3])
     assert err.value.field == "mesh.data" and "model.d_model=64" in str(err.value)
-    make(["mesh.data=3", "parallel.zero_stage=0", "train.batch_size=12"], jax.devices()[:3])  # DDP splits nothing
+    make(["mesh.data=3", "parallel.data=ddp", "train.batch_size=12"], jax.devices()[:3])  # DDP splits nothing
 
 
 # ---------------------------------------------------------------------------- compiled program
@@ -164,11 +167,11 @@ def compiled(trainers):
 
 
 def test_collectives_per_stage_match_the_theory(trainers, compiled):
-    params = trainers[0].abstract_state["params"]
+    params = trainers["ddp"].abstract_state["params"]
     psi = nbytes(params)                                    # fp32 parameter bytes
     ring = (N - 1) / N
     blocks = nbytes(params["blocks"])
-    L = trainers[0].model_cfg.layers
+    L = trainers["ddp"].model_cfg.layers
     found = {s: collectives(c.as_text(), trainers[s].mesh) for s, c in compiled.items()}
     for cs in found.values():
         assert all(c.axes == ("data",) and c.trip_count_known for c in cs)
@@ -180,21 +183,24 @@ def test_collectives_per_stage_match_the_theory(trainers, compiled):
         return out
 
     small = 64  # bytes: the loss and grad-norm scalars
-    ddp, z1, z2, z3 = (by_op(found[s]) for s in range(4))
+    ddp, z1, z2, z3 = (by_op(found[s]) for s in STAGES)
     assert set(ddp) == {"all-reduce"}
     assert ddp["all-reduce"] == pytest.approx(2 * ring * psi, abs=small)
-    assert set(z1) == {"all-reduce", "all-gather"}
-    assert z1["all-reduce"] == pytest.approx(2 * ring * psi, abs=small)
-    assert z1["all-gather"] == pytest.approx(ring * psi)
-    assert set(z2) == {"reduce-scatter", "all-gather", "all-reduce"} and z2["all-reduce"] < small
-    assert z2["reduce-scatter"] == pytest.approx(ring * psi) and z2["all-gather"] == pytest.approx(ring * psi)
-    kept = sum(c.result_bytes for c in found[2] if c.op == "reduce-scatter")
-    assert kept == psi / N                                  # each device keeps 1/N of the gradient
+    for stage, ops in (("zero1", z1), ("zero2", z2)):      # both the paper's 2Ψ: reduce-scatter + all-gather
+        assert set(ops) == {"reduce-scatter", "all-gather", "all-reduce"} and ops["all-reduce"] < small, stage
+        assert ops["reduce-scatter"] == pytest.approx(ring * psi) and ops["all-gather"] == pytest.approx(ring * psi)
+        kept = sum(c.result_bytes * c.runs_per_step for c in found[stage] if c.op == "reduce-scatter")
+        assert kept == psi / N                              # each device keeps 1/N of the gradient
+    # ZeRO-1 reduce-scatters once after the backward pass; ZeRO-2 inside the backward layer loop
+    assert all(c.runs_per_step == 1 for c in found["zero1"] if c.op == "reduce-scatter")
+    in_loop = sum(c.result_bytes * c.runs_per_step for c in found["zero2"] if c.op == "reduce-scatter"
+                  and c.runs_per_step == L)
+    assert in_loop == blocks / N
 
     # ZeRO-3: inside the layer loops every layer's weights are gathered twice (forward, and again
     # in the backward pass) and their gradients reduce-scattered, L times each
     loops = defaultdict(lambda: defaultdict(int))
-    for c in found[3]:
+    for c in found["zero3"]:
         if c.runs_per_step == L:
             loops[c.computation][c.op] += c.result_bytes
     gathering = [ops for ops in loops.values() if ops["all-gather"]]
@@ -209,13 +215,13 @@ def test_collectives_per_stage_match_the_theory(trainers, compiled):
 
 def test_memory_per_device_follows_the_zero_formulas(trainers, compiled):
     """Per-device arguments: fp32 params 4Ψ, Adam m+v 8Ψ: DDP 12Ψ; ZeRO-1/2 4Ψ + 8Ψ/N; ZeRO-3 12Ψ/N."""
-    psi = sum(leaf.size for leaf in jax.tree.leaves(trainers[0].abstract_state["params"]))
-    c = trainers[0].config
+    psi = sum(leaf.size for leaf in jax.tree.leaves(trainers["ddp"].abstract_state["params"]))
+    c = trainers["ddp"].config
     extras = c.train.batch_size // N * (c.data.seq_len + 1) * 4 + 3 * 4   # tokens, step, two Adam counts
-    args = {s: compiled[s].memory_analysis().argument_size_in_bytes for s in range(4)}
-    assert args[0] == 12 * psi + extras
-    assert args[1] == args[2] == 4 * psi + 8 * psi // N + extras
-    assert args[3] == 12 * psi // N + extras
+    args = {s: compiled[s].memory_analysis().argument_size_in_bytes for s in STAGES}
+    assert args["ddp"] == 12 * psi + extras
+    assert args["zero1"] == args["zero2"] == 4 * psi + 8 * psi // N + extras
+    assert args["zero3"] == 12 * psi // N + extras
 
 
 # ---------------------------------------------------------------------------- the training loop
@@ -223,7 +229,7 @@ def test_memory_per_device_follows_the_zero_formulas(trainers, compiled):
 def test_jaxpar_train_with_zero3_checkpoints_and_samples(tmp_path, capsys):
     run_dir = tmp_path / "zero3"
     assert main(["train", "--config", "configs/test.py", "--run-dir", str(run_dir),
-                 "--set", "parallel.mode=manual", "--set", "parallel.zero_stage=3"]) == 0
+                 "--set", "parallel.data=zero3"]) == 0
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     assert sorted(losses) == list(range(1, 9)) and losses[8] < 0.9 * losses[1]

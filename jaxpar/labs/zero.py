@@ -31,15 +31,16 @@ from collections import defaultdict
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, to_json
+from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.parallel.zero import STAGE_NAMES
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_zero.py uses the same)
 REMATS = ("none", "full", "dots", "names")
 PRECISIONS = (("float32", "fp32"), ("bfloat16", "bf16 (fp32 master weights)"), ("float8", "fp8"))
 MIB = 2**20
+MANUAL = ("ddp", "zero1", "zero2", "zero3")
 
 
 # ============================================================================ building and running one step
@@ -66,12 +67,11 @@ class Lab:
         from jaxpar.data.pipeline import build_token_data, train_dataset
         from jaxpar.model.counting import param_count
         from jaxpar.model.transformer import ModelConfig
-        from jaxpar.train.loop import resolve_vocab
 
         self.base, self.devices, self.n, self.out, self.log = config, devices, len(devices), out, log
         self.platform = devices[0].platform
         self.data = build_token_data(config.data)
-        self.model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, self.data.stats["vocab_size"], 1))
+        self.model_cfg = ModelConfig.from_config(config.model, model_vocab_size(config, self.data.stats["vocab_size"], 1))
         self.counts = param_count(self.model_cfg)
         self.psi = self.counts["total"]
         B = config.train.batch_size
@@ -87,28 +87,28 @@ class Lab:
             self._batches.append(np.asarray(next(self._stream)))
         return self._batches[:count]
 
-    def variant(self, key: str, *, mode="auto", data=1, fsdp=1, stage=0, remat=None, dtype="float32") -> Built:
-        """Configure, build and compile one strategy (cached by its settings)."""
+    def variant(self, key: str, *, impl="auto", data=1, fsdp=1, remat=None, dtype="float32", layers=None) -> Built:
+        """Configure, build and compile one strategy (cached by its settings); `impl` is parallel.data."""
         from jaxpar.mesh import make_mesh
-        from jaxpar.train.step import make_trainer
+        from jaxpar.model.transformer import ModelConfig
+        from jaxpar.parallel.registry import make_trainer
 
         remat = remat or self.base.train.remat
-        settings = (mode, data, fsdp, stage, remat, dtype, jax.config.jax_default_matmul_precision)
+        layers = layers or self.base.model.layers
+        settings = (impl, data, fsdp, remat, dtype, layers, jax.config.jax_default_matmul_precision)
         if settings in self._cache:
             return self._cache[settings]
         config = copy.deepcopy(self.base)
-        apply_overrides(config, [f"parallel.mode={mode}", f"parallel.zero_stage={stage}", f"mesh.data={data}",
-                                 f"mesh.fsdp={fsdp}", "mesh.pipe=1", "mesh.expert=1", "mesh.tensor=1",
+        apply_overrides(config, [f"parallel.data={impl}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
+                                 "mesh.pipe=1", "mesh.expert=1", "mesh.tensor=1", f"model.layers={layers}",
                                  f"train.remat={remat}", f"train.compute_dtype={dtype}"])
-        devices = self.devices[:data * fsdp]
-        mesh = make_mesh(config, devices)
-        trainer = make_trainer(config, self.model_cfg, mesh)
-        tokens = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1), jnp.int32,
-                                      sharding=trainer.batch_sharding)
+        mesh = make_mesh(config, self.devices[:data * fsdp])
+        model_cfg = ModelConfig.from_config(config.model, self.model_cfg.vocab_size)
+        trainer = make_trainer(config, model_cfg, mesh)
         start = time.perf_counter()
         with jax.set_mesh(mesh):
-            compiled = trainer.step_fn.lower(trainer.abstract_state, tokens).compile()
-        built = Built(key, _label(mode, data, fsdp, stage), config, trainer, compiled, time.perf_counter() - start,
+            compiled = trainer.lower_step().compile()
+        built = Built(key, _label(impl, data, fsdp), config, trainer, compiled, time.perf_counter() - start,
                       {name: int(size) for name, size in mesh.shape.items()})
         self.log(f"  compiled {built.label} (remat {remat}, {dtype}) in {built.compile_s:.1f} s")
         self._cache[settings] = built
@@ -137,21 +137,21 @@ class Lab:
         del state
         return losses, times
 
-    def manual(self, stage: int) -> Built:
-        return self.variant(f"zero{stage}" if stage else "ddp", mode="manual", data=self.n, stage=stage)
+    def manual(self, impl: str, **settings) -> Built:
+        return self.variant(impl, impl=impl, data=self.n, **settings)
 
     def strategies(self) -> list[Built]:
         """single device (the oracle), auto data=N, auto fsdp=N, manual DDP and ZeRO-1/2/3: the executables
         of part a (made there, on accelerators at matmul precision 'highest'), which parts b and c read."""
         if self._strategies is None:
             self._strategies = [self.variant("single"), self.variant("auto-data", data=self.n),
-                                self.variant("auto-fsdp", fsdp=self.n), *(self.manual(s) for s in range(4))]
+                                self.variant("auto-fsdp", fsdp=self.n), *(self.manual(s) for s in MANUAL)]
         return self._strategies
 
 
-def _label(mode, data, fsdp, stage) -> str:
-    if mode == "manual":
-        return ("manual DDP", "manual ZeRO-1", "manual ZeRO-2", "manual ZeRO-3")[stage]
+def _label(impl, data, fsdp) -> str:
+    if impl != "auto":
+        return f"manual {STAGE_NAMES[impl]}"
     if data * fsdp == 1:
         return "single device"
     return f"auto data={data}" if data > 1 else f"auto fsdp={fsdp}"
@@ -227,7 +227,13 @@ def equivalence(lab: Lab, steps: int) -> dict:
 # ============================================================================ b. memory
 
 def memory(lab: Lab) -> dict:
-    from jaxpar.measure.memory import activation_estimate, compiled_memory, shard_counts, state_bytes, zero_formula
+    from jaxpar.measure.memory import (
+        activation_estimate,
+        compiled_memory,
+        shard_counts,
+        state_bytes,
+        zero_formula,
+    )
 
     rows = {}
     for built in lab.strategies():
@@ -787,8 +793,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    set_cpu_devices(args.cpu_devices)
     try:
+        set_cpu_devices(args.cpu_devices)
         return run_from_args(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

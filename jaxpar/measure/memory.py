@@ -121,18 +121,21 @@ def state_bytes(abstract_state) -> dict:
 
 # ----------------------------------------------------------------------------- 3. the ZeRO formula
 
+ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}   # parallel.data -> ZeRO stage
+
+
 def shard_counts(config, sizes: dict[str, int]) -> dict[str, int]:
     """How many devices each part of the model state is split over, by strategy.
 
-    auto mode: the `fsdp` and `tensor` axes split params, grads and Adam state alike
+    auto: the `fsdp` and `tensor` axes split params, grads and Adam state alike
       (ZeRO-3 over fsdp, Megatron over tensor); `data` replicates everything.
-    manual mode, ZeRO stage s over the `data` axis (DESIGN.md): stage >= 1 splits the
+    parallel.data = ddp / zero1 / zero2 / zero3, ZeRO stage s over `data`: stage >= 1 splits the
       optimizer state, >= 2 also the gradients, 3 also the parameters.
     Norm weights are replicated in practice; the formula ignores that (<0.1% of a 7B).
     """
     model = sizes.get("fsdp", 1) * sizes.get("tensor", 1)
-    if config.parallel.mode == "manual":
-        n, stage = sizes.get("data", 1), config.parallel.zero_stage
+    if config.parallel.data in ZERO_STAGES:
+        n, stage = sizes.get("data", 1), ZERO_STAGES[config.parallel.data]
         return {"params": model * (n if stage >= 3 else 1), "grads": model * (n if stage >= 2 else 1),
                 "optimizer": model * (n if stage >= 1 else 1)}
     return dict.fromkeys(("params", "grads", "optimizer"), model)
@@ -258,7 +261,7 @@ def model_state_table(params: float, devices: int, optimizer: str = "adam", prec
         sizes = bytes_per_param(optimizer, precision, accounting)
         rows = []
         for stage, name in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
-            manual = SimpleNamespace(parallel=SimpleNamespace(mode="manual", zero_stage=stage))
+            manual = SimpleNamespace(parallel=SimpleNamespace(data=("ddp", "zero1", "zero2", "zero3")[stage]))
             shards = shard_counts(manual, {"data": n})
             f = zero_formula(psi, shards, param_bytes=sizes["params"], grad_bytes=sizes["grads"],
                              optimizer_bytes=sizes["optimizer"])
@@ -305,7 +308,7 @@ def model_state_markdown(t: dict) -> str:
                      f"{t['optimizer']} ({moments} fp32 moment(s) per parameter"
                      + ("; Adafactor's factored second moments, O(rows + cols), counted as 0"
                         if t["optimizer"] == "adafactor" else "") + ").")
-    lines.append("- Gradients are temporaries of jaxpar's step, not stored state. Its manual ZeRO-2 keeps 1/N of "
-                 "the reduced gradient, but the full local gradient still exists before the reduce-scatter "
-                 "(no bucketing): the peak holds both.")
+    lines.append("- Gradients are temporaries of jaxpar's step, not stored state. Its ZeRO-1 holds the full local "
+                 "gradient until one reduce-scatter after the backward pass; its ZeRO-2 reduce-scatters each "
+                 "layer's gradient inside the backward pass, so only one layer's full gradient exists at a time.")
     return "\n".join(lines)

@@ -1,12 +1,14 @@
-"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+"""A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) as composable pieces.
+
+`embed`, `run_blocks` (any contiguous slice of the stacked `layers` axis: what a
+pipeline stage runs), `head_loss` / `head_logits`; `forward` and `loss` are their
+composition. What a strategy or kernel changes is injected through `ops` (model/ops.py),
+so nobody copies this forward pass.
 
 The N blocks' parameters are stacked along a leading `layers` axis and run with
-`jax.lax.scan`, so compile time does not grow with depth and pipeline stages
-are a reshape of that axis. Each parameter is an `nnx.Param` whose metadata
-carries its logical axis names; `parallel/rules.py` turns them into shardings.
-
-Conventions follow Hugging Face's LlamaForCausalLM (rotate-half RoPE, fp32
-norms) so its checkpoints load without permuting weights.
+`jax.lax.scan`: compile time does not grow with depth. Conventions follow Hugging
+Face's LlamaForCausalLM (rotate-half RoPE, fp32 norms) so its checkpoints load
+without permuting weights.
 """
 from __future__ import annotations
 
@@ -17,8 +19,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.model.fp8 import fp8_einsum
-from jaxpar.parallel.rules import constrain
+from jaxpar.model.axes import ACTIVATION_AXES, param_axes
+from jaxpar.model.ops import Ops
+
+ACT = ACTIVATION_AXES
+REFERENCE_OPS = Ops()
 
 
 @dataclass(frozen=True)
@@ -44,25 +49,11 @@ class ModelConfig:
             mlp_dim=model.mlp_dim, max_seq_len=model.max_seq_len, rope_theta=model.rope_theta,
             norm_eps=model.norm_eps, tie_embeddings=model.tie_embeddings, init_std=model.init_std)
 
+    def param_axes(self) -> dict:
+        return param_axes(self.tie_embeddings)
 
-# Logical axis names of every parameter (the leading "layers" axis is the scan axis).
-PARAM_AXES = {
-    "embed": ("vocab", "embed"),
-    "final_norm": ("norm",),
-    "lm_head": ("embed", "vocab"),
-    "blocks": {
-        "attn_norm": ("layers", "norm"),
-        "wq": ("layers", "embed", "heads", "head_dim"),
-        "wk": ("layers", "embed", "kv_heads", "head_dim"),
-        "wv": ("layers", "embed", "kv_heads", "head_dim"),
-        "wo": ("layers", "heads", "head_dim", "embed"),
-        "mlp_norm": ("layers", "norm"),
-        "w_gate": ("layers", "embed", "mlp"),
-        "w_up": ("layers", "embed", "mlp"),
-        "w_down": ("layers", "mlp", "embed"),
-    },
-}
 
+# ----------------------------------------------------------------------------- parameters
 
 def _param(key, shape, std, names):
     value = std * jax.random.normal(key, shape, jnp.float32) if std else jnp.ones(shape, jnp.float32)
@@ -75,7 +66,7 @@ class Blocks(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         L, D, H, KV, Dh, F = cfg.layers, cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_dim
         std, out_std = cfg.init_std, cfg.init_std / (2 * L) ** 0.5  # GPT-2 style scaled residual outputs
-        ax = PARAM_AXES["blocks"]
+        ax = cfg.param_axes()["blocks"]
         self.attn_norm = _param(None, (L, D), 0, ax["attn_norm"])
         self.wq = _param(rngs.params(), (L, D, H, Dh), std, ax["wq"])
         self.wk = _param(rngs.params(), (L, D, KV, Dh), std, ax["wk"])
@@ -88,24 +79,23 @@ class Blocks(nnx.Module):
 
 
 class Transformer(nnx.Module):
+    """The parameter tree with its logical-axis metadata; the computation is the functions below."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
-        self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.init_std, PARAM_AXES["embed"])
+        axes = cfg.param_axes()
+        self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.d_model), cfg.init_std, axes["embed"])
         self.blocks = Blocks(cfg, rngs)
-        self.final_norm = _param(None, (cfg.d_model,), 0, PARAM_AXES["final_norm"])
+        self.final_norm = _param(None, (cfg.d_model,), 0, axes["final_norm"])
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.init_std, PARAM_AXES["lm_head"])
-
-    def __call__(self, tokens, *, compute_dtype=jnp.float32, remat_policy=None):
-        params = nnx.to_pure_dict(nnx.state(self, nnx.Param))
-        return forward(params, tokens, self.cfg, compute_dtype=compute_dtype, remat_policy=remat_policy)
+            self.lm_head = _param(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.init_std, axes["lm_head"])
 
 
-def rms_norm(x, scale, eps):
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+def init_params(cfg: ModelConfig, seed: int) -> dict:
+    """Fresh fp32 parameters as a pure dict (the pytree the trainer, Optax and Orbax see)."""
+    return nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(params=seed)), nnx.Param))
 
+
+# ----------------------------------------------------------------------------- one block
 
 def rope_tables(seq_len, head_dim, theta):
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
@@ -118,112 +108,107 @@ def apply_rope(x, cos, sin):
     """x: [B, S, heads, Dh]; rotate the two halves of the head dimension."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    x32 = x.astype(jnp.float32)
-    out = x32 * cos[None, :, None, :] + rotated.astype(jnp.float32) * sin[None, :, None, :]
+    out = x.astype(jnp.float32) * cos[None, :, None, :] + rotated.astype(jnp.float32) * sin[None, :, None, :]
     return out.astype(x.dtype)
 
 
-def precision(compute_dtype):
-    """(activation dtype, einsum for the activation x weight matmuls) of a compute dtype.
-
-    float32 and bfloat16: that dtype and `jnp.einsum`. float8 (`jnp.float8_e4m3fn`) is a recipe,
-    not an activation dtype: activations stay bfloat16 between matmuls and the weight matmuls run
-    as `fp8.fp8_einsum` (e4m3 operands forward, e5m2 gradients backward, per-tensor scales).
-    """
-    if jnp.dtype(compute_dtype) == jnp.float8_e4m3fn:
-        return jnp.bfloat16, fp8_einsum
-    return compute_dtype, jnp.einsum
-
-
-def attention(x, p, cos, sin, cfg: ModelConfig, matmul=jnp.einsum):
-    """Causal grouped-query attention; heads are the tensor-parallel axis.
-
-    `matmul` computes the four weight matmuls (see `precision`); the score and value
-    einsums multiply two activations and always use `jnp.einsum`.
-    """
-    q = matmul("bsd,dhk->bshk", x, p["wq"])
-    k = matmul("bsd,dhk->bshk", x, p["wk"])
-    v = matmul("bsd,dhk->bshk", x, p["wv"])
-    q = constrain(q, ("batch", "length", "heads", "head_dim"))
-    k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    B, S, H, Dh = q.shape
-    group = H // cfg.kv_heads
-    q = q.reshape(B, S, cfg.kv_heads, group, Dh)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / jnp.sqrt(Dh).astype(jnp.float32)
-    causal = jnp.tril(jnp.ones((S, S), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, S, H, Dh)
-    out = constrain(out, ("batch", "length", "heads", "head_dim"))
-    return matmul("bshk,hkd->bsd", out, p["wo"])
+def attention(x, w, cfg: ModelConfig, ops: Ops):
+    """q/k/v are column-parallel (split by heads), wo row-parallel under tensor parallelism."""
+    x = ops.column_in(x)
+    q = ops.constrain(ops.matmul("bsd,dhk->bshk", x, w["wq"]), ACT["heads"])
+    k = ops.constrain(ops.matmul("bsd,dhk->bshk", x, w["wk"]), ACT["kv_heads"])
+    v = ops.constrain(ops.matmul("bsd,dhk->bshk", x, w["wv"]), ACT["kv_heads"])
+    cos, sin = rope_tables(q.shape[1], q.shape[-1], cfg.rope_theta)
+    out = ops.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    out = ops.constrain(out, ACT["heads"])
+    return ops.row_out(ops.matmul("bshk,hkd->bsd", out, w["wo"]))
 
 
-def mlp(x, p, matmul=jnp.einsum):
+def mlp(x, w, ops: Ops):
     """SwiGLU: gate and up are column-parallel, down is row-parallel under tensor parallelism."""
-    gate = matmul("bsd,df->bsf", x, p["w_gate"])
-    up = matmul("bsd,df->bsf", x, p["w_up"])
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-    return matmul("bsf,fd->bsd", hidden, p["w_down"])
+    x = ops.column_in(x)
+    gate = ops.matmul("bsd,df->bsf", x, w["w_gate"])
+    up = ops.matmul("bsd,df->bsf", x, w["w_up"])
+    hidden = ops.constrain(jax.nn.silu(gate) * up, ACT["mlp"])
+    return ops.row_out(ops.matmul("bsf,fd->bsd", hidden, w["w_down"]))
 
 
-def block(x, p, cos, sin, cfg: ModelConfig, matmul=jnp.einsum):
-    """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
-    attn_out = attention(rms_norm(x, p["attn_norm"], cfg.norm_eps), p, cos, sin, cfg, matmul)
-    x = x + checkpoint_name(attn_out, "attn_out")
-    x = constrain(x, ("batch", "length", "act_embed"))
-    mlp_out = mlp(rms_norm(x, p["mlp_norm"], cfg.norm_eps), p, matmul)
-    x = x + checkpoint_name(mlp_out, "mlp_out")
-    return constrain(x, ("batch", "length", "act_embed"))
+def block(x, w, cfg: ModelConfig, ops: Ops):
+    """One pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x)). Returns (x, aux)."""
+    attn_out = attention(ops.norm(x, w["attn_norm"], cfg.norm_eps), w, cfg, ops)
+    x = ops.constrain(x + checkpoint_name(attn_out, "attn_out"), ACT["residual"])
+    mlp_out = mlp(ops.norm(x, w["mlp_norm"], cfg.norm_eps), w, ops)
+    x = ops.constrain(x + checkpoint_name(mlp_out, "mlp_out"), ACT["residual"])
+    return x, {}
 
 
-def embed_lookup(tokens, table):
-    """Vocab-parallel embedding as a one-hot matmul (Megatron's masked lookup + all-reduce).
+# ----------------------------------------------------------------------------- the pieces
 
-    With the table's vocab axis split over `tensor`, each device multiplies by its
-    own rows and XLA sums the partial results; a gather from a sharded table would
-    instead make the partitioner replicate it.
+def embed(params, tokens, ops: Ops = REFERENCE_OPS):
+    """tokens [B, S] -> the residual stream [B, S, D] in the compute dtype."""
+    return ops.constrain(ops.embed(tokens, ops.weights("embed", params["embed"])), ACT["residual"])
+
+
+def run_blocks(blocks, x, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_policy=None):
+    """Run the stacked layers `blocks` (any contiguous slice of the model's) over x -> (x, aux).
+
+    aux: what the blocks report per layer (stacked on a leading layers axis); keys ending
+    in `_loss` are weighted auxiliary losses the objective adds (see `loss`).
+    `remat_policy`: None keeps every activation; else a `jax.checkpoint` policy for the body.
     """
-    one_hot = jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype)
-    one_hot = constrain(one_hot, ("batch", "length", "vocab"))
-    return constrain(jnp.einsum("bsv,vd->bsd", one_hot, table), ("batch", "length", "act_embed"))
-
-
-def forward(params, tokens, cfg: ModelConfig, *, compute_dtype=jnp.float32, remat_policy=None):
-    """tokens [B, S] int32 -> logits [B, S, vocab] float32.
-
-    `params` is the pure dict of fp32 master weights; they are cast to the
-    activation dtype at use (mixed precision), norms and softmax stay fp32.
-    `compute_dtype`: float32, bfloat16, or float8_e4m3fn for FP8 matmuls with
-    bfloat16 activations (see `precision`; the embedding lookup stays bfloat16).
-    `remat_policy`: None (keep activations) or a `jax.checkpoint_policies` policy.
-    """
-    dtype, matmul = precision(compute_dtype)
-    cast = lambda a: a.astype(dtype)
-    S = tokens.shape[1]
-    cos, sin = rope_tables(S, cfg.head_dim, cfg.rope_theta)
-    x = embed_lookup(tokens, cast(params["embed"]))
-
-    def body(carry, layer_params):
-        return block(carry, jax.tree.map(cast, layer_params), cos, sin, cfg, matmul), None
+    def body(x, stored):
+        return block(x, ops.weights("blocks", stored), cfg, ops)
 
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
-    x, _ = jax.lax.scan(body, x, params["blocks"])
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = matmul("bsd,dv->bsv", x, cast(head), preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "length", "vocab"))
+    return jax.lax.scan(body, x, blocks)
 
 
-def param_axes(cfg: ModelConfig) -> dict:
-    """Logical axis names, as a pytree shaped like the params dict."""
-    axes = {k: v for k, v in PARAM_AXES.items() if not (k == "lm_head" and cfg.tie_embeddings)}
-    return axes
+def _head_inputs(params, x, cfg: ModelConfig, ops: Ops):
+    x = ops.norm(x, ops.weights("final_norm", params["final_norm"]), cfg.norm_eps)
+    head = ops.weights("embed", params["embed"]).T if cfg.tie_embeddings else ops.weights("lm_head", params["lm_head"])
+    return ops.column_in(x), head
 
 
-def init_params(cfg: ModelConfig, seed: int) -> dict:
-    """Fresh fp32 parameters as a pure dict (the pytree the trainer, Optax and Orbax see)."""
-    model = Transformer(cfg, nnx.Rngs(params=seed))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+def head_loss(params, x, targets, cfg: ModelConfig, ops: Ops = REFERENCE_OPS):
+    """Final norm, output head and the mean cross-entropy against `targets` [B, S]."""
+    x, head = _head_inputs(params, x, cfg, ops)
+    return ops.cross_entropy(x, head, targets, ops)
+
+
+def head_logits(params, x, cfg: ModelConfig, ops: Ops = REFERENCE_OPS):
+    """Final norm and output head: fp32 logits [B, S, vocab] (for decoding)."""
+    x, head = _head_inputs(params, x, cfg, ops)
+    return ops.constrain(ops.logits(x, head), ACT["logits"])
+
+
+def forward(params, tokens, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_policy=None):
+    """tokens [B, S] int32 -> (logits [B, S, vocab] float32, aux)."""
+    x, aux = run_blocks(params["blocks"], embed(params, tokens, ops), cfg, ops, remat_policy)
+    return head_logits(params, x, cfg, ops), aux
+
+
+def split_aux(aux: dict) -> tuple[dict, dict]:
+    """Per-layer aux -> (weighted losses summed over layers, statistics kept per layer)."""
+    losses = {k: jnp.sum(v) for k, v in aux.items() if k.endswith("_loss")}
+    return losses, {k: v for k, v in aux.items() if not k.endswith("_loss")}
+
+
+def cross_entropy_and_aux(params, tokens, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_policy=None):
+    """A [B, S+1] token batch -> (mean next-token cross-entropy, per-layer aux). Evaluation uses the first."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    x, aux = run_blocks(params["blocks"], embed(params, inputs, ops), cfg, ops, remat_policy)
+    return head_loss(params, x, targets, cfg, ops), aux
+
+
+def loss(params, tokens, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_policy=None):
+    """The training objective of a [B, S+1] token batch -> (loss, metrics).
+
+    loss = mean next-token cross-entropy + the blocks' weighted auxiliary losses.
+    metrics: `loss`, and when auxiliary outputs exist `ce_loss`, each auxiliary loss and
+    each statistic (trainers pass them through to metrics.jsonl without naming them).
+    """
+    ce, aux = cross_entropy_and_aux(params, tokens, cfg, ops, remat_policy)
+    losses, stats = split_aux(aux)
+    total = ce + sum(losses.values())
+    return total, {"loss": total, **({"ce_loss": ce} if aux else {}), **losses, **stats}

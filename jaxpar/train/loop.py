@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import time
-from datetime import datetime
 from pathlib import Path
 
 import jax
@@ -19,20 +18,20 @@ from jax.experimental import multihost_utils
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from jaxpar.config import ConfigError, config_from_dict, to_json
+from jaxpar.config import ConfigError, model_vocab_size, to_json
 from jaxpar.data.pipeline import build_token_data, local_rows, to_global, train_dataset, val_batches
 from jaxpar.measure.hardware import peak_flops_per_device
 from jaxpar.measure.profile import StepProfiler, parse_window
 from jaxpar.mesh import describe, make_mesh
 from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
+from jaxpar.parallel.registry import make_trainer, select
 from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
 from jaxpar.train.sample import complete
-from jaxpar.train.step import learning_rate, make_trainer
+from jaxpar.train.step import learning_rate
 
-console = Console(highlight=False)
-# Fields a resumed run may not change: they change array shapes or the data order.
-RESUME_LOCKED = ("model", "data", "train.batch_size", "seed")
+console = Console(highlight=False, soft_wrap=True)   # no hard wraps: long lines stay one line under `launch`
 
 
 def is_main() -> bool:
@@ -42,54 +41,6 @@ def is_main() -> bool:
 def say(message: str) -> None:
     if is_main():
         console.print(message)
-
-
-def resolve_vocab(config, tokenizer_vocab: int, tensor: int) -> int:
-    """The model's vocabulary: the tokenizer's, padded to a multiple of 128 (shards evenly)."""
-    if config.model.vocab_size == 0:
-        return -(-tokenizer_vocab // 128) * 128
-    if config.model.vocab_size < tokenizer_vocab:
-        raise ConfigError("model.vocab_size", f"is {config.model.vocab_size} but the tokenizer has "
-                          f"{tokenizer_vocab} tokens; use 0 (automatic) or at least {tokenizer_vocab}")
-    if config.model.vocab_size % tensor:
-        raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is not divisible by mesh.tensor={tensor}")
-    return config.model.vocab_size
-
-
-def default_run_dir(name: str) -> Path:
-    """runs/<name>-<time>, with the time chosen by process 0 so all processes agree."""
-    stamp = int(multihost_utils.broadcast_one_to_all(np.int64(int(time.time()))))
-    return Path("runs") / f"{name}-{datetime.fromtimestamp(stamp).strftime('%Y%m%d-%H%M%S')}"
-
-
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber a run, or to resume one that has nothing to resume."""
-    exists = run_dir.exists() and any(run_dir.iterdir())
-    if resume:
-        if not (run_dir / "config.json").is_file() or not (run_dir / "checkpoints").is_dir():
-            raise ConfigError("--resume", f"no checkpoint in '{run_dir}'; give the run directory of an "
-                              "earlier run (--run-dir) or start a new run without --resume")
-    elif exists and not overwrite:
-        raise ConfigError("--run-dir", f"'{run_dir}' already holds a run; pass --resume to continue it "
-                          "or --overwrite to replace it")
-
-
-def check_resume_config(config, saved: dict) -> None:
-    new = json.loads(to_json(config))
-    for field in RESUME_LOCKED:
-        old_value, new_value = saved, new
-        for part in field.split("."):
-            old_value, new_value = old_value.get(part), new_value.get(part)
-        if old_value != new_value:
-            if isinstance(old_value, dict):
-                changed = sorted(k for k in old_value if old_value.get(k) != new_value.get(k))
-                field, old_value, new_value = f"{field}.{changed[0]}", old_value[changed[0]], new_value[changed[0]]
-            raise ConfigError(field, f"was {old_value!r} in the run being resumed, now {new_value!r}; "
-                              "a resumed run must keep shapes and data order (start a new run instead)")
-
-
-def resume_config(run_dir: Path):
-    return config_from_dict(json.loads((run_dir / "config.json").read_text()))
 
 
 class MetricsLog:
@@ -124,9 +75,10 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     if resume:
         check_resume_config(config, saved_config)
     mesh = make_mesh(config)  # validates the config against the devices before any compile
+    select(config, dict(mesh.shape))  # the strategy exists and accepts this config
     data = build_token_data(config.data)
-    model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, data.stats["vocab_size"],
-                                                                    mesh.shape["tensor"]))
+    model_cfg = ModelConfig.from_config(config.model, model_vocab_size(config, data.stats["vocab_size"],
+                                                                       mesh.shape["tensor"]))
     trainer = make_trainer(config, model_cfg, mesh)
     # Every input is checked; only now does anything touch the run directory.
     multihost_utils.sync_global_devices("jaxpar-inputs-checked")
@@ -169,7 +121,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     t = config.train
     schedule = learning_rate(t)
     losses, pending = {}, []
-    val_loss = None
+    val_loss = evaluated = None     # evaluated: a validation loss not printed yet
     compile_s = None
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         console=console, disable=not (is_main() and console.is_terminal))
@@ -206,12 +158,13 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
                 jax.block_until_ready(state)
                 side_start = time.perf_counter()
                 if evaluate:
-                    val_loss = float(np.mean([float(trainer.evaluate(state["params"], b)) for b in validation]))
+                    val_loss = evaluated = float(np.mean([float(trainer.evaluate(state["params"], b))
+                                                          for b in validation]))
                     metrics_log.write({"step": step, "val_loss": val_loss})
                 if save:
                     checkpoints.save(step, state, iterator)
                 excluded += time.perf_counter() - side_start
-            if step % t.log_every == 0 or last or step == t.fault_at_step:
+            if step % t.log_every == 0 or step == start + 1 or last or step == t.fault_at_step:
                 fetched = jax.device_get([m for _, m in pending])
                 elapsed = time.perf_counter() - interval_start - excluded
                 step_time = elapsed / interval_steps if interval_steps else None  # None: the compile step
@@ -219,12 +172,13 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
                 mfu = flops_per_step / step_time / (peak * jax.device_count()) if step_time and peak else None
                 for (s_, _), m in zip(pending, fetched):
                     losses[s_] = float(m["loss"])
-                    metrics_log.write({"step": s_, "loss": losses[s_], "grad_norm": float(m["grad_norm"]),
+                    metrics_log.write({"step": s_, **{k: np.asarray(v).tolist() for k, v in m.items()},
                                        "lr": float(schedule(s_ - 1)), "step_time_s": step_time,
                                        "tokens_per_s": tok_s, "mfu": mfu})
                 message = f"step {step:>5}/{t.steps}  loss {losses[step]:.4f}"
-                if val_loss is not None:
-                    message += f"  val {val_loss:.4f}"
+                if evaluated is not None:  # printed once, never repeated stale
+                    message += f"  val {evaluated:.4f}"
+                    evaluated = None
                 if step_time:
                     message += f"  {step_time * 1e3:.0f} ms/step  {tok_s:,.0f} tok/s"
                 if mfu is not None:

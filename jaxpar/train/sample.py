@@ -28,7 +28,7 @@ def generate(params, model_cfg: ModelConfig, prompt_ids: list[int], max_new_toke
 
     @jax.jit
     def next_token(params, tokens, position, key):
-        logits = forward(params, tokens, model_cfg)[0, position - 1]
+        logits = forward(params, tokens, model_cfg)[0][0, position - 1]
         if temperature <= 0:
             return jnp.argmax(logits).astype(jnp.int32)
         logits = logits / temperature
@@ -62,17 +62,21 @@ def complete(params, model_cfg: ModelConfig, tokenizer, prompt: str, max_new_tok
     return tokenizer.decode(new).rstrip("\ufffd")
 
 
-def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=0, seed=0) -> tuple[int, str]:
-    """Restore a run's newest checkpoint onto one device and continue `prompt`; returns (step, text)."""
+def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=0, seed=0, notice=print):
+    """Restore a run's newest checkpoint onto one device and continue `prompt`; returns (step, text).
+
+    Every argument is checked before anything is restored. `max_tokens` beyond what the
+    context holds after the prompt is reduced, with a `notice`.
+    """
     from pathlib import Path
 
     from tokenizers import Tokenizer
 
-    from jaxpar.config import ConfigError
+    from jaxpar.config import MESH_AXES, ConfigError, model_vocab_size
     from jaxpar.mesh import make_mesh
+    from jaxpar.parallel.registry import make_trainer
     from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.loop import resolve_vocab, resume_config
-    from jaxpar.train.step import make_trainer
+    from jaxpar.train.rundir import resume_config
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file() or not (run_dir / "tokenizer.json").is_file():
@@ -82,17 +86,25 @@ def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=
     if top_k < 0 or temperature < 0:
         raise ConfigError("--top-k/--temperature", "must not be negative")
     tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
-    if not tokenizer.encode(prompt).ids:
+    prompt_len = len(tokenizer.encode(prompt).ids)
+    if not prompt_len:
         raise ConfigError("--prompt", "encodes to no tokens; give some text")
     config = resume_config(run_dir)
-    for axis in config.mesh:
+    context = config.data.seq_len
+    if prompt_len >= context:
+        raise ConfigError("--prompt", f"encodes to {prompt_len} tokens but the model's context is {context} "
+                          "(data.seq_len of the run); give a shorter prompt")
+    if prompt_len + max_tokens > context:
+        notice(f"note: --max-tokens {max_tokens} does not fit the {context}-token context after a {prompt_len}-token "
+               f"prompt; generating at most {context - prompt_len}")
+    for axis in MESH_AXES:
         config.mesh[axis] = 1          # decode on one device, whatever mesh trained the run
-    config.parallel.mode = "auto"      # checkpoints of every strategy share one layout
-    model_cfg = ModelConfig.from_config(config.model, resolve_vocab(config, tokenizer.get_vocab_size(), 1))
+        config.parallel[axis] = "auto"  # checkpoints of every strategy share one layout
+    model_cfg = ModelConfig.from_config(config.model, model_vocab_size(config, tokenizer.get_vocab_size(), 1))
     trainer = make_trainer(config, model_cfg, make_mesh(config, jax.devices()[:1]))
     step, state = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints).restore(trainer.abstract_state)
     if step is None:
         raise ConfigError("--run-dir", f"no readable checkpoint in '{run_dir / 'checkpoints'}'")
-    text = complete(state["params"], model_cfg, tokenizer, prompt, max_tokens, config.data.seq_len,
+    text = complete(state["params"], model_cfg, tokenizer, prompt, max_tokens, context,
                     temperature=temperature, top_k=top_k, seed=seed)
     return step, text

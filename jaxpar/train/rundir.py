@@ -1,0 +1,60 @@
+"""The run directory: where a run lives, refusing to clobber one, and what a resumed run may change."""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxpar.config import ConfigError, config_from_dict, to_json
+
+# Fields a resumed run may not change: they change array shapes or the data order.
+RESUME_LOCKED = ("model", "data", "train.batch_size", "seed")
+
+
+def default_run_dir(name: str) -> Path:
+    """runs/<name>-<time>, with the time chosen by process 0 so all processes agree."""
+    stamp = int(multihost_utils.broadcast_one_to_all(np.int64(int(time.time()))))
+    return Path("runs") / f"{name}-{datetime.fromtimestamp(stamp).strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a run, or to resume one that has nothing to resume."""
+    nearest = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    try:
+        if not nearest.is_dir():
+            raise NotADirectoryError(nearest)
+        tempfile.TemporaryFile(dir=nearest).close()       # a real probe: permissions, read-only mounts
+    except OSError as err:
+        raise ConfigError("--run-dir", f"'{run_dir}' cannot be written ({nearest}: "
+                          f"{err.strerror or type(err).__name__}); choose another --run-dir") from None
+    exists = run_dir.exists() and any(run_dir.iterdir())
+    if resume:
+        if not (run_dir / "config.json").is_file() or not (run_dir / "checkpoints").is_dir():
+            raise ConfigError("--resume", f"no checkpoint in '{run_dir}'; give the run directory of an "
+                              "earlier run (--run-dir) or start a new run without --resume")
+    elif exists and not overwrite:
+        raise ConfigError("--run-dir", f"'{run_dir}' already holds a run; pass --resume to continue it "
+                          "or --overwrite to replace it")
+
+
+def check_resume_config(config, saved: dict) -> None:
+    new = json.loads(to_json(config))
+    for field in RESUME_LOCKED:
+        old_value, new_value = saved, new
+        for part in field.split("."):
+            old_value, new_value = old_value.get(part), new_value.get(part)
+        if old_value != new_value:
+            if isinstance(old_value, dict):
+                changed = sorted(k for k in old_value if old_value.get(k) != new_value.get(k))
+                field, old_value, new_value = f"{field}.{changed[0]}", old_value[changed[0]], new_value[changed[0]]
+            raise ConfigError(field, f"was {old_value!r} in the run being resumed, now {new_value!r}; "
+                              "a resumed run must keep shapes and data order (start a new run instead)")
+
+
+def resume_config(run_dir: Path):
+    return config_from_dict(json.loads((run_dir / "config.json").read_text()))

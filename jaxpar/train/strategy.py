@@ -1,0 +1,80 @@
+"""The strategy contract: what every trainer provides, so the loop, dry runs, labs and tests never
+need to know which strategy runs.
+
+A strategy is a subclass of `Strategy` in one file under jaxpar/parallel/ plus one
+line in `jaxpar/parallel/registry.py`. Its constructor calls `Strategy.__init__` (config,
+model, mesh, optimizer, logical-axis rules, ops bundle, remat policy, donation) and then
+sets:
+
+  param_shardings   pytree of NamedSharding shaped like the params dict
+  state_shardings   the same for the whole state {"params", "opt_state", "step"}
+  abstract_state    ShapeDtypeStructs carrying those shardings (restore targets, dry runs)
+  batch_sharding    NamedSharding of one [batch, seq_len + 1] int32 token batch
+  step_fn           jitted (state, tokens) -> (state, metrics): a dict of replicated arrays
+                    with at least `loss` and `grad_norm`; the loop logs every key
+  eval_fn           jitted (params, tokens) -> the mean cross-entropy (replicated scalar)
+
+Every strategy stores the same state pytree with the same global shapes (only the
+shardings differ), so a checkpoint written by one restores into any other.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.model.axes import named_arrays
+from jaxpar.model.ops import make_ops
+from jaxpar.model.transformer import ModelConfig, init_params
+from jaxpar.parallel.rules import AxisRules
+from jaxpar.train.step import donate_state, make_optimizer, remat_policy
+
+
+class Strategy:
+    """Base of every trainer: shared construction, initial state, and running under the mesh."""
+
+    #: mesh axis -> the `parallel.<axis>` implementations this trainer runs (the registry matches on it)
+    RUNS: dict[str, tuple[str, ...]] = {}
+
+    def __init__(self, config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
+        self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
+        self.optimizer = make_optimizer(config.train)
+        self.rules = AxisRules.from_config(config)
+        self.rules.check(named_arrays(model_cfg.tie_embeddings), mesh)
+        self.ops = make_ops(config.train.compute_dtype, self.rules)
+        self.policy = remat_policy(config.train)
+        self.microbatches = config.train.microbatches
+        self.donate_argnums = donate_state(mesh, donate)
+
+    @classmethod
+    def check(cls, config, sizes: dict[str, int]) -> None:
+        """Raise ConfigError when this strategy cannot run `config` on a mesh of `sizes` (before building)."""
+
+    # ---------------------------------------------------------------- provided to every strategy
+    def _init_state(self):
+        params = init_params(self.model_cfg, self.config.seed)
+        return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def _with_shardings(self, abstract, shardings):
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    def init_state(self):
+        """Initialise directly into the sharded layout: no device ever holds more than its part."""
+        with jax.set_mesh(self.mesh):
+            return jax.jit(self._init_state, out_shardings=self.state_shardings)()
+
+    def step(self, state, batch):
+        with jax.set_mesh(self.mesh):
+            return self.step_fn(state, batch)
+
+    def evaluate(self, params, batch):
+        with jax.set_mesh(self.mesh):
+            return self.eval_fn(params, batch)
+
+    def abstract_batch(self, batch_size: int | None = None) -> jax.ShapeDtypeStruct:
+        size = batch_size or self.config.train.batch_size
+        return jax.ShapeDtypeStruct((size, self.config.data.seq_len + 1), jnp.int32, sharding=self.batch_sharding)
+
+    def lower_step(self):
+        """The step lowered for abstract inputs (nothing allocated): `.compile()` it for memory, HLO, FLOPs."""
+        with jax.set_mesh(self.mesh):
+            return self.step_fn.lower(self.abstract_state, self.abstract_batch())

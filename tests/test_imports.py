@@ -1,0 +1,86 @@
+"""The package's seams: every module imports on its own, and no jaxpar modules import each other in a cycle."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "jaxpar"
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for file in PACKAGE.rglob("*.py"):
+        name = ".".join(file.relative_to(PACKAGE.parent).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = file
+    return found
+
+
+def imports_of(name: str, file: Path, known: dict) -> set[str]:
+    """jaxpar modules `name` imports anywhere in its body (function-level imports count too)."""
+    out = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+    return {m for m in out if m in known and m != name and known[m].name != "__init__.py"}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    known = modules()
+    graph = {name: imports_of(name, file, known) for name, file in known.items()}
+    assert cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_module_imports_alone():
+    """Each module imported first, in a fresh jaxpar namespace (one interpreter; jax itself stays loaded)."""
+    names = sorted(modules())
+    script = "\n".join([
+        "import importlib, sys",
+        f"for name in {names!r}:",
+        "    for loaded in [m for m in sys.modules if m == 'jaxpar' or m.startswith('jaxpar.')]:",
+        "        del sys.modules[loaded]",
+        "    try:",
+        "        importlib.import_module(name)",
+        "    except Exception as err:",
+        "        print(f'FAILED {name}: {type(err).__name__}: {err}')",
+    ])
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "FAILED" not in result.stdout, result.stdout
