@@ -136,6 +136,28 @@ def test_export_round_trip(variant, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params2, params)
 
 
+def test_export_writes_special_token_ids(tmp_path):
+    """bos/eos go into config.json and generation_config.json, which transformers loads."""
+    model = tiny_llama(tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "hf")
+    cfg, params = load_hf_llama(tmp_path / "hf")
+
+    export_hf_llama(params, cfg, tmp_path / "out", bos_token_id=5, eos_token_id=7)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["bos_token_id"] == 5 and config["eos_token_id"] == 7
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert generation.bos_token_id == 5 and generation.eos_token_id == 7
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert hf_config.bos_token_id == 5 and hf_config.eos_token_id == 7
+
+    export_hf_llama(params, cfg, tmp_path / "plain")        # no ids: still a loadable generation config
+    transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
+
+    with pytest.raises(ValueError, match="^eos_token_id: 256 is not a token id"):
+        export_hf_llama(params, cfg, tmp_path / "bad", eos_token_id=256)
+    assert not (tmp_path / "bad").exists()
+
+
 def test_export_into_empty_dir_is_allowed_nonempty_refused(tmp_path):
     model = tiny_llama(tie_word_embeddings=True)
     model.save_pretrained(tmp_path / "hf")

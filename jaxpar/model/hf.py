@@ -213,13 +213,27 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
 
 
-def export_hf_llama(params: dict, cfg: ModelConfig, path) -> None:
-    """Write `params` as a HF Llama directory (config.json + fp32 model.safetensors).
+def _token_ids(name: str, value, vocab_size: int) -> int | list[int]:
+    """`value` (one id or a list of ids) as JSON-ready ints, or a ValueError naming `name`."""
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    if not ids or not all(isinstance(i, (int, np.integer)) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"{name}: {value!r} is not a token id (or list of ids) in 0..{vocab_size - 1}")
+    ids = [int(i) for i in ids]
+    return ids if isinstance(value, (list, tuple)) else ids[0]
 
+
+def export_hf_llama(params: dict, cfg: ModelConfig, path, bos_token_id=None, eos_token_id=None) -> None:
+    """Write `params` as a HF Llama directory (config.json, generation_config.json, fp32 model.safetensors).
+
+    The BOS/EOS ids, when given, go into both JSON files: without them transformers
+    assumes Llama's defaults (1 and 2), which are not this tokenizer's.
     `path` must be new or an empty directory: a checkpoint directory is never
     partly overwritten, so an old export cannot end up mixed with a new one.
     """
     path = Path(path)
+    special = {name: _token_ids(name, value, cfg.vocab_size)
+               for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id))
+               if value is not None}
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path}: exists and is not an empty directory; export into a new one")
     host = jax.tree.map(lambda a: np.asarray(jax.device_get(a), dtype=np.float32), params)
@@ -233,6 +247,8 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path) -> None:
     tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps({**config_to_hf(cfg), **special}, indent=2) + "\n")
+    # No "transformers_version": GenerationConfig.from_pretrained does not need it.
+    (path / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     # transformers refuses safetensors files whose metadata lacks a known "format".
     save_file(tensors, str(path / _SINGLE_FILE), metadata={"format": "pt"})
