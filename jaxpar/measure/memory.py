@@ -126,7 +126,7 @@ def shard_counts(config, sizes: dict[str, int]) -> dict[str, int]:
 
     auto mode: the `fsdp` and `tensor` axes split params, grads and Adam state alike
       (ZeRO-3 over fsdp, Megatron over tensor); `data` replicates everything.
-    manual mode, ZeRO stage s over the `data` axis (DESIGN.md): stage >= 1 splits the
+    manual mode, ZeRO stage s over the `data` axis (the ZeRO paper's stages): stage >= 1 splits the
       optimizer state, >= 2 also the gradients, 3 also the parameters.
     Norm weights are replicated in practice; the formula ignores that (<0.1% of a 7B).
     """
