@@ -10,7 +10,7 @@ Targets:
   cpu               N virtual CPU devices (`jax_num_cpu_devices`, fixed before JAX starts).
   h100, h200, a100  a real XLA:GPU compile with no GPU: a topology described by
                     jaxpar's own GpuTargetConfigProto files (measure/gpu_targets/) and
-                    the CUDA PJRT plugin wheels (JAX_NOTES §5). Topology PxHxG =
+                    the CUDA PJRT plugin wheels (which compile without a GPU). Topology PxHxG =
                     partitions x hosts x GPUs per host.
 """
 from __future__ import annotations

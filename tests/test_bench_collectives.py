@@ -124,6 +124,23 @@ def test_cli_arguments(tmp_path, capsys):
     assert (tmp_path / "collectives.md").exists()
 
 
+@pytest.mark.parametrize("entry", [["jaxpar.cli", "bench", "collectives"], ["jaxpar.bench.collectives"]])
+def test_one_device_is_refused(tmp_path, entry):
+    """Without --cpu-devices the CPU backend has one device: no collective to time, so exit 2 in one line."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", *entry, "--ops", "all-reduce", "--min-bytes", "4K", "--max-bytes", "4K",
+         "--budget", "0.01", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(err) == 1 and err[0].startswith("error: --cpu-devices: ") and ">= 2 devices" in err[0], err
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not out.exists()
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))

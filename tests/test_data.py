@@ -52,6 +52,20 @@ def test_bad_corpora_name_the_field(tmp_path, content, suffix, message):
     assert err.value.field == "data.corpus"
 
 
+@pytest.mark.parametrize("content, suffix, message", [
+    ("سطر".encode("cp1256") + b"\n", ".txt", "not UTF-8 text \\(invalid byte at offset 0\\)"),
+    (b"ok\n\xff\xfe", ".txt", "not UTF-8 text \\(invalid byte at offset 3\\)"),
+    (b'{"text": "ok"}\n\x89PNG\r\n', ".jsonl", "not UTF-8 text \\(invalid byte at offset 15\\)"),
+    (b"ELF\x00\x01\x02 text\n", ".txt", "is binary, not text \\(NUL byte at offset 3\\)"),
+], ids=["cp1256", "bad-tail", "jsonl-then-png", "nul-byte"])
+def test_binary_or_non_utf8_corpora_are_refused(tmp_path, content, suffix, message):
+    path = tmp_path / f"corpus{suffix}"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as err:
+        load_documents(str(path))
+    assert err.value.field == "data.corpus" and "\n" not in str(err.value)
+
+
 def test_tokenizer_round_trips_arabic_and_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXPAR_CACHE", str(tmp_path))
     docs = load_documents("quran")[:20]

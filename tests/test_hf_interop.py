@@ -73,6 +73,42 @@ def test_load_matches_transformers(variant, tmp_path):
     assert np.abs(got - expected).max() < TOL
 
 
+def test_swish_is_silu(tmp_path):
+    """transformers maps hidden_act "swish" to the same SiLU as "silu", so it loads and matches."""
+    model = tiny_llama(tie_word_embeddings=False, hidden_act="swish")
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["hidden_act"] == "swish"
+    cfg, params = load_hf_llama(tmp_path)
+    toks = tokens()
+    assert np.abs(jax_logits(params, cfg, toks) - torch_logits(model, toks)).max() < TOL
+
+
+def save_tied_with_head(model, path, head):
+    """A tied model's checkpoint that also stores `head` as lm_head.weight, as some writers do."""
+    from safetensors.numpy import load_file, save_file
+
+    model.save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    save_file({**tensors, "lm_head.weight": head(tensors["model.embed_tokens.weight"])},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_tied_checkpoint_with_an_equal_head_copy_loads(tmp_path):
+    model = tiny_llama(tie_word_embeddings=True)
+    save_tied_with_head(model, tmp_path, lambda embed: embed.copy())
+    cfg, params = load_hf_llama(tmp_path)
+    assert cfg.tie_embeddings and "lm_head" not in params
+
+
+def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
+    model = tiny_llama(tie_word_embeddings=True)
+    save_tied_with_head(model, tmp_path, lambda embed: embed + 1.0)
+    with pytest.raises(ValueError, match="^tie_word_embeddings: .*lm_head.weight .*differs") as err:
+        load_hf_llama(tmp_path)
+    assert "\n" not in str(err.value)
+
+
 def test_load_bf16_checkpoint_widens_exactly(tmp_path):
     model = tiny_llama(tie_word_embeddings=False).to(torch.bfloat16)
     model.save_pretrained(tmp_path)
@@ -98,6 +134,28 @@ def test_export_round_trip(variant, tmp_path):
     cfg2, params2 = load_hf_llama(tmp_path / "out")
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+def test_export_writes_special_token_ids(tmp_path):
+    """bos/eos go into config.json and generation_config.json, which transformers loads."""
+    model = tiny_llama(tie_word_embeddings=True)
+    model.save_pretrained(tmp_path / "hf")
+    cfg, params = load_hf_llama(tmp_path / "hf")
+
+    export_hf_llama(params, cfg, tmp_path / "out", bos_token_id=5, eos_token_id=7)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["bos_token_id"] == 5 and config["eos_token_id"] == 7
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert generation.bos_token_id == 5 and generation.eos_token_id == 7
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert hf_config.bos_token_id == 5 and hf_config.eos_token_id == 7
+
+    export_hf_llama(params, cfg, tmp_path / "plain")        # no ids: still a loadable generation config
+    transformers.GenerationConfig.from_pretrained(tmp_path / "plain")
+
+    with pytest.raises(ValueError, match="^eos_token_id: 256 is not a token id"):
+        export_hf_llama(params, cfg, tmp_path / "bad", eos_token_id=256)
+    assert not (tmp_path / "bad").exists()
 
 
 def test_export_into_empty_dir_is_allowed_nonempty_refused(tmp_path):
@@ -128,12 +186,23 @@ def test_config_both_rope_layouts():
     assert v4 == v5 and v4.rope_theta == 500000.0 and v4.head_dim == 16
 
 
+def test_config_rope_written_both_ways_loads_when_it_agrees():
+    both = config_from_hf({**BASE_HF, "rope_theta": 500000.0, "rope_scaling": {"type": "default"},
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
+    assert both.rope_theta == 500000.0
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+      "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_theta": 5e5}, "rope_theta"),
+    ({"rope_scaling": {"rope_type": "default", "rope_theta": 1e4}, "rope_theta": 5e5}, "rope_theta"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_unsupported_config_is_refused(overrides, field, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**BASE_HF, **overrides}))

@@ -50,7 +50,7 @@ def test_fsdp_matmul_gather_and_gradient_reduction():
     """FSDP weight (rows sharded): forward all-gathers it; the gradient is reduced back to shards.
 
     XLA:CPU lowers the gradient's reduce-scatter to an all-reduce of the full gradient
-    followed by a dynamic-slice (JAX_NOTES §4), so it costs 2(N-1)/N x W instead of
+    followed by a dynamic-slice, so it costs 2(N-1)/N x W instead of
     (N-1)/N x W; a GPU compile emits a real reduce-scatter. Either form is accepted.
     """
     mesh = auto_mesh((N,), ("fsdp",))

@@ -85,7 +85,7 @@ def test_cpu_peak_includes_temporaries(fsdp_step):
 @pytest.mark.parametrize("stage, expected", [("ddp", 16), ("zero1", 4 + 12 / 64), ("zero2", 2 + 14 / 64),
                                              ("zero3", 16 / 64)])
 def test_zero_stages_match_the_paper(stage, expected):
-    """DESIGN.md's mixed-precision ZeRO (fp16 params and grads, K=12): 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."""
+    """The ZeRO paper's mixed precision (fp16 params and grads, K=12): 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N."""
     config = tiny(f"parallel.data={stage}")
     shards = shard_counts(config, {"data": 64, "fsdp": 1, "tensor": 1})
     formula = zero_formula(1000, shards, param_bytes=2, grad_bytes=2, optimizer_bytes=12)

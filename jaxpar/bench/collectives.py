@@ -1,8 +1,8 @@
 """Collectives microbenchmark: the JAX counterpart of nccl-tests.
 
 Each collective runs in `jax.shard_map` over the single axis 'x' of a 1-D mesh of
-every device (all processes), for message sizes that double from `min_bytes` to
-`max_bytes`. Per size we report the median time, the algorithm bandwidth
+every device (all processes; at least 2, since one device exchanges nothing), for
+message sizes that double from `min_bytes` to `max_bytes`. Per size we report the median time, the algorithm bandwidth
 algbw = size / time, and the bus bandwidth busbw = algbw x factor, with nccl-tests'
 definitions of "size" and "factor" so the numbers compare with nccl-tests output:
 
@@ -40,6 +40,7 @@ import csv
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -264,6 +265,10 @@ def run_collectives_bench(ops, min_bytes, max_bytes, time_budget_s, out_dir) -> 
         raise ConfigError("--min-bytes", f"{min_bytes} is larger than --max-bytes {max_bytes}")
     if not time_budget_s > 0:
         raise ConfigError("--budget", f"is {time_budget_s}; must be a positive number of seconds per size")
+    devices = jax.devices()
+    if len(devices) < 2:
+        raise ConfigError("--cpu-devices", f"found {len(devices)} {devices[0].platform} device; a collective needs "
+                          ">= 2 devices, e.g. --cpu-devices 8")
     free, where = available_bytes_per_device()
     if max_bytes > MEMORY_FRACTION * free:
         raise ConfigError("--max-bytes", f"{max_bytes} bytes per device is more than {MEMORY_FRACTION:.0%} of the "
@@ -411,7 +416,7 @@ def main(argv=None) -> int:
     try:
         return run_bench(args)
     except ConfigError as err:
-        print(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
         if jax.process_count() > 1:

@@ -38,6 +38,20 @@ def normalize_arabic(text: str) -> str:
     return _DIACRITICS.sub("", text).translate(_ALEF_WASLA)
 
 
+def _read_utf8_text(path: Path, corpus: str) -> str:
+    """The file's text, or a ConfigError when it is not UTF-8 text (a NUL byte counts as binary)."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError("data.corpus", f"'{corpus}' is not UTF-8 text (invalid byte at offset {err.start}); "
+                          "give a UTF-8 .txt / .jsonl file") from None
+    if "\0" in text:
+        raise ConfigError("data.corpus", f"'{corpus}' is binary, not text (NUL byte at offset {data.index(0)}); "
+                          "give a UTF-8 .txt / .jsonl file")
+    return text
+
+
 def load_documents(corpus: str, normalize: bool = False) -> list[str]:
     """Documents of the corpus: one per sura for the Quran, per line (.txt) or record (.jsonl)."""
     if corpus == "quran":
@@ -48,10 +62,10 @@ def load_documents(corpus: str, normalize: bool = False) -> list[str]:
         if not path.is_file():
             raise ConfigError("data.corpus", f"no such file '{corpus}'; use 'quran' or a .txt / .jsonl path")
         if path.suffix == ".txt":
-            docs = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+            docs = [line.strip() for line in _read_utf8_text(path, corpus).splitlines()]
         elif path.suffix == ".jsonl":
             docs = []
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for number, line in enumerate(_read_utf8_text(path, corpus).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:

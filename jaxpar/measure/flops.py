@@ -1,8 +1,8 @@
 """FLOPs of a training step: the model's (analytic) and the compiled program's, and MFU.
 
 `compiled.cost_analysis()["flops"]` undercounts any program with a loop: XLA's
-HloCostAnalysis adds a `while` body's cost once, whatever its trip count
-(JAX_NOTES §4), so a 32-layer scanned model reports about one layer's worth.
+HloCostAnalysis adds a `while` body's cost once, whatever its trip count, so a
+32-layer scanned model reports about one layer's worth.
 
 The correction is read from the HLO. We emulate HloCostAnalysis' counting rules per
 instruction (dot: 2·|result|·|contracted dims|; elementwise arithmetic: one per

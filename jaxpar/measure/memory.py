@@ -129,8 +129,8 @@ def shard_counts(config, sizes: dict[str, int]) -> dict[str, int]:
 
     auto: the `fsdp` and `tensor` axes split params, grads and Adam state alike
       (ZeRO-3 over fsdp, Megatron over tensor); `data` replicates everything.
-    parallel.data = ddp / zero1 / zero2 / zero3, ZeRO stage s over `data`: stage >= 1 splits the
-      optimizer state, >= 2 also the gradients, 3 also the parameters.
+    parallel.data = ddp / zero1 / zero2 / zero3, the ZeRO paper's stage s over `data`: stage >= 1
+      splits the optimizer state, >= 2 also the gradients, 3 also the parameters.
     Norm weights are replicated in practice; the formula ignores that (<0.1% of a 7B).
     """
     model = sizes.get("fsdp", 1) * sizes.get("tensor", 1)

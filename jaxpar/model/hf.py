@@ -8,6 +8,9 @@ axis and stacking the per-layer tensors on the leading `layers` axis.
 Only plain Llama is accepted: a config that asks for something this model does
 not compute (biases, scaled RoPE, another activation) is refused with one line
 naming the field, rather than loaded into weights that would silently differ.
+Fields that say the same thing twice (RoPE in `rope_parameters` and `rope_scaling`,
+a top-level `rope_theta`, a tied head stored as `lm_head.weight`) must agree: a
+conflict is refused too, since picking one would be a guess.
 """
 from __future__ import annotations
 
@@ -53,19 +56,36 @@ _LAYER_EXPORT = {
 }
 
 
+def _rope_kind(rope: dict) -> dict:
+    """A RoPE dict without its base and with `type` spelled `rope_type`, for comparing the two layouts."""
+    kind = {("rope_type" if key == "type" else key): value for key, value in rope.items() if key != "rope_theta"}
+    kind.setdefault("rope_type", "default")
+    return kind
+
+
 def _rope_theta(hf: dict) -> float:
-    """RoPE base from either config generation, refusing any scaled variant.
+    """RoPE base from either config generation, refusing any scaled variant and any disagreement.
 
     transformers >= 5 writes `rope_parameters: {rope_type, rope_theta}`; older
     versions write a top-level `rope_theta` and an optional `rope_scaling`
-    whose kind is under `rope_type` (or the older `type`).
+    whose kind is under `rope_type` (or the older `type`). A config may carry
+    both; then they must describe the same RoPE, and every `rope_theta` must match.
     """
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    params, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    if params and scaling and _rope_kind(params) != _rope_kind(scaling):
+        raise ValueError(f"rope_scaling: {json.dumps(scaling)} disagrees with rope_parameters {json.dumps(params)}; "
+                         "keep one, or make them describe the same RoPE")
+    thetas = {where: float(rope["rope_theta"]) for where, rope in
+              (("rope_parameters", params), ("rope_scaling", scaling), ("top-level", hf))
+              if rope.get("rope_theta") is not None}
+    if len(set(thetas.values())) > 1:
+        found = ", ".join(f"{where} {theta:g}" for where, theta in thetas.items())
+        raise ValueError(f"rope_theta: the config gives different values ({found}); make them equal")
+    kind = _rope_kind(params or scaling)["rope_type"]
     if kind != "default":
-        field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        field = "rope_parameters" if params else "rope_scaling"
         raise ValueError(f"{field}: rope type {kind!r} is not supported (only unscaled 'default' RoPE)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return next(iter(thetas.values()), 10000.0)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -75,8 +95,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag, False):
             raise ValueError(f"{flag}: biases are not supported (jaxpar's Llama has no bias terms)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act: {hf['hidden_act']!r} is not supported (only 'silu', i.e. SwiGLU)")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):   # transformers maps both names to SiLU
+        raise ValueError(f"hidden_act: {hf['hidden_act']!r} is not supported (only 'silu' or 'swish', i.e. SwiGLU)")
     heads = hf["num_attention_heads"]
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -151,7 +171,10 @@ def load_hf_llama(path) -> tuple[ModelConfig, dict]:
     params = {"embed": take("model.embed_tokens.weight", (V, D)), "blocks": blocks,
               "final_norm": take("model.norm.weight", (D,))}
     if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)  # some writers store the tied copy too; HF ignores it as well
+        head = tensors.pop("lm_head.weight", None)  # some writers store the tied copy too; it must be a copy
+        if head is not None and not np.array_equal(head, params["embed"]):
+            raise ValueError(f"tie_word_embeddings: true, but lm_head.weight in {path} differs from "
+                             "model.embed_tokens.weight; set tie_word_embeddings to false to load the separate head")
     else:
         params["lm_head"] = take("lm_head.weight", (V, D)).T
     if tensors:
@@ -190,13 +213,27 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
 
 
-def export_hf_llama(params: dict, cfg: ModelConfig, path) -> None:
-    """Write `params` as a HF Llama directory (config.json + fp32 model.safetensors).
+def _token_ids(name: str, value, vocab_size: int) -> int | list[int]:
+    """`value` (one id or a list of ids) as JSON-ready ints, or a ValueError naming `name`."""
+    ids = value if isinstance(value, (list, tuple)) else [value]
+    if not ids or not all(isinstance(i, (int, np.integer)) and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"{name}: {value!r} is not a token id (or list of ids) in 0..{vocab_size - 1}")
+    ids = [int(i) for i in ids]
+    return ids if isinstance(value, (list, tuple)) else ids[0]
 
+
+def export_hf_llama(params: dict, cfg: ModelConfig, path, bos_token_id=None, eos_token_id=None) -> None:
+    """Write `params` as a HF Llama directory (config.json, generation_config.json, fp32 model.safetensors).
+
+    The BOS/EOS ids, when given, go into both JSON files: without them transformers
+    assumes Llama's defaults (1 and 2), which are not this tokenizer's.
     `path` must be new or an empty directory: a checkpoint directory is never
     partly overwritten, so an old export cannot end up mixed with a new one.
     """
     path = Path(path)
+    special = {name: _token_ids(name, value, cfg.vocab_size)
+               for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id))
+               if value is not None}
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path}: exists and is not an empty directory; export into a new one")
     host = jax.tree.map(lambda a: np.asarray(jax.device_get(a), dtype=np.float32), params)
@@ -210,6 +247,8 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path) -> None:
     tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps({**config_to_hf(cfg), **special}, indent=2) + "\n")
+    # No "transformers_version": GenerationConfig.from_pretrained does not need it.
+    (path / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     # transformers refuses safetensors files whose metadata lacks a known "format".
     save_file(tensors, str(path / _SINGLE_FILE), metadata={"format": "pt"})
