@@ -409,11 +409,11 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m jaxpar.bench.collectives", description=__doc__.split("\n")[0])
     add_bench_arguments(parser)
-    parser.add_argument("--cpu-devices", type=int, default=0, help="virtual CPU devices per process")
+    parser.add_argument("--cpu-devices", type=int, default=None, help="virtual CPU devices per process")
     args = parser.parse_args(argv)
-    set_cpu_devices(args.cpu_devices)
-    init_distributed()
     try:
+        set_cpu_devices(args.cpu_devices)
+        init_distributed()
         return run_bench(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
