@@ -50,6 +50,9 @@ class StepProfiler:
     def annotate(self, step: int):
         return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
+    def stops_after(self, step: int) -> bool:
+        return self.active and step == self.window[1]
+
     def after(self, step: int, state) -> dict | None:
         if self.active and step == self.window[1]:
             jax.block_until_ready(state)

@@ -137,6 +137,8 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
             excluded += time.perf_counter() - side_start
             with profiler.annotate(step):
                 state, metrics = trainer.step(state, batch)
+            if profiler.stops_after(step):
+                jax.block_until_ready(state)   # the traced step's own time stays in the step times
             side_start = time.perf_counter()
             profiled = profiler.after(step, state)
             if profiled and is_main():
