@@ -29,12 +29,41 @@ def run_main(capsys, argv):
     (["--set", "data.corpus=/no/such/corpus.txt"], "data.corpus"),
     (["--set", "mesh.expert=2", "--set", "mesh.data=4"], "mesh.expert"),
     (["--config", "configs/no_such.py"], "--config"),
+    (["--set", "parallel.data=zero9"], "parallel.data"),
+    (["--set", "mesh.data=1", "--set", "mesh.fsdp=8", "--set", "parallel.data=zero2"], "parallel.data"),
+    (["--set", "parallel.rules=length=nowhere"], "parallel.rules"),
+    (["--set", "parallel.rules=sequence=tensor"], "parallel.rules"),
+    (["--set", "parallel.rules=heads=tensor,head_dim=tensor", "--set", "mesh.data=4",
+      "--set", "mesh.tensor=2"], "parallel.rules"),
+    (["--cpu-devices", "0"], "--cpu-devices"),
+    (["--cpu-devices", "-3"], "--cpu-devices"),
 ])
 def test_bad_train_input(capsys, tmp_path, extra, field):
     code, err = run_main(capsys, ["train", *TINY, "--run-dir", str(tmp_path / "run"), *extra])
     assert code == 2
     assert len(err) == 1 and err[0].startswith(f"error: {field}: "), err
     assert not (tmp_path / "run").exists()                  # nothing was created
+
+
+def test_config_file_that_fails_to_load(capsys, tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config(:\n    pass\n")
+    code, err = run_main(capsys, ["train", "--config", str(broken), "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and err == [f"error: --config: '{broken}' line 1: invalid syntax"], err
+    raising = tmp_path / "raising.py"
+    raising.write_text("def get_config():\n    return 1 / 0\n")
+    code, err = run_main(capsys, ["train", "--config", str(raising), "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and len(err) == 1 and "ZeroDivisionError" in err[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc"])
+def test_unwritable_run_dir_is_refused_before_anything_is_built(capsys, tmp_path, where):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    run_dir = a_file / "run" if where == "under-a-file" else "/proc/jaxpar-run"
+    code, err = run_main(capsys, ["train", *TINY, "--run-dir", str(run_dir)])
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: --run-dir: '{run_dir}' cannot be written")
 
 
 def test_empty_corpus(capsys, tmp_path):
@@ -103,3 +132,10 @@ def test_sample_bad_input(capsys, tmp_path, finished_run):
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --run-dir: ")
     code, err = run_main(capsys, ["sample", "--run-dir", str(finished_run), "--max-tokens", "0"])
     assert code == 2 and err[0].startswith("error: --max-tokens: ")
+    code, err = run_main(capsys, ["sample", "--run-dir", str(finished_run), "--prompt", "ٱللَّهِ " * 40])
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --prompt: encodes to "), err
+
+
+def test_sample_says_when_max_tokens_is_reduced(capsys, finished_run):
+    code, err = run_main(capsys, ["sample", "--run-dir", str(finished_run), "--max-tokens", "5000"])
+    assert code == 0 and len(err) == 1 and err[0].startswith("note: --max-tokens 5000 does not fit"), err

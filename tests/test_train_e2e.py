@@ -1,4 +1,6 @@
 """End to end: `jaxpar train` writes a run, resumes exactly after a crash, runs on 2 processes, samples."""
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -19,10 +21,29 @@ def metrics(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
+def reference_output(tmp_path_factory):
+    """The reference run (8 steps, log every step, evaluate every 4) and what it printed (not a terminal)."""
     run_dir = tmp_path_factory.mktemp("runs") / "reference"
-    assert main(["train", *TINY, "--run-dir", str(run_dir)]) == 0
-    return run_dir
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["train", *TINY, "--run-dir", str(run_dir)]) == 0
+    return run_dir, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def reference_run(reference_output):
+    return reference_output[0]
+
+
+def test_console_shows_the_first_loss_fresh_validation_and_unwrapped_lines(reference_output):
+    run_dir, printed = reference_output
+    lines = printed.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert steps[0].startswith("step     1/8  loss ")                       # the initial loss is shown
+    assert [("val" in line) for line in steps] == [s in (4, 8) for s in range(1, 9)]  # only when evaluated
+    corpus = next(line for line in lines if line.startswith("corpus: "))
+    assert len(corpus) > 80 and corpus.endswith("sequences of 32")          # one line, not wrapped at 80
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "grad_norm", "lr", "step_time_s"} <= set(records[0])     # the step's metrics pass through
 
 
 def test_run_directory_holds_config_metrics_checkpoints_and_sample(reference_run):

@@ -129,10 +129,11 @@ def test_zero3_slices_params_and_adam_state_zero1_only_adam_state(trainers, runs
             assert shard_fraction(leaf) == 1 / N, stage
     state = runs("ddp")[2]
     assert all(shard_fraction(leaf) == 1.0 for leaf in jax.tree.leaves(state))
-    # the split rule: largest divisible dimension, never the stacked layers axis
+    # the split rule: the first divisible dimension, never the stacked layers axis
     dims = trainers["zero3"].dims
-    assert dims["embed"] == 0 and dims["lm_head"] == 1                  # vocab (512) > d_model (64)
-    assert dims["blocks"]["wq"] == 1 and dims["blocks"]["w_up"] == 2    # d_model; mlp (128)
+    assert dims["embed"] == 0 and dims["lm_head"] == 0                  # vocab (512); d_model (64)
+    assert dims["blocks"]["wq"] == 1 and dims["blocks"]["w_down"] == 1  # d_model; mlp (128)
+    assert dims["blocks"]["wo"] == 2                                    # heads (4) do not divide by 8: head_dim
     assert dims["blocks"]["attn_norm"] == 1
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 
 from jaxpar.config import MESH_AXES, ConfigError
+from jaxpar.model.axes import named_arrays
+from jaxpar.parallel.rules import AxisRules, parse_rules
 
 AUTO = "jaxpar.parallel.auto:AutoTrainer"
 STRATEGIES = (
@@ -52,6 +54,7 @@ def select(config, sizes: dict[str, int]):
             raise ConfigError(f"parallel.{next(iter(chosen))}", f"{asked} is not built (no trainer runs that "
                               "combination); set the other axes to auto")
         cls = fits[0]
+    AxisRules(parse_rules(config.parallel.rules)).check(named_arrays(config.model.tie_embeddings), sizes)
     cls.check(config, sizes)
     return cls
 

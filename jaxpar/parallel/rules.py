@@ -95,9 +95,9 @@ class AxisRules:
         return jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.tree_specs(logical_tree, mesh.axis_names),
                             is_leaf=lambda x: isinstance(x, P))
 
-    def check(self, named_arrays: dict[str, tuple[str | None, ...]], mesh) -> None:
-        """Refuse (ConfigError) a table that puts one mesh axis twice on the same array."""
-        live = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    def check(self, named_arrays: dict[str, tuple[str | None, ...]], sizes: dict[str, int]) -> None:
+        """Refuse (ConfigError) a table that puts one mesh axis (of `sizes` > 1) twice on the same array."""
+        live = [a for a, size in sizes.items() if size > 1]
         for what, names in named_arrays.items():
             try:
                 self.spec(names, live)

@@ -21,8 +21,8 @@ each layer in the forward pass and again in the backward pass (its remat policy 
 saves a gathered weight); the embedding, final norm and head are fetched outside the
 layer loop, so their bytes are 2Ψ_o, not 3Ψ_o. A tied embedding is fetched twice.
 
-Every parameter (and its Adam moments) is split along its largest dimension divisible
-by N, never the stacked `layers` axis. Clipping uses the true global norm. Gradients
+Every parameter (and its Adam moments) is split along its first dimension divisible by
+N, never the stacked `layers` axis. Clipping uses the true global norm. Gradients
 are fp32; a bfloat16 run casts weights before the fetch, so ZeRO-3 gathers and
 reduce-scatters bfloat16. Only mesh.data may be > 1.
 """
@@ -124,20 +124,22 @@ def _copy_bwd(dim, _, full_grad):
 use_local_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
-def _is_gather(prim, params) -> bool:
-    """An all-gather, or a custom_vjp call (`gather_weight`) whose forward is one: partial eval sees the latter."""
-    if prim.name.startswith("all_gather"):
+def _is_fetch(prim, params) -> bool:
+    """A weight fetch: an all-gather (ZeRO-3), a pvary (ZeRO-2's local copy), or a custom_vjp call whose
+    forward is one (partial evaluation sees the call, not what is inside)."""
+    if prim.name.startswith("all_gather") or prim.name == "pvary":
         return True
     jaxpr = params.get("call_jaxpr")
-    return jaxpr is not None and any(_is_gather(e.primitive, e.params) for e in jaxpr.eqns)
+    return jaxpr is not None and any(_is_fetch(e.primitive, e.params) for e in jaxpr.eqns)
 
 
-def regather_policy(policy):
-    """ZeRO-3's remat policy for the layer body: `policy` (None: save everything), but never a gathered
-    weight, which the backward pass therefore gathers again. Broadcasts are never saved either: they
-    are free to recompute and bigger than their input (the norm scales' [B, S, D] broadcasts)."""
+def refetch_policy(policy):
+    """The remat policy of ZeRO-2/3's layer body: `policy` (None: save everything), but never a fetched
+    weight. ZeRO-3's backward pass therefore gathers each layer again; ZeRO-2's re-reads its local copy
+    (saving it would stack a copy of every layer's weights). Broadcasts are never saved either: they are
+    free to recompute and bigger than their input (the norm scales' [B, S, D] broadcasts)."""
     def saveable(prim, *args, **params):
-        if _is_gather(prim, params) or prim.name == "broadcast_in_dim":
+        if _is_fetch(prim, params) or prim.name == "broadcast_in_dim":
             return False
         return True if policy is None else policy(prim, *args, **params)
     return saveable
@@ -146,7 +148,9 @@ def regather_policy(policy):
 # ============================================================================ the split rule
 
 def split_dims(abstract_params, n: int, stage: str) -> dict:
-    """For each parameter, the dimension split over `data`: the largest one divisible by n (not `layers`)."""
+    """For each parameter, the dimension split over `data`: the first one divisible by n, never `layers`.
+
+    The leading dimension when it divides: all-gathers and reduce-scatters along it need no transposes."""
     def pick(path, leaf):
         name = jax.tree_util.keystr(path, simple=True, separator=".")
         first = 1 if name.startswith("blocks.") else 0    # the stacked layers axis is never split
@@ -154,7 +158,7 @@ def split_dims(abstract_params, n: int, stage: str) -> dict:
         if not dims:
             unsplittable.append(f"{name} {list(leaf.shape)}")
             return -1
-        return max(dims, key=lambda d: (leaf.shape[d], -d))
+        return dims[0]
 
     unsplittable = []
     dims = jax.tree_util.tree_map_with_path(pick, abstract_params)
@@ -247,15 +251,15 @@ class ZeroTrainer(Strategy):
 
     def sliced_grads(self, params, tokens, fetch):
         """ZeRO-2, ZeRO-3: the mean gradient w.r.t. this device's slices, reduce-scattered layer by layer."""
-        ops = self.ops.replace(fetch=fetch)
+        ops, policy = self.ops.replace(fetch=fetch), refetch_policy(self.policy)
         if self.stage == "zero3":
-            stored, policy = params, regather_policy(self.policy)
+            stored = params
             objective = partial(loss, cfg=self.model_cfg, ops=ops, remat_policy=policy)
         else:
             stored = self.my_slice(params)
             def objective(slices, tokens):
                 pairs = jax.tree.map(lambda s, full: (s, full), slices, params)
-                return loss(pairs, tokens, self.model_cfg, ops, self.policy)
+                return loss(pairs, tokens, self.model_cfg, ops, policy)
         metrics, grads = self._value_and_grad(objective, stored, tokens)
         return metrics, jax.tree.map(lambda g: g / self.n, grads)   # the reduce-scatters summed: mean
 

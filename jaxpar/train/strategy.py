@@ -39,7 +39,7 @@ class Strategy:
         self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
         self.optimizer = make_optimizer(config.train)
         self.rules = AxisRules.from_config(config)
-        self.rules.check(named_arrays(model_cfg.tie_embeddings), mesh)
+        self.rules.check(named_arrays(model_cfg.tie_embeddings), dict(mesh.shape))
         self.ops = make_ops(config.train.compute_dtype, self.rules)
         self.policy = remat_policy(config.train)
         self.microbatches = config.train.microbatches
