@@ -107,6 +107,8 @@ def test_lab_zero_smoke(capsys, tmp_path):
 
     mem = r["memory"]["rows"]
     assert all(row["arguments_check"] for row in mem.values())   # input shardings + batch = memory_analysis
+    gradient = r["memory"]["gradient"]                           # ZeRO-2 never holds the whole gradient
+    assert gradient["layers"] == 8 and gradient["measured_drop"] > 0.5 * gradient["full_gradient"]
     for key in ("ddp", "zero1", "zero2", "zero3"):               # manual stages: the formula to the byte
         assert mem[key]["compiled_state"]["params"] == pytest.approx(mem[key]["formula"]["params"])
         assert mem[key]["compiled_state"]["optimizer"] == pytest.approx(mem[key]["formula"]["optimizer"])

@@ -157,6 +157,20 @@ def zero_formula(psi: int, shards: dict[str, int], *, param_bytes: int = 4, grad
     return parts
 
 
+def gradient_held(stage: str, psi: int, psi_layers: int, layers: int, n: int, grad_bytes: int = 4) -> float:
+    """Gradient bytes a manual stage holds at its peak, per device (parallel/zero.py).
+
+    ddp, zero1: the whole local gradient, 4Ψ, before the one reduction after the backward pass.
+    zero2, zero3: each layer's gradient is reduce-scattered inside the backward scan, so the
+    accumulated slices (4Ψ_L/N) plus one layer's full gradient (4Ψ_L/L) and the gradients
+    of the embedding, head and final norm (4Ψ_o: computed outside the layer loop, whole until
+    their reduce-scatter).
+    """
+    if stage in ("ddp", "zero1"):
+        return grad_bytes * psi
+    return grad_bytes * (psi_layers / n + psi_layers / layers + (psi - psi_layers))
+
+
 # ----------------------------------------------------------------------------- activations
 
 def activation_estimate(*, layers: int, seq_len: int, micro_batch: int, d_model: int, heads: int,
