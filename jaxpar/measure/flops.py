@@ -150,7 +150,3 @@ def mfu(model_flops: float, step_time_s: float, num_devices: int, peak_flops_per
     """Model FLOPs utilisation: model FLOPs per second / the devices' summed peak."""
     return model_flops / (step_time_s * num_devices * peak_flops_per_device)
 
-
-def compute_time(flops_per_device: float, peak_flops_per_device: float) -> float:
-    """Seconds to execute `flops_per_device` at peak: a lower bound on compute time."""
-    return flops_per_device / peak_flops_per_device

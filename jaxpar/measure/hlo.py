@@ -479,34 +479,3 @@ def summarize(found: list[Collective]) -> dict:
             bucket["count"] += c.runs_per_step
             bucket["bytes"] += c.bytes_per_step
     return {"by_op": dict(by_op), "by_axis": dict(by_axis), "total": total}
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-
-
-def markdown_table(found: list[Collective], group_by: str | None = None) -> str:
-    """One row per collective instruction, or per op type (`group_by="op"`) or mesh axis (`"axis"`)."""
-    if group_by in ("op", "axis"):
-        summary = summarize(found)
-        rows = summary["by_op" if group_by == "op" else "by_axis"]
-        lines = [f"| {group_by} | instructions | runs/step | bytes/device/step |", "|---|---:|---:|---:|"]
-        for key, b in sorted(rows.items()):
-            lines.append(f"| {key} | {b['instructions']} | {b['count']} | {_human(b['bytes'])} |")
-        t = summary["total"]
-        lines.append(f"| **total** | {t['instructions']} | {t['count']} | {_human(t['bytes'])} |")
-        return "\n".join(lines)
-    if group_by is not None:
-        raise ValueError(f"group_by must be None, 'op' or 'axis', got {group_by!r}")
-    lines = ["| op | shape | axes | N | runs/step | bytes/run | bytes/device/step |",
-             "|---|---|---|---:|---:|---:|---:|"]
-    for c in found:
-        runs = f"{c.runs_per_step}" + ("" if c.trip_count_known else " (?)")
-        lines.append(f"| {c.op}{' (async)' if c.is_async else ''} | `{c.shape}` | {c.axis_label} | "
-                     f"{c.group_size} | {runs} | {_human(c.bytes_per_run)} | {_human(c.bytes_per_step)} |")
-    lines.append(f"| **total** | | | | {sum(c.runs_per_step for c in found)} | | "
-                 f"{_human(sum(c.bytes_per_step for c in found))} |")
-    return "\n".join(lines)

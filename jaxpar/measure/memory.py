@@ -77,15 +77,6 @@ def leaf_bytes_per_device(leaf) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 
 
-def leaf_shards(leaf) -> int:
-    """Into how many distinct pieces a leaf is split (1 = replicated)."""
-    if getattr(leaf, "sharding", None) is None:
-        return 1
-    whole = int(np.prod(leaf.shape, dtype=np.int64))
-    part = int(np.prod(leaf.sharding.shard_shape(leaf.shape), dtype=np.int64))
-    return whole // part if part else 1
-
-
 def _role(path) -> str:
     """Role of a train-state leaf from its pytree path: params, adam_mu, adam_nu or counters."""
     keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]

@@ -1,48 +1,11 @@
-"""FP8 matmuls for mixed-precision training (course module 2), with per-tensor *current* scaling.
+"""FP8 matmuls for mixed-precision training with per-tensor *current* scaling.
 
-An 8-bit float has two useful layouts. e4m3 (`float8_e4m3fn`): 3 mantissa bits,
-so a relative rounding error of at most 2^-4, but a range of only 2^-9..448.
-e5m2 (`float8_e5m2`): one bit less precision (2^-3) and a range of
-2^-16..57344. The forward operands (activations, weights) need precision and
-use e4m3; gradients span more orders of magnitude and use e5m2 (the "hybrid"
-recipe of NVIDIA's Transformer Engine).
-
-That range is too small for raw values, so every tensor is *scaled* first:
-divided by `scale = amax / fmax`, its largest element lands on the format's
-largest value (448 or 57344) and the rest of the range holds the small values.
-The matmul of the two fp8 tensors accumulates in fp32 (the product of two fp8
-numbers is exact in fp32; summing thousands of them in fp8 would not be), and
-the result is multiplied back by both scales.
-
-Where `scale` comes from:
-
-- **Current scaling** (here): the amax of the tensor being quantized, right now.
-  Stateless: nothing is added to the train state, checkpoints and the state
-  layout stay those of fp32/bf16, and every strategy shares them. Cost: one
-  extra reduction (max |x|) over the tensor before each quantization; on a
-  sharded tensor the partitioner adds a scalar all-reduce (max) for it.
-- **Delayed scaling** (Transformer Engine, Flax's `Fp8DotGeneral`): the scale
-  comes from a history of amaxes of *earlier* steps, so the quantization does not
-  wait for a reduction over the tensor; the price is a per-matmul amax history
-  and scale in the train state (Flax: the `_overwrite_with_gradient` collection,
-  which the optimizer must overwrite rather than update), and clipped values
-  when a tensor grows faster than its history predicts.
-
-In manual (`shard_map`) mode each device sees only its batch shard, so an
-activation's or gradient's amax is that device's, not the global one: each
-device scales its own shard (weights are the same everywhere).
-
-What stays in higher precision (see `transformer.precision`): activations
-between matmuls are bfloat16; norms, softmax, RoPE and the loss compute in fp32;
-master weights and Adam state are fp32. Only activation x weight matmuls
-(q/k/v/o, gate/up/down, lm_head) use FP8; the attention score and value
-einsums (activation x activation) stay bfloat16, and so does the one-hot
-embedding lookup (it is a gather written as a matmul: FP8 would only round
-the embedding rows, for no saved work).
-
-On CPU XLA converts the fp8 operands to fp32 before the dot: the numerics are
-FP8's, the speed is not. On Hopper GPUs XLA is expected to lower an fp8 x fp8
-dot_general with fp32 output to a cuBLASLt FP8 GEMM (unverified here: no GPU).
+Forward operands in e4m3 (precision), gradients in e5m2 (range), each tensor divided
+by amax / fmax before the cast, products accumulated in fp32 and rescaled; the
+backward pass is written out (custom_vjp). Current scaling keeps the state stateless:
+checkpoints and every strategy's layout stay those of fp32. Only activation x weight
+matmuls use FP8; norms, softmax, RoPE and the loss stay fp32, activations bfloat16.
+Lab 02's sheet (experiments/02_zero) explains the formats and the choices.
 """
 from __future__ import annotations
 
