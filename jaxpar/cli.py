@@ -82,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed (default: fp16/bf16 params and grads, fp32 optimizer state), fp32, bf16")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of markdown")
 
+    p = sub.add_parser("plan", help="choose and defend a parallel strategy for a model on a GPU cluster",
+                       description="Enumerate data/fsdp/tensor/pipe/expert x microbatches x remat x precision x "
+                                   "attention; predict memory, step time, MFU, days and cost; rank and explain "
+                                   "(course module 7, experiments/07_capstone).")
+    from jaxpar.plan.command import add_arguments as add_plan_arguments
+    add_plan_arguments(p)
+
+    p = sub.add_parser("capstone", help="module 7's report: plan, compiler and CPU checks, fertility, risks",
+                       description="Lab 07 (experiments/07_capstone): writes report.md and plots into --out.")
+    from jaxpar.labs.capstone import add_arguments as add_capstone_arguments
+    add_capstone_arguments(p)
+
     p = sub.add_parser("lab", help="run a course module's lab")
     labs = p.add_subparsers(dest="lab", required=True, parser_class=Parser)
     p = labs.add_parser("zero", help="module 2: DDP, ZeRO-1/2/3, FSDP: losses, memory, bytes, remat, precision",
@@ -157,13 +169,28 @@ def cmd_memory(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from jaxpar.plan.command import run
+    if args.verify:
+        from jaxpar.dryrun import prepare_process
+        prepare_process("h100", None)   # keep JAX on CPU: the compile goes through a GPU topology
+    return run(args)
+
+
+def cmd_capstone(args) -> int:
+    from jaxpar.dryrun import prepare_process
+    from jaxpar.labs.capstone import run_from_args
+    prepare_process("h100", None)   # JAX on CPU: the CPU check runs there, GPU compiles go through a topology
+    return run_from_args(args)
+
+
 def cmd_lab(args) -> int:
     from jaxpar.labs import zero
     return {"zero": zero.run_from_args}[args.lab](args)
 
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
-            "dryrun": cmd_dryrun, "memory": cmd_memory, "lab": cmd_lab}
+            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "capstone": cmd_capstone, "lab": cmd_lab}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,469 @@
+"""Lab 07 (course module 7, the capstone): choose and defend a strategy for a 7B Arabic LM on H100s.
+
+One run, six parts, every prediction beside what checks it (experiments/07_capstone/README.md
+is the assignment sheet). Files in --out: report.md, results.json, plan.png, memory.png,
+steptime.png, cpu_check.png, fertility.png, and the collectives sweep (bench/).
+
+a. plan          `jaxpar plan` for the config on the cluster: ranked table and defence.
+b. calibration   every efficiency the step-time model divides by, and whether it is an
+                 assumption, a fit, or measured; the published MFU anchors vs the planner.
+c. compiler      the best buildable candidates compiled deviceless for the GPU (needs the CUDA
+                 plugin wheels; skipped with the install line otherwise): memory and bytes per axis.
+d. reality       the same planner on N virtual CPU devices vs measured step times (interleaved
+                 rounds, medians), with η calibrated on one strategy; ratios and rankings.
+e. fertility     BPE 8k/32k/64k, with and without diacritics: tokens per Arabic word, FLOPs per
+                 word, GPU-hours and cost per billion words at the chosen strategy.
+f. risks         failures per day, the Young/Daly checkpoint interval, expected goodput.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from jaxpar.config import ConfigError
+
+GB, GIB = 1e9, 2**30
+WITHIN = 0.30                     # the reality check's tolerance: |measured / predicted - 1| <= 30%
+VOCABS = (8000, 32000, 64000)
+ASSUMED_PRICE = 2.5               # $ per H100-hour when --price is not given (an assumption, stated in the report)
+ASSUMED_REQUEUE_S = 300.0         # scheduler requeue + process start-up after a failure (assumption)
+ASSUMED_STORAGE_GBPS_PER_NODE = 2.0   # checkpoint read/write bandwidth per node to shared storage (assumption)
+ASSUMED_HOST_COPY_GBPS = 10.0     # device -> host copy per GPU before an async checkpoint write (assumption)
+ASSUMED_COMPILE_S = 30.0          # the 7B step's compile time if the deviceless compile was not run (assumption)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxpar.plan.command import add_arguments as add_plan_arguments
+    add_plan_arguments(p)
+    p.set_defaults(tokens="1e12", verify=3, price=None)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds of the CPU check (default 7)")
+    p.add_argument("--cpu-devices", type=int, default=8, help="virtual CPU devices of the CPU check (default 8)")
+    p.add_argument("--ops-results", metavar="FILE", help="results.json of `jaxpar lab ops` (module 6): its measured "
+                                                         "start-up and checkpoint times feed the risks section")
+    p.add_argument("--skip-cpu", action="store_true", help="leave out the CPU reality check (part d)")
+
+
+def run_from_args(args) -> int:
+    if not args.out:
+        args.out = f"runs/capstone-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_lab(args)
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python experiments/07_capstone/run.py --out DIR`: the same as `jaxpar capstone`."""
+    from jaxpar.cli import main as cli_main
+    return cli_main(["capstone", *(sys.argv[1:] if argv is None else argv)])
+
+
+# ============================================================================ the parts
+
+def part_plan(args, log):
+    from jaxpar.plan.command import check_inputs
+    from jaxpar.plan.planner import plan
+    from jaxpar.plan.shape import ModelShape
+    if args.rounds < 3:
+        raise ConfigError("--rounds", f"is {args.rounds}; a median needs at least 3 rounds")
+    if not args.skip_cpu and args.cpu_devices != 8:
+        raise ConfigError("--cpu-devices", f"is {args.cpu_devices}; the CPU check's strategies are written for 8 "
+                          "devices (or give --skip-cpu)")
+    if args.ops_results and not Path(args.ops_results).is_file():
+        raise ConfigError("--ops-results", f"no such file '{args.ops_results}'")
+    config, cluster, tokens, note = check_inputs(args)
+    if cluster.price_per_gpu_hour is None:
+        cluster = dataclasses.replace(cluster, price_per_gpu_hour=ASSUMED_PRICE)
+    global_batch = args.global_batch if args.global_batch is not None else config.train.batch_size
+    seq_len = args.seq_len if args.seq_len is not None else config.data.seq_len
+    log("a. plan")
+    p = plan(ModelShape.from_config(config), cluster, global_batch=global_batch, seq_len=seq_len, tokens=tokens,
+             headroom=args.headroom)
+    p.budget_note = note
+    return config, p
+
+
+def part_compiler(args, p, config, log) -> dict:
+    from jaxpar.dryrun import GPU_TARGETS, gpu_plugin_problem
+    target = args.gpu.lower().removesuffix("-sxm").removesuffix("-80gb")
+    if not args.verify:
+        return {"skipped": "not asked for (--verify 0)"}
+    if target not in GPU_TARGETS:
+        return {"skipped": f"no deviceless compile target for '{args.gpu}' (targets: {', '.join(GPU_TARGETS)})"}
+    problem = gpu_plugin_problem()
+    if problem:
+        return {"skipped": problem}
+    from jaxpar.plan.verify import verify
+    log(f"c. compiler: the {args.verify} best buildable candidates, deviceless {target}")
+    verified, skipped = verify(p, config, args.verify, target, log=log)
+    return {"verified": verified, "not_built": skipped}
+
+
+def part_reality(args, out: Path, log) -> dict:
+    """The planner on the CPU devices vs measured steps of the default config."""
+    import jax
+
+    from jaxpar.config import apply_overrides, load_config
+    from jaxpar.plan.planner import evaluate
+    from jaxpar.plan.reality import calibrate, default_strategies, measure_cluster, measure_steps
+    from jaxpar.plan.shape import ModelShape
+    n = len(jax.devices("cpu"))
+    log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
+    cluster, info = measure_cluster(n, out / "bench", log=log)
+    base = load_config(None)
+    apply_overrides(base, ["model.vocab_size=1024"])     # the default BPE's vocabulary, so no tokenizer is needed
+    shape = ModelShape.from_config(base)
+    batch, seq = base.train.batch_size, base.data.seq_len
+    strategies = default_strategies()
+    log(f"  measuring {len(strategies)} strategies of the default config, {args.rounds} interleaved rounds")
+    measured = measure_steps(base, strategies, batch, seq, args.rounds, log=log)
+    calibration = calibrate(cluster, shape, measured[0], batch, seq)
+    rows = []
+    for m in measured:
+        r = evaluate(shape, m.cand, cluster, batch, seq, 1e9, headroom=0.0, calibration=calibration)
+        rows.append({"strategy": m.cand.label(), "measured_s": m.median_s, "times_s": m.times,
+                     "predicted_s": r.time.total_s, "ratio": m.median_s / r.time.total_s,
+                     "terms": r.time.terms(), "compile_s": m.compile_s,
+                     "bytes_predicted": r.comm_bytes, "bytes_compiled": m.compiled_bytes,
+                     "calibration": m is measured[0]})
+    by_pred = sorted(rows, key=lambda r: r["predicted_s"])
+    by_meas = sorted(rows, key=lambda r: r["measured_s"])
+    for i, r in enumerate(by_pred, 1):
+        r["predicted_rank"] = i
+    for i, r in enumerate(by_meas, 1):
+        r["measured_rank"] = i
+    checked = [r for r in rows if not r["calibration"]]
+    within = [r for r in checked if abs(r["ratio"] - 1) <= WITHIN]
+    return {"cluster": cluster.describe(), "host": info["host"]["source"], "fits": info["fits"],
+            "calibration": calibration.source, "eta": calibration.compute, "rows": rows,
+            "within": len(within), "checked": len(checked), "fastest": by_meas[0]["strategy"],
+            "fastest_predicted_rank": by_meas[0]["predicted_rank"], "rounds": args.rounds}
+
+
+def part_fertility(config, p, log) -> dict:
+    """Tokens per word for each vocabulary and normalisation, and what that costs at the chosen strategy."""
+    from jaxpar.plan.fertility import fertility
+    from jaxpar.plan.planner import evaluate
+    log("e. fertility: BPE 8k/32k/64k, with and without diacritics")
+    best = p.best.cand
+    rows = []
+    for vocab in VOCABS:
+        shape = dataclasses.replace(p.shape, vocab=vocab)
+        r = evaluate(shape, best, p.cluster, p.global_batch, p.seq_len, p.tokens, p.headroom)
+        flops_per_token = shape.flops_per_token(p.seq_len)
+        for normalize in (False, True):
+            f = fertility(config.data.corpus, vocab, normalize)
+            tokens_per_billion = 1e9 * f["tokens_per_word"]
+            gpu_hours = tokens_per_billion / r.tokens_per_s * best.devices / 3600
+            rows.append({**f, "flops_per_word": flops_per_token * f["tokens_per_word"],
+                         "tokens_per_s": r.tokens_per_s, "gpu_hours_per_billion_words": gpu_hours,
+                         "cost_per_billion_words": gpu_hours * p.cluster.price_per_gpu_hour,
+                         "model_params": shape.params, "fits": r.memory.fits})
+    return {"corpus": config.data.corpus, "strategy": p.best.label, "rows": rows}
+
+
+def part_risks(args, p, compiler: dict) -> dict:
+    from jaxpar.plan.risks import FAILURES_PER_GPU_DAY, assess
+    state_bytes = 12 * p.shape.params                           # fp32 params + AdamW μ, ν
+    per_gpu = p.best.memory.state
+    sources = {}
+    checkpoint_s = per_gpu / (ASSUMED_HOST_COPY_GBPS * GB)      # async save: training blocks for the host copy
+    sources["checkpoint"] = (f"{per_gpu / GB:.2f} GB of state per GPU copied to host at an assumed "
+                             f"{ASSUMED_HOST_COPY_GBPS:.0f} GB/s (Orbax writes the rest in the background)")
+    restore_s = state_bytes / (p.cluster.nodes * ASSUMED_STORAGE_GBPS_PER_NODE * GB)
+    compiled = [v.compile_s for v in compiler.get("verified", [])]
+    compile_s = max(compiled) if compiled else ASSUMED_COMPILE_S
+    compile_source = (f"measured: the slowest deviceless compile of part c, {compile_s:.0f} s" if compiled
+                      else f"assumed {ASSUMED_COMPILE_S:.0f} s (part c did not compile)")
+    restart_s = ASSUMED_REQUEUE_S + compile_s + restore_s
+    sources["restart"] = (f"requeue + start-up {ASSUMED_REQUEUE_S:.0f} s (assumed) + compile ({compile_source}) + "
+                          f"restore {state_bytes / GB:.0f} GB at {ASSUMED_STORAGE_GBPS_PER_NODE:.0f} GB/s per node "
+                          f"(assumed) = {restore_s:.0f} s")
+    if args.ops_results:
+        ops = json.loads(Path(args.ops_results).read_text())
+        base = ops["baseline"]["goodput"]
+        saves = max(1, ops["steps"] // ops["checkpoint_every"])
+        sources["module 6"] = (f"module 6 measured (its small CPU run): start-up + compile "
+                               f"{base['badput_s']['startup_compile']:.1f} s, {base['badput_s']['checkpoint'] / saves:.2f} "
+                               f"s blocking per save, goodput {base['goodput']:.1%}; used for the structure of the "
+                               "badput, not its size (a 7B on 64 GPUs saves and compiles far more)")
+    risk = assess(p.best.cand.devices, p.best.days, checkpoint_s, restart_s)
+    return {"risk": dataclasses.asdict(risk), "sources": sources, "failures_per_gpu_day": FAILURES_PER_GPU_DAY,
+            "step_s": p.best.time.total_s}
+
+
+# ============================================================================ the run
+
+def run_lab(args) -> dict:
+    out = Path(args.out)
+    started = time.perf_counter()
+    log = lambda line: print(line, flush=True)   # noqa: E731
+    config, p = part_plan(args, log)              # every input checked before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    log("b. calibration and anchors")
+    anchors = anchor_rows()
+    compiler = part_compiler(args, p, config, log)
+    reality = None if args.skip_cpu else part_reality(args, out, log)
+    fert = part_fertility(config, p, log)
+    risks = part_risks(args, p, compiler)
+    results = {"plan": plan_summary(p), "anchors": anchors, "compiler": compiler_json(compiler),
+               "reality": reality, "fertility": fert, "risks": risks,
+               "elapsed_s": time.perf_counter() - started}
+    plots(p, reality, fert, out)
+    report = markdown(p, anchors, compiler, reality, fert, risks, results["elapsed_s"])
+    (out / "report.md").write_text(report)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    log(report)
+    log(f"wrote {out}/report.md, results.json and plots ({results['elapsed_s']:.0f} s)")
+    return results
+
+
+def anchor_rows() -> list[dict]:
+    from jaxpar.plan.anchors import ANCHORS, predict
+    from jaxpar.plan.steptime import GPU_CALIBRATION
+    rows = []
+    for a in ANCHORS:
+        best = predict(a, GPU_CALIBRATION)
+        low, high = a.published_mfu
+        rows.append({"anchor": a.name, "role": a.role, "published": (low, high), "predicted": best.mfu,
+                     "strategy": best.label, "cluster": f"{a.nodes} x {a.per_node}",
+                     "batch": f"{a.global_batch} x {a.seq_len}", "ratio": best.mfu / ((low + high) / 2)})
+    return rows
+
+
+def plan_summary(p) -> dict:
+    from jaxpar.plan.command import plan_json
+    return plan_json(p)
+
+
+def compiler_json(compiler: dict) -> dict:
+    if "verified" not in compiler:
+        return compiler
+    return {"verified": [dataclasses.asdict(v) for v in compiler["verified"]], "not_built": compiler["not_built"]}
+
+
+# ============================================================================ the report
+
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def markdown(p, anchors, compiler, reality, fert, risks, elapsed) -> str:
+    from jaxpar.plan import cluster as cl
+    from jaxpar.plan import memory as mem
+    from jaxpar.plan import steptime as st
+    from jaxpar.plan.planner import defence, summary_line, table
+    from jaxpar.plan.verify import verification_table
+    best = p.best
+    lines = ["# Lab 07: the capstone plan", "",
+             f"Every figure is a **prediction** unless it says *measured* or *compiled*. jaxpar's planner "
+             f"(`jaxpar plan`, `jaxpar/plan/`); {time.strftime('%Y-%m-%d')}; this run took {elapsed:.0f} s.", "",
+             "## a. The plan", "", summary_line(p), "", table(p, 10), "", "![plan](plan.png)", "",
+             "### Defence", "", defence(p), "",
+             f"## The chosen strategy: {best.label}", "",
+             "| memory per device | GB |", "|---|---:|"]
+    lines += [f"| {k} | {v / GB:.2f} |" for k, v in best.memory.parts().items()]
+    lines += [f"| **total** (usable: {best.memory.limit / GB:.0f} GB) | **{best.memory.total / GB:.2f}** |", "",
+              "| step time | seconds | share |", "|---|---:|---:|"]
+    t = best.time
+    lines += [f"| {k} | {v:.3f} | {v / t.total_s:.1%} |" for k, v in t.terms().items()]
+    lines += [f"| **step** | **{t.total_s:.3f}** | |",
+              f"| (nothing overlapped: the pessimistic bound) | {t.serial_s:.3f} | |", "",
+              "Communication per axis (bytes per device per step, time if nothing were hidden, exposed):", "",
+              "| axis | GB | link | seconds | exposed |", "|---|---:|---|---:|---:|"]
+    for axis, seconds in t.comm_s.items():
+        link = p.cluster.link(max(best.cand.span(a) for a in axis.split("+"))).name
+        lines.append(f"| {axis} | {best.comm_bytes.get(axis, 0) / GB:.2f} | {link} | {seconds:.3f} | "
+                     f"{t.exposed_s.get(axis, 0):.3f} |")
+    lines += ["", "![memory](memory.png) ![step time](steptime.png)", "",
+              "## b. Calibration: what is assumed, fitted, measured", "",
+              "| quantity | value | kind | source |", "|---|---:|---|---|",
+              f"| compute efficiency η (GPU) | {st.COMPUTE_EFFICIENCY} | fitted to one published anchor | "
+              "the planner's best 70B plan predicts MaxText's ~51% MFU (`jaxpar.plan.anchors.fit_compute_efficiency`) |",
+              f"| fp8 matmul efficiency | {st.FP8_EFFICIENCY} x η of the fp8 peak | assumption | fp8 GEMMs reach a "
+              "lower share of their doubled peak; casts and scales cost extra |",
+              f"| overlap of hideable collectives | {st.OVERLAP:.0%} | assumption | lab 02: XLA overlaps 5 of 8 forward "
+              "and 4 of 8 backward gathers per layer in the compiled H100 step |",
+              f"| memory-bound passes | {st.MEMORY_EFFICIENCY:.0%} of HBM bandwidth | assumption | |",
+              f"| link efficiency | {cl.LINK_EFFICIENCY:.0%} of the datasheet | assumption | nccl-tests-like busbw |",
+              f"| α NVLink / InfiniBand | {cl.ALPHA_NVLINK_S * 1e6:.0f} / {cl.ALPHA_INFINIBAND_S * 1e6:.0f} µs | "
+              "assumption | |",
+              f"| memory constants (score bytes {mem.SCORE_BYTES}, ...) | see jaxpar/plan/memory.py | fitted | 15 "
+              "deviceless H100 compiles of the 7B (none of them a candidate ranked here unless part c says so) |",
+              f"| einsum-attention traffic | {st.SCORE_BYTES} bytes per S x S element | assumption | |",
+              "| CPU η | part d | measured | one strategy's measured step |", "",
+              "| anchor | role | cluster | batch | published MFU | planner's best plan | predicted MFU | ratio |",
+              "|---|---|---|---|---:|---|---:|---:|"]
+    for a in anchors:
+        low, high = a["published"]
+        pub = f"{low:.0%}" if low == high else f"{low:.0%}-{high:.0%}"
+        lines.append(f"| {a['anchor']} | {a['role']} | {a['cluster']} | {a['batch']} | {pub} | {a['strategy']} | "
+                     f"{a['predicted']:.1%} | {a['ratio']:.2f} |")
+    lines += ["", "The check anchor is over-predicted: the model has one η for every model size and framework; "
+              "torchtitan's PyTorch runs lose more to per-op overheads than XLA's fused programs, and a smaller model "
+              "spends a larger share of its step outside the big matmuls. Treat every MFU here as the XLA-like "
+              "regime's, with that uncertainty.", ""]
+    lines += ["## c. Checked against the compiler", ""]
+    if "verified" in compiler:
+        lines += [f"Compiled deviceless for {p.cluster.name} ({p.cluster.nodes}x{p.cluster.per_node}); memory is "
+                  "XLA:GPU's buffer-assignment peak, bytes are the compiled collectives per mesh axis "
+                  "(`jaxpar.measure.hlo`).", "", verification_table(compiler["verified"]), ""]
+        ratios = [v.memory_ratio for v in compiler["verified"]]
+        if ratios:
+            lines.append(f"Memory: compiled / predicted {min(ratios):.3f}-{max(ratios):.3f} "
+                         f"({'all' if all(abs(r - 1) <= 0.1 for r in ratios) else 'NOT all'} within 10%).")
+        lines += [f"- formula only (ranked above or among them): {s}" for s in compiler["not_built"]]
+    else:
+        lines.append(f"Skipped: {compiler['skipped']}.")
+    lines.append("")
+    lines += reality_section(reality)
+    lines += fertility_section(fert, p)
+    lines += risk_section(risks, p)
+    return "\n".join(lines) + "\n"
+
+
+def reality_section(reality) -> list[str]:
+    if reality is None:
+        return ["## d. Checked against reality", "", "Skipped (--skip-cpu).", ""]
+    lines = ["## d. Checked against reality: the planner on this machine's CPU devices", "",
+             f"{reality['cluster']}. {reality['host']}. Collectives (measured, `jaxpar bench collectives`):", "",
+             "| op | α µs | β_bus GB/s |", "|---|---:|---:|"]
+    lines += [f"| {op} | {f['alpha_us']:.0f} | {f['beta_bus_GBps'] or float('nan'):.2f} |"
+              for op, f in reality["fits"].items()]
+    lines += ["", f"Calibration: {reality['calibration']}. Default config (fp32, vocab 1024), "
+              f"{reality['rounds']} interleaved rounds, median step:", "",
+              "| strategy | measured s (median) | predicted s | measured / predicted | predicted rank | "
+              "measured rank | bytes/step compiled / predicted (MB) |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in reality["rows"]:
+        axes = "; ".join(f"{a} {r['bytes_compiled'].get(a, 0) / 1e6:.1f} / {r['bytes_predicted'].get(a, 0) / 1e6:.1f}"
+                         for a in sorted(set(r["bytes_compiled"]) | set(r["bytes_predicted"]))
+                         if r["bytes_compiled"].get(a) or r["bytes_predicted"].get(a))
+        flag = " (calibration)" if r["calibration"] else ("" if abs(r["ratio"] - 1) <= WITHIN else " (off by > 30%)")
+        lines.append(f"| {r['strategy']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {r['ratio']:.2f}{flag} | "
+                     f"{r['predicted_rank']} | {r['measured_rank']} | {axes} |")
+    lines += ["", f"**{reality['within']} of {reality['checked']}** predicted strategies within "
+              f"{WITHIN:.0%} of measured; the fastest measured ({reality['fastest']}) is ranked "
+              f"**#{reality['fastest_predicted_rank']}** by the planner.", "", "![cpu check](cpu_check.png)", ""]
+    return lines
+
+
+def fertility_section(fert, p) -> list[str]:
+    lines = ["## e. Arabic tokenizer fertility", "",
+             f"Byte-level BPE (jaxpar's tokenizer) trained on nine tenths of the '{fert['corpus']}' documents, tokens "
+             f"per word measured on the held-out tenth; cost at the chosen strategy ({fert['strategy']}) with the model's "
+             f"vocabulary set to each size (the embedding and head change with it), at "
+             f"{p.cluster.price_per_gpu_hour:.2f} per GPU-hour"
+             f"{' (assumed price)' if p.cluster.price_per_gpu_hour == ASSUMED_PRICE else ''}.", "",
+             "| vocab asked / reached | diacritics | tokens/word held out (train) | chars/word | model B params | "
+             "TFLOPs per word | GPU-hours per billion words | cost per billion words |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in fert["rows"]:
+        lines.append(f"| {r['vocab_requested']} / {r['vocab_reached']} | {'stripped' if r['normalize'] else 'kept'} | "
+                     f"{r['tokens_per_word']:.3f} ({r['train_tokens_per_word']:.3f}) | {r['characters_per_word']:.2f} | "
+                     f"{r['model_params'] / 1e9:.2f} | {r['flops_per_word'] / 1e12:.3f} | "
+                     f"{r['gpu_hours_per_billion_words']:,.0f} | {r['cost_per_billion_words']:,.0f} |")
+    lines += ["", "![fertility](fertility.png)", "",
+              "The Quran is a small (about 78,000 words) and special corpus: one text, one register, fully vowelled "
+              "Uthmani script with Quranic annotation marks, and heavy repetition of formulae. A BPE trained on it "
+              "runs out of merges far below 64k (the 'reached' column) and learns whole words of this text, so its "
+              "fertility on held-out suras is optimistic for Arabic at large and its train-set figure even more so. A "
+              "real pre-training mix (news, web, books, Wikipedia, dialects in Arabic script and Arabizi, code, some "
+              "English) has a far larger vocabulary of word forms (Arabic's clitics and morphology), mostly no "
+              "diacritics (so normalisation matters less there), and needs the larger vocabularies to keep tokens "
+              "per word low: measure fertility on a held-out sample of the real mix before fixing the budget.", ""]
+    return lines
+
+
+def risk_section(risks, p) -> list[str]:
+    r = risks["risk"]
+    lines = ["## f. Risks of a months-long run", "",
+             f"Failure rate: {risks['failures_per_gpu_day']:.2e} per GPU-day (anchor: Llama 3's 419 unexpected "
+             "interruptions in 54 days on 16,384 H100s; not measured here).", "",
+             "| quantity | value |", "|---|---:|",
+             f"| GPUs | {r['gpus']} |",
+             f"| failures per day | {r['failures_per_day']:.3f} |",
+             f"| mean time between failures | {r['mtbf_s'] / 86400:.1f} days |",
+             f"| checkpoint blocking time δ | {r['checkpoint_s']:.2f} s |",
+             f"| restart cost R | {r['restart_s'] / 60:.1f} min |",
+             f"| Young interval sqrt(2δM) | {r['young_s'] / 60:.1f} min |",
+             f"| Daly interval | {r['daly_s'] / 60:.1f} min (= {r['daly_s'] / risks['step_s']:.0f} steps) |",
+             f"| expected goodput | {r['goodput']:.2%} |",
+             f"| training days at 100% goodput / expected wall days | {r['run_days']:.1f} / {r['wall_days']:.1f} |",
+             f"| expected failures over the run | {r['expected_failures']:.1f} |", "", "Where δ and R come from:", ""]
+    lines += [f"- {k}: {v}" for k, v in risks["sources"].items()]
+    lines += ["", "Other risks the numbers above do not price: loss spikes and divergence (keep several checkpoints, "
+              "restart from an earlier one with a lower learning rate), silent data corruption (checksummed "
+              "checkpoints, module 6), stragglers (one slow GPU slows every collective), and the data pipeline.", ""]
+    return lines
+
+
+# ============================================================================ plots
+
+def plots(p, reality, fert, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = p.ranked[:10]
+    names = sorted({k for r in top for k in r.time.terms()}, key=lambda k: (k != "compute", k))
+    fig, ax = plt.subplots(figsize=(10, 5))
+    bottom = [0.0] * len(top)
+    for name in names:
+        values = [r.time.terms().get(name, 0.0) for r in top]
+        ax.barh(range(len(top)), values, left=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_yticks(range(len(top)), [r.label for r in top], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted seconds per step")
+    ax.set_title("the ten best candidates: step time by term (prediction)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "plan.png", dpi=110)
+    plt.close(fig)
+
+    best = p.best
+    for name, parts, unit, scale in (("memory", best.memory.parts(), "GB", GB),
+                                     ("steptime", best.time.terms(), "s", 1.0)):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        left = 0.0
+        for k, v in parts.items():
+            ax.barh([0], [v / scale], left=left, label=k)
+            left += v / scale
+        if name == "memory":
+            ax.axvline(best.memory.limit / GB, color="k", linestyle="--", label="usable")
+        ax.set_yticks([])
+        ax.set_xlabel(unit)
+        ax.set_title(f"{best.label}: {name} (prediction)", fontsize=9)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+
+    if reality:
+        rows = reality["rows"]
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["predicted_s"] for r in rows], 0.4, label="predicted")
+        ax.bar([i + 0.2 for i in x], [r["measured_s"] for r in rows], 0.4, label="measured (median)")
+        ax.set_xticks(list(x), [r["strategy"].replace(" remat=", "\nremat=") for r in rows], fontsize=6, rotation=30)
+        ax.set_ylabel("seconds per step")
+        ax.set_title("CPU check: predicted vs measured step time")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "cpu_check.png", dpi=110)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for normalize, label in ((False, "diacritics kept"), (True, "diacritics stripped")):
+        rows = [r for r in fert["rows"] if r["normalize"] == normalize]
+        ax.plot([r["vocab_requested"] for r in rows], [r["tokens_per_word"] for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("BPE vocabulary asked for")
+    ax.set_ylabel("tokens per word (held-out)")
+    ax.set_title(f"fertility on '{fert['corpus']}' (measured)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fertility.png", dpi=110)
+    plt.close(fig)

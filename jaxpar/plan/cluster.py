@@ -1,0 +1,138 @@
+"""The machine a plan is for: devices per node, peak FLOP/s, memory, and α-β links.
+
+A collective over a group of devices costs α + bytes/β: α the start-up latency, β the
+bus bandwidth each device achieves per direction (nccl-tests' busbw convention, so the
+bytes are what each device sends: (n-1)/n of the buffer for an all-gather or a
+reduce-scatter, 2(n-1)/n for an all-reduce). Devices are numbered node-major, like
+`jaxpar.mesh.make_mesh` lays out `jax.devices()`: a group whose devices span at most one
+node runs on NVLink, a wider one on the scale-out network (InfiniBand), whose per-GPU
+port is then the slowest link of the ring.
+
+GPU clusters take the datasheet figures of `jaxpar.measure.hardware` times an achieved
+fraction (an assumption, stated in `LINK_EFFICIENCY`); the CPU "cluster" (N virtual
+devices of one process) takes α and β measured by `jaxpar bench collectives` and the
+compute rate of the host probe.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.config import ConfigError
+
+GB = 1e9
+
+GPUS = {   # --gpu name -> jaxpar.measure.hardware.ACCELERATORS key
+    "h100": "H100-SXM", "h100-sxm": "H100-SXM", "h100-pcie": "H100-PCIe", "h200": "H200-SXM",
+    "a100": "A100-SXM-80GB", "a100-80gb": "A100-SXM-80GB", "a100-40gb": "A100-SXM-40GB",
+}
+# Assumptions (no GPU was measured for them): achieved busbw / per-direction datasheet bandwidth, and
+# α. nccl-tests all-reduce on one 8-GPU NVLink node and across NDR InfiniBand nodes reaches roughly 80% of
+# the link figure at large messages; small-message latencies of ~10 µs (NVLink) and ~25 µs (InfiniBand).
+LINK_EFFICIENCY = 0.8
+ALPHA_NVLINK_S = 10e-6
+ALPHA_INFINIBAND_S = 25e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """α-β model of one kind of link; `per_op` holds measured (α, β) per collective where known (CPU bench)."""
+
+    name: str
+    alpha_s: float
+    bus_bw: float                          # bytes/s per device per direction, achieved
+    per_op: tuple = ()                     # ((op, alpha_s, bus_bw), ...)
+
+    def params(self, op: str) -> tuple[float, float]:
+        for name, alpha, beta in self.per_op:
+            if name == op:
+                return alpha, beta
+        return self.alpha_s, self.bus_bw
+
+    def time(self, op: str, bytes_sent: float, count: float) -> float:
+        """Seconds for `count` collectives of kind `op` that together send `bytes_sent` from each device."""
+        alpha, beta = self.params(op)
+        return count * alpha + bytes_sent / beta
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Nodes x devices per node of one kind, and everything the planner divides by."""
+
+    name: str
+    platform: str                          # "gpu" or "cpu" (what the compiled program does differs, see comm.py)
+    nodes: int
+    per_node: int
+    peaks: tuple                           # ((compute dtype, dense FLOP/s per device), ...)
+    hbm_bytes: float                       # memory per device
+    mem_bw: float                          # memory bandwidth per device, bytes/s
+    scaleup: Link
+    scaleout: Link | None
+    price_per_gpu_hour: float | None = None
+    accelerator: str | None = None         # measure.hardware.ACCELERATORS key
+    source: str = ""
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.per_node
+
+    def peak(self, dtype: str) -> float:
+        return dict(self.peaks)[dtype]
+
+    def link(self, span: int) -> Link:
+        """The link a collective group crosses when its devices span `span` consecutive device ids."""
+        if span <= self.per_node or self.scaleout is None:
+            return self.scaleup
+        return self.scaleout
+
+    def resized(self, nodes: int) -> "Cluster":
+        return dataclasses.replace(self, nodes=nodes)
+
+    def describe(self) -> str:
+        out = f"{self.nodes} x {self.per_node} {self.name}"
+        links = f"{self.scaleup.name} {self.scaleup.bus_bw / GB:.0f} GB/s"
+        if self.scaleout is not None and self.nodes > 1:
+            links += f", {self.scaleout.name} {self.scaleout.bus_bw / GB:.0f} GB/s"
+        return f"{out} ({self.hbm_bytes / GB:.0f} GB each; {links} per device, achieved)"
+
+
+def gpu_cluster(gpu: str, nodes: int, per_node: int, *, nvlink_gbps: float | None = None,
+                ib_gbps: float | None = None, price_per_gpu_hour: float | None = None) -> Cluster:
+    """A cluster of `nodes` x `per_node` GPUs of type `gpu` (h100, h200, a100, ...); bandwidths in GB/s per
+    direction override the datasheet's (before LINK_EFFICIENCY)."""
+    from jaxpar.measure import hardware
+    key = GPUS.get(str(gpu).lower())
+    if key is None:
+        raise ConfigError("--gpu", f"unknown GPU type '{gpu}'; valid: {', '.join(GPUS)}")
+    for field, value in (("--nodes", nodes), ("--gpus-per-node", per_node)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(field, f"is {value}; must be a positive whole number")
+    for field, value in (("--nvlink-gbps", nvlink_gbps), ("--ib-gbps", ib_gbps), ("--price", price_per_gpu_hour)):
+        if value is not None and not value > 0:
+            raise ConfigError(field, f"is {value}; must be positive")
+    acc = hardware.ACCELERATORS[key]
+    nvlink = (nvlink_gbps * GB if nvlink_gbps else acc.link_bw) * LINK_EFFICIENCY
+    ib = (ib_gbps * GB if ib_gbps else acc.scaleout_bw) * LINK_EFFICIENCY
+    peaks = (("bfloat16", acc.bf16_flops), ("float8", acc.fp8_flops or acc.bf16_flops), ("float32", acc.tf32_flops))
+    return Cluster(name=acc.name, platform="gpu", nodes=nodes, per_node=per_node, peaks=peaks,
+                   hbm_bytes=acc.hbm_bytes, mem_bw=acc.hbm_bw,
+                   scaleup=Link("NVLink", ALPHA_NVLINK_S, nvlink), scaleout=Link("InfiniBand", ALPHA_INFINIBAND_S, ib),
+                   price_per_gpu_hour=price_per_gpu_hour, accelerator=key,
+                   source=f"{acc.source}; links x {LINK_EFFICIENCY} achieved (assumption)")
+
+
+def cpu_cluster(devices: int, fits: dict, host_flops: float, host_copy_bw: float, host_memory: float) -> Cluster:
+    """The CPU "cluster": `devices` virtual devices of one process sharing the host's cores and memory.
+
+    `fits`: `jaxpar bench collectives`' α-β fit per op ({op: {"alpha_us", "beta_bus_GBps"}}); the peak and
+    memory bandwidth are the host probe's, divided among the devices (they run at once on shared cores).
+    """
+    per_op = tuple((op, fit["alpha_us"] * 1e-6, fit["beta_bus_GBps"] * GB) for op, fit in fits.items()
+                   if fit.get("beta_bus_GBps"))
+    default = dict((op, (a, b)) for op, a, b in per_op).get("all-reduce") or (per_op[0][1:] if per_op else (0, host_copy_bw))
+    peak = host_flops / devices
+    return Cluster(name="virtual CPU device", platform="cpu", nodes=1, per_node=devices,
+                   peaks=(("float32", peak), ("bfloat16", peak), ("float8", peak)),
+                   hbm_bytes=host_memory / devices, mem_bw=host_copy_bw / devices,
+                   scaleup=Link("host memory", default[0], default[1], per_op), scaleout=None,
+                   source=f"host probe {host_flops / 1e9:.1f} GFLOP/s f32, copy {host_copy_bw / GB:.1f} GB/s, "
+                          f"shared by {devices} devices; collectives α-β from jaxpar bench collectives")

@@ -1,0 +1,128 @@
+"""Per-device memory of one training step: model state, gradients, activations, working buffers.
+
+  state        fp32 params 4Ψ_d and AdamW μ, ν 8Ψ_d, Ψ_d = the parameters this device stores:
+               Ψ/(fsdp·tensor) for the automatic strategies (the routed experts also / expert; a
+               pipeline stage holds Ψ_L/pipe of the layers and the embedding/head); ZeRO stage s over
+               `data` splits the optimizer (s >= 1), gradients (s >= 2) and params (s = 3).
+  gradients    fp32, sharded like the params (4Ψ_d); a second fp32 buffer when microbatches
+               accumulate (`ACCUMULATOR`).
+  activations  per microbatch of b sequences per device, s tokens, h = d_model, e = activation bytes:
+               remat full: every layer's input, L·b·s·h·e (the scan carry);
+               remat dots: + the saved matmul outputs q, k, v, gate, up: L·b·s·(a·d_h + 2·kv·d_h + 2F)·e/T;
+               remat none: + everything else autodiff keeps per layer, `NONE_SCORE_BYTES` per S x S element
+               (fp32 scores and probabilities and the bf16 copy) + `NONE_TOKEN_BYTES` per token x h.
+               Pipelines keep the stage's L/p layers for every microbatch in flight (GPipe m, 1F1B and
+               ZB-H1 p, interleaved v·p + p - 1 chunks of L/(v·p) layers).
+  working set  the largest transient: one layer's backward (recomputed forward + gradients):
+               `SCORE_BYTES` per S x S element of the einsum attention, or a flash kernel's fp32
+               log-sum-exp per query and head, + `WORKING_TOKEN_BYTES` per token x h; or the head's
+               logits and their gradient, `LOGIT_BYTES` per token x vocab / T, whichever is larger;
+               + `LAYER_WEIGHT_BYTES` per parameter of one layer (gathered copies, its fp32 gradient)
+               + `CONSTANT_BYTES`.
+
+Where the constants come from: a least-squares fit (non-negative) to XLA:GPU's buffer assignment
+of 15 deviceless H100 compiles of configs/arabic_7b.py (64 GPUs; fsdp, data x fsdp, fsdp x tensor
+with T = 2, 4, 8; microbatches 1-8; remat none, dots, full; bf16 and fp8; seq 2048 and 4096; vocab
+32000 and 64000; 16 and 32 layers). Each has a physical reading (10.7 bytes per score element: fp32
+scores + fp32 probabilities + a bf16 copy = 10) and the fit reproduces every one of those compiles'
+temp buffers within 5% (lab 07 re-checks the top candidates). Flash attention, pipelines and MoE
+layers were not compiled in this checkout: their terms are formulas, not fitted.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.plan.shape import ModelShape
+from jaxpar.plan.space import Candidate
+
+SCORE_BYTES = 10.7            # per S x S element, one layer's backward working set (einsum attention)
+WORKING_TOKEN_BYTES = 6.9     # per token x d_model, one layer's backward working set (not split by tensor)
+NONE_SCORE_BYTES = 9.6        # per S x S element per layer kept without remat
+NONE_TOKEN_BYTES = 59.4       # per token x d_model per layer kept without remat
+LAYER_WEIGHT_BYTES = 0.37     # per parameter of one layer (/ tensor)
+ACCUMULATOR = 1.15            # x 4Ψ_d: the accumulation buffer when microbatches > 1
+CONSTANT_BYTES = 0.95e9
+LOGIT_BYTES = 8               # per token x vocab / tensor: bf16 logits, their fp32 softmax, the gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    params: float
+    optimizer: float
+    gradients: float
+    activations: float        # kept across the step (per in-flight microbatch x layers)
+    working: float            # the largest transient buffer set
+    fits: bool
+    limit: float
+
+    @property
+    def state(self) -> float:
+        return self.params + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + self.gradients + self.activations + self.working
+
+    def parts(self) -> dict[str, float]:
+        return {"params (fp32)": self.params, "AdamW μ, ν (fp32)": self.optimizer, "gradients (fp32)": self.gradients,
+                "activations kept": self.activations, "working set": self.working}
+
+
+def stored_params(shape: ModelShape, cand: Candidate) -> dict[str, float]:
+    """Parameters this device stores, and how many it updates (its optimizer shard) and holds gradients of."""
+    c = shape.counts()
+    layers = c["blocks"] - c["experts"] + c["experts"] / cand.expert
+    other = c["total"] - c["blocks"]
+    model = cand.fsdp * cand.tensor
+    params = (layers / cand.pipe + other) / model
+    if cand.data_impl == "auto" or cand.data == 1:
+        return {"params": params, "grads": params, "optimizer": params}
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[cand.data_impl]
+    d = cand.data
+    return {"params": params / (d if stage >= 3 else 1), "grads": params / (d if stage >= 2 else 1),
+            "optimizer": params / (d if stage >= 1 else 1)}
+
+
+def in_flight(cand: Candidate) -> tuple[float, float]:
+    """(microbatches whose activations a pipeline stage holds at once, layers each of them covers there)."""
+    layers = 1.0 / cand.pipe
+    if cand.pipe == 1:
+        return 1.0, layers
+    if cand.schedule == "gpipe":
+        return float(cand.microbatches), layers
+    if cand.schedule == "interleaved":
+        v = cand.virtual
+        return float(min(v * cand.pipe + cand.pipe - 1, v * cand.microbatches)), layers / v
+    return float(min(cand.pipe, cand.microbatches)), layers
+
+
+def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, hbm_bytes: float,
+           headroom: float = 0.1) -> Memory:
+    """Per-device bytes of one step of `cand`; `fits` when the total is within (1 - headroom) of `hbm_bytes`."""
+    stored = stored_params(shape, cand)
+    e = 4 if cand.precision == "float32" else 2
+    T, L, h, s = cand.tensor, shape.layers, shape.d_model, seq_len
+    b = global_batch / cand.batch_shards / cand.microbatches
+    scale = e / 2                                       # the fitted bytes are bf16's
+    grads = 4 * stored["grads"] * (1 + (ACCUMULATOR if cand.microbatches > 1 and cand.pipe == 1 else 0))
+
+    heads = shape.heads / T
+    widths = (shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
+              + 2 * (shape.expert_mlp_dim * shape.top_k if shape.experts else shape.mlp_dim)) / T
+    flash = cand.attention == "flash"
+    if cand.remat == "none":
+        scores = 4 * heads * s if flash else NONE_SCORE_BYTES * heads * s * s
+        per_layer = b * (scores + NONE_TOKEN_BYTES * scale * s * h + s * h * e)
+    else:
+        per_layer = b * s * h * e + (b * s * widths * e if cand.remat == "dots" else 0)
+    count, layers_each = in_flight(cand)
+    activations = per_layer * L * layers_each * count
+
+    scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * s
+    layer_work = scores + WORKING_TOKEN_BYTES * scale * b * s * h
+    head_work = LOGIT_BYTES * b * s * shape.vocab / T
+    layer_params = (shape.counts()["blocks"] - shape.counts()["experts"] * (1 - 1 / cand.expert)) / L / T
+    working = max(layer_work, head_work) + LAYER_WEIGHT_BYTES * scale * layer_params + CONSTANT_BYTES
+    result = Memory(params=4 * stored["params"], optimizer=8 * stored["optimizer"], gradients=grads,
+                    activations=activations, working=working, fits=True, limit=(1 - headroom) * hbm_bytes)
+    return dataclasses.replace(result, fits=result.total <= result.limit)

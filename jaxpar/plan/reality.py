@@ -1,0 +1,127 @@
+"""The planner against reality on the machine we have: N virtual CPU devices, measured step times.
+
+The same planner (same space, same formulas) is pointed at the CPU "cluster": α and β per
+collective from a short `jaxpar bench collectives` sweep, the compute rate and memory
+bandwidth from the host probe (`measure.hardware.probe_host`), no overlap (XLA:CPU runs
+collectives synchronously). One number is calibrated on this machine, as on GPUs: the
+compute efficiency η, from ONE strategy (the first, the default data parallel), by solving
+measured = compute/η + the rest. Every other strategy's time is then a prediction.
+
+Measurement: every strategy is compiled once, given the same random token batch, warmed
+up, and then timed in interleaved rounds (one step of each strategy per round) so that a
+load spike from other jobs hits all strategies alike; the median of the rounds is reported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+
+from jaxpar.plan.cluster import Cluster, cpu_cluster
+from jaxpar.plan.space import Candidate
+from jaxpar.plan.steptime import Calibration
+
+BENCH_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+
+def default_strategies() -> list[Candidate]:
+    """Strategies of the default config jaxpar builds on 8 devices; the first calibrates η."""
+    c = dict(remat="none", precision="float32", attention="dot")
+    return [
+        Candidate(data=8, **c),
+        Candidate(fsdp=8, **c),
+        Candidate(data=4, fsdp=2, **c),
+        Candidate(data=2, tensor=4, **c),
+        Candidate(data=8, data_impl="zero1", **c),
+        Candidate(data=8, data_impl="zero3", **c),
+        Candidate(fsdp=8, microbatches=4, **c),
+        Candidate(data=8, **{**c, "remat": "full"}),
+    ]
+
+
+def measure_cluster(devices: int, out_dir, budget_s: float = 0.05, log=print) -> tuple[Cluster, dict]:
+    """The CPU cluster of `devices` virtual devices: α-β per collective (a short bench sweep) and the host probe."""
+    from jaxpar.bench.collectives import run_collectives_bench
+    from jaxpar.measure.hardware import probe_host
+    host = probe_host()
+    log(f"  host probe: {host.source}")
+    bench = run_collectives_bench(list(BENCH_OPS), "16K", "4M", budget_s, out_dir)
+    for op, fit in bench["fits"].items():
+        log(f"  {op}: α {fit['alpha_us']:.0f} µs, β_bus {fit['beta_bus_GBps'] or float('nan'):.2f} GB/s")
+    cluster = cpu_cluster(devices, bench["fits"], host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
+    return cluster, {"host": dataclasses.asdict(host), "fits": bench["fits"]}
+
+
+@dataclasses.dataclass
+class Measured:
+    cand: Candidate
+    times: list[float]
+    compile_s: float
+    compiled_bytes: dict      # mesh axis label -> bytes per step, from the compiled HLO
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times)
+
+
+def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len: int, rounds: int,
+                  warmup: int = 2, log=print) -> list[Measured]:
+    """Compile every strategy, then time `rounds` interleaved rounds of one step each (see module docstring)."""
+    import jax
+
+    from jaxpar.measure import hlo
+    from jaxpar.mesh import make_mesh
+    from jaxpar.model.transformer import ModelConfig
+    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.plan.verify import candidate_config
+
+    built = []
+    tokens = np.random.default_rng(0).integers(0, base.model.vocab_size, (global_batch, seq_len + 1), dtype=np.int32)
+    for cand in strategies:
+        config, reason = candidate_config(base, cand, global_batch, seq_len, platform="cpu")
+        if config is None:
+            log(f"  {cand.label()}: {reason}")
+            continue
+        mesh = make_mesh(config, jax.devices()[:cand.devices])
+        trainer = make_trainer(config, ModelConfig.from_config(config.model), mesh)
+        start = time.perf_counter()
+        with jax.set_mesh(mesh):
+            compiled = trainer.lower_step().compile()
+        compile_s = time.perf_counter() - start
+        found = hlo.collectives(compiled.as_text(), mesh)
+        by_axis: dict[str, float] = {}
+        for c in found:
+            by_axis[c.axis_label] = by_axis.get(c.axis_label, 0.0) + c.bytes_per_step
+        state = trainer.init_state()
+        batch = jax.device_put(tokens, trainer.batch_sharding)
+        with jax.set_mesh(mesh):
+            for _ in range(warmup):
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+        log(f"  compiled {cand.label()} in {compile_s:.1f} s")
+        built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis)])
+    for r in range(rounds):
+        for item in built:
+            cand, compiled, state, batch, mesh, measured = item
+            with jax.set_mesh(mesh):
+                start = time.perf_counter()
+                state, metrics = compiled(state, batch)
+                jax.block_until_ready((state, metrics))
+            measured.times.append(time.perf_counter() - start)
+            item[2] = state
+    return [item[-1] for item in built]
+
+
+def calibrate(cluster: Cluster, shape, measured: Measured, global_batch: int, seq_len: int) -> Calibration:
+    """η such that the planner's time for `measured`'s strategy equals its measured median (no overlap on CPU)."""
+    from jaxpar.plan.memory import stored_params
+    from jaxpar.plan.steptime import step_time
+    at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, source="")
+    t = step_time(shape, measured.cand, cluster, global_batch, seq_len, at_peak,
+                  optimizer_params=stored_params(shape, measured.cand)["optimizer"])
+    rest = t.total_s - t.compute_s
+    eta = t.compute_s / max(measured.median_s - rest, 1e-9)
+    return Calibration(compute=eta, overlap=0.0, memory=1.0,
+                       source=f"η = {eta:.3f} of the host probe's matmul rate, measured on {measured.cand.label()}")

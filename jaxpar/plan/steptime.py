@@ -1,0 +1,185 @@
+"""Per-step time of one candidate: compute at a calibrated efficiency + memory-bound passes + exposed
+communication per axis + the pipeline bubble.
+
+  compute   FLOPs each device executes / (η · peak). Executed FLOPs are the model's (6 x active
+            matmul params + attention) plus what the strategy adds: remat `full` recomputes each
+            layer's forward except the two output projections (wo, w_down: their outputs are not
+            needed by the backward pass) and both attention einsums; `dots` recomputes the
+            attention scores (a batched dot, which the policy does not save); a fused (flash)
+            attention kernel skips the masked half of a causal mask and recomputes the scores
+            in its backward (FlashAttention-2: 2.5x the forward instead of 2x). These are the
+            compiled FLOPs of the 7B's deviceless H100 compiles (lab 07 shows them side by side).
+            float8: the weight matmuls run at the fp8 peak; attention stays bf16.
+  memory    passes bound by memory bandwidth: the AdamW update (read param, grad, μ, ν, write
+            param, μ, ν; the norm for clipping reads the grad again: 32 bytes per parameter a
+            device updates) and, for jaxpar's einsum attention, the S x S scores and
+            probabilities (bytes per element in `SCORE_BYTES`), at `MEMORY_EFFICIENCY` x bandwidth.
+  comm      α-β per flow (plan/comm.py) on the link its group spans; hideable flows are hidden
+            behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
+            non-hideable flow, is exposed.
+  bubble    pipelines: the textbook fraction β of the schedule (GPipe/1F1B (p-1)/(m+p-1),
+            interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1)) idles every stage: the busy time
+            is stretched by 1/(1-β).
+
+Calibration (ASSUMPTIONS unless said otherwise; the lab prints them with the anchors):
+  COMPUTE_EFFICIENCY  η of the GPU compute, set so that the planner's own best plan for a Llama-2-70B
+                      on 64 H100s (seq 4096, 4M-token batches) predicts the ~51% MFU published for
+                      MaxText's 70B GPU recipe; the Llama-3-8B anchor (torchtitan, 33-39% MFU on H100)
+                      is then a check, not a fit. On CPU η is measured (labs/capstone.py).
+  FP8_EFFICIENCY      η of fp8 matmuls relative to the fp8 peak (0.7 x η: fp8 GEMMs reach a lower
+                      fraction of their doubled peak, and casts and scaling cost extra).
+  OVERLAP             fraction of the hideable communication XLA overlaps with the layers' compute on
+                      GPU (lab 02: the compiled 7B ZeRO-3 step overlaps 5 of 8 forward and 4 of 8
+                      backward gathers per layer with matmuls of the same layer).
+"""
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+from jaxpar.plan.cluster import Cluster
+from jaxpar.plan.comm import Flow, flows, rows_per_microbatch
+from jaxpar.plan.shape import ModelShape
+from jaxpar.plan.space import Candidate
+
+COMPUTE_EFFICIENCY = 0.526
+FP8_EFFICIENCY = 0.7
+OVERLAP = 0.6
+MEMORY_EFFICIENCY = 0.8
+# Bytes moved per S x S element per layer by the einsum attention (scores bf16 written and read, softmax in
+# fp32 fused into one read and one bf16 write of the probabilities, read again by the PV matmul: ~12 forward;
+# the backward reads the probabilities, writes and reads their gradient and the scores' gradient: ~24).
+SCORE_BYTES = {"forward": 12, "backward": 24}
+ADAM_BYTES_PER_PARAM = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The efficiencies the model divides by; `source` says where each comes from."""
+
+    compute: float = COMPUTE_EFFICIENCY
+    fp8: float = FP8_EFFICIENCY
+    overlap: float = OVERLAP
+    memory: float = MEMORY_EFFICIENCY
+    source: str = "assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py)"
+
+
+GPU_CALIBRATION = Calibration()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    memory_s: float
+    comm_s: dict            # axis -> seconds if nothing were hidden
+    exposed_s: dict         # axis -> seconds exposed
+    bubble_s: float
+    bubble_fraction: float
+    executed_flops: float   # per device per step
+    model_flops: float      # per device per step (the MFU numerator)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.memory_s + sum(self.exposed_s.values()) + self.bubble_s
+
+    @property
+    def serial_s(self) -> float:
+        """The same step with nothing overlapped: the pessimistic bound."""
+        return self.compute_s + self.memory_s + sum(self.comm_s.values()) + self.bubble_s
+
+    def terms(self) -> dict[str, float]:
+        """Every term of the step, for the breakdown and for saying which dominates."""
+        out = {"compute": self.compute_s, "memory-bound passes": self.memory_s}
+        out.update({f"exposed {axis}": t for axis, t in self.exposed_s.items() if t > 0})
+        if self.bubble_s:
+            out["pipeline bubble"] = self.bubble_s
+        return out
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
+    """The textbook idle fraction of a pipeline schedule (the pipeline branch's measure/bubble.py)."""
+    if p == 1:
+        return Fraction(0)
+    if schedule in ("gpipe", "1f1b"):
+        return Fraction(p - 1, m + p - 1)
+    if schedule == "interleaved":
+        return Fraction(p - 1, v * m + p - 1)
+    if schedule == "zb-h1":
+        return Fraction(p - 1, 3 * m + p - 1)
+    raise ValueError(f"no bubble formula for schedule '{schedule}'")
+
+
+def executed_flops_per_token(shape: ModelShape, seq_len: int, remat: str, attention: str) -> dict[str, float]:
+    """FLOPs per token the compiled step executes, split into weight matmuls and attention (see module doc)."""
+    d, L = shape.d_model, shape.layers
+    matmul = 6.0 * shape.active_matmul_params()
+    unit = 2.0 * shape.heads * shape.head_dim * seq_len * L          # one S x S einsum, all layers, per token
+    if remat == "full":
+        outputs = shape.heads * shape.head_dim * d + d * (shape.expert_mlp_dim * (shape.top_k + shape.shared_experts)
+                                                         if shape.experts else shape.mlp_dim)
+        per_layer_forward = (shape.active_matmul_params() - d * shape.vocab) / L - outputs
+        matmul += 2.0 * per_layer_forward * L
+    if attention == "flash":
+        attn = 0.5 * unit * ((2 + 5) + (2 if remat in ("full", "dots") else 0))
+    else:
+        attn = unit * (6 + {"full": 2, "dots": 1}.get(remat, 0))
+    return {"matmul": matmul, "attention": attn}
+
+
+def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch: int, seq_len: int,
+              calibration: Calibration = GPU_CALIBRATION, flow_list: list[Flow] | None = None,
+              optimizer_params: float | None = None) -> StepTime:
+    """Predict one optimizer step of `cand` on `cluster` (see the module docstring).
+
+    `optimizer_params`: parameters this device updates (memory.py's figure); default Ψ / model shards.
+    """
+    n = cand.devices
+    tokens = global_batch * seq_len
+    per_token = executed_flops_per_token(shape, seq_len, cand.remat, cand.attention)
+    matmul = per_token["matmul"] * tokens / n
+    attention = per_token["attention"] * tokens / n
+    bf16_rate = calibration.compute * cluster.peak("bfloat16" if cand.precision != "float32" else "float32")
+    if cand.precision == "float8":
+        compute = matmul / (calibration.compute * calibration.fp8 * cluster.peak("float8")) + attention / bf16_rate
+    else:
+        compute = (matmul + attention) / bf16_rate
+
+    mem_rate = calibration.memory * cluster.mem_bw
+    updated = optimizer_params if optimizer_params is not None else shape.params / (cand.fsdp * cand.tensor)
+    memory = ADAM_BYTES_PER_PARAM * updated / mem_rate
+    if cand.attention == "dot":
+        b = rows_per_microbatch(cand, global_batch)
+        elements = b * (shape.heads / cand.tensor) * seq_len**2 * shape.layers / cand.pipe * cand.microbatches
+        passes = SCORE_BYTES["forward"] * (2 if cand.remat in ("full", "dots") else 1) + SCORE_BYTES["backward"]
+        memory += elements * passes / mem_rate
+
+    flow_list = flow_list if flow_list is not None else flows(shape, cand, global_batch, seq_len, cluster.platform)
+    comm: dict[str, float] = {}
+    hideable = 0.0
+    exposed: dict[str, float] = {}
+    for f in flow_list:
+        link = cluster.link(_span(cand, f.axis))
+        t = link.time(f.op, f.bytes, f.count)
+        comm[f.axis] = comm.get(f.axis, 0.0) + t
+        if f.hideable and cluster.platform != "cpu":
+            hideable += t
+            exposed[f.axis] = exposed.get(f.axis, 0.0) + t * (1 - calibration.overlap)
+        else:
+            exposed[f.axis] = exposed.get(f.axis, 0.0) + t
+    window = calibration.overlap * compute
+    spill = max(0.0, hideable * calibration.overlap - window)     # more to hide than compute to hide it behind
+    if spill and hideable:
+        for f in flow_list:
+            if f.hideable:
+                exposed[f.axis] += spill * cluster.link(_span(cand, f.axis)).time(f.op, f.bytes, f.count) / hideable
+
+    fraction = bubble_fraction(cand.schedule, cand.pipe, cand.microbatches, cand.virtual)
+    busy = compute + memory + exposed.get("tensor", 0.0)
+    bubble = float(busy * fraction / (1 - fraction)) if fraction else 0.0
+    model = shape.flops_per_token(seq_len) * tokens / n
+    return StepTime(compute, memory, comm, exposed, bubble, float(fraction), matmul + attention, model)
+
+
+def _span(cand: Candidate, axis: str) -> int:
+    """Consecutive device ids a group of `axis` spans; a group over several axes ("data+expert") spans both."""
+    return max(cand.span(a) for a in axis.split("+"))

@@ -1,0 +1,144 @@
+"""From a candidate to a config jaxpar can build, and the check of the top candidates against the compiler.
+
+`candidate_config` writes a candidate as `--set` overrides of a base config and asks the
+checkout whether it can build it: the config fields must exist (a field another branch
+adds, such as `model.attention` or `parallel.pipe_microbatches`, may not be merged yet),
+`jaxpar.config.validate` must accept the mesh, and the registry
+(`jaxpar.parallel.registry.select`) must find a trainer. Whatever refuses, its one-line
+ConfigError becomes the reason the candidate stays "formula only". Nothing here names the
+strategies the checkout has: after a merge the same code builds what the merge added.
+
+`verify` compiles the best buildable candidates deviceless for a GPU target
+(`jaxpar.dryrun`, which needs the CUDA plugin wheels, not a GPU) and sets the predicted
+memory and bytes per mesh axis beside the compiled ones; a candidate whose compiled peak
+does not fit the device is demoted below every candidate that was not, with the reason.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from jaxpar.config import ConfigError, apply_overrides, validate
+from jaxpar.plan.space import Candidate
+
+GIB = 2**30
+FLASH = {"gpu": "cudnn", "cpu": "pallas"}      # model.attention value of a fused kernel, per platform
+
+
+def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platform: str = "gpu") -> list[str]:
+    """The `--set FIELD=VALUE` list that makes a config run `cand`."""
+    out = [f"mesh.{axis}={size}" for axis, size in cand.sizes.items()]
+    out += [f"train.batch_size={global_batch}", f"data.seq_len={seq_len}", f"train.remat={cand.remat}",
+            f"train.compute_dtype={cand.precision}", f"parallel.data={cand.data_impl}"]
+    if cand.pipe > 1:
+        out += [f"parallel.pipe={cand.schedule}", f"parallel.pipe_microbatches={cand.microbatches}",
+                "train.microbatches=1"]
+    else:
+        out += [f"train.microbatches={cand.microbatches}"]
+    if cand.expert > 1:
+        out += ["parallel.expert=manual"]
+    if cand.attention == "flash":
+        out += [f"model.attention={FLASH[platform]}"]
+    return out
+
+
+def candidate_config(base, cand: Candidate, global_batch: int, seq_len: int, platform: str = "gpu"):
+    """(config, None) when this checkout can build `cand`, else (None, the reason it stays formula only)."""
+    from jaxpar.parallel.registry import select
+    config = copy.deepcopy(base)
+    overrides = candidate_overrides(cand, global_batch, seq_len, platform)
+    for item in overrides:
+        field = item.split("=", 1)[0]
+        if not _has_field(config, field):
+            return None, f"formula only: this checkout's config has no field {field}"
+    try:
+        with config.unlocked():
+            config.model.max_seq_len = max(config.model.max_seq_len, seq_len)
+        apply_overrides(config, overrides)
+        sizes = validate(config, cand.devices)
+        select(config, sizes)
+    except ConfigError as err:
+        return None, f"formula only: {err}"
+    return config, None
+
+
+def _has_field(config, path: str) -> bool:
+    node = config
+    for part in path.split("."):
+        if part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def annotate(plan, base, count: int, platform: str = "gpu") -> None:
+    """Mark the first `count` ranked candidates this checkout cannot build as formula only, with the reason."""
+    for r in plan.ranked[:count]:
+        if not r.note:
+            r.note = candidate_config(base, r.cand, plan.global_batch, plan.seq_len, platform)[1] or "builds"
+
+
+@dataclasses.dataclass
+class Verified:
+    label: str
+    predicted_peak: float
+    compiled_peak: float
+    usable: float
+    bytes: dict            # mesh axis label -> (predicted, compiled)
+    compile_s: float
+    demoted: str = ""
+
+    @property
+    def memory_ratio(self) -> float:
+        return self.compiled_peak / self.predicted_peak
+
+
+def _axis_bytes(predicted: dict, compiled: dict) -> dict:
+    labels = {k for k, v in predicted.items() if v} | {k for k, v in compiled.items() if v}
+    return {k: (predicted.get(k, 0.0), compiled.get(k, {}).get("bytes", 0.0) if isinstance(compiled.get(k), dict)
+                else compiled.get(k, 0.0)) for k in sorted(labels)}
+
+
+def verify(plan, base_config, count: int, target: str = "h100", log=print) -> tuple[list[Verified], list[str]]:
+    """Compile the `count` best buildable candidates of `plan` for `target`; demote those that do not fit.
+
+    Returns (what was compiled, the skipped candidates with their reasons). Reorders plan.ranked in place.
+    """
+    from jaxpar.dryrun import dryrun
+    cluster = plan.cluster
+    topology = f"1x{cluster.nodes}x{cluster.per_node}"
+    verified, skipped = [], []
+    for r in list(plan.ranked):
+        if len(verified) >= count:
+            break
+        config, reason = candidate_config(base_config, r.cand, plan.global_batch, plan.seq_len, "gpu")
+        if config is None:
+            r.note = reason
+            skipped.append(f"{r.label}: {reason}")
+            continue
+        log(f"  compiling {r.label} for {target} {topology} ...")
+        result = dryrun(config, target, topology=topology)
+        compiled = result["memory"]["compiled"]["peak"]
+        usable = plan.cluster.hbm_bytes * (1 - plan.headroom)
+        v = Verified(r.label, r.memory.total, compiled, usable,
+                     _axis_bytes(r.comm_bytes, result["collectives"]["by_axis"]), result["timing"]["compile_s"])
+        r.note = f"compiled peak {compiled / GIB:.1f} GiB ({compiled / r.memory.total:.2f}x predicted)"
+        if compiled > usable:
+            v.demoted = (f"demoted: compiled peak {compiled / 1e9:.1f} GB exceeds the {usable / 1e9:.0f} GB usable "
+                         f"({1 - plan.headroom:.0%} of {plan.cluster.hbm_bytes / 1e9:.0f} GB)")
+            r.note = v.demoted
+        verified.append(v)
+    demoted = {v.label for v in verified if v.demoted}
+    plan.ranked.sort(key=lambda r: r.label in demoted)          # stable: the order is kept otherwise
+    return verified, skipped
+
+
+def verification_table(verified: list[Verified]) -> str:
+    lines = ["| strategy | memory predicted GiB | compiled GiB | compiled / predicted | bytes per axis: predicted / "
+             "compiled GiB (ratio) | fits |", "|---|---:|---:|---:|---|---|"]
+    for v in verified:
+        axes = "; ".join(f"{axis} {p / GIB:.2f} / {c / GIB:.2f} ({c / p:.3f})" if p else f"{axis} - / {c / GIB:.2f}"
+                         for axis, (p, c) in v.bytes.items()) or "none"
+        lines.append(f"| {v.label} | {v.predicted_peak / GIB:.2f} | {v.compiled_peak / GIB:.2f} | "
+                     f"{v.memory_ratio:.3f} | {axes} | {v.demoted or 'yes'} |")
+    return "\n".join(lines)
