@@ -212,7 +212,7 @@ def run_lab(args) -> dict:
                "reality": reality, "fertility": fert, "risks": risks,
                "elapsed_s": time.perf_counter() - started}
     plots(p, reality, fert, out)
-    report = markdown(p, anchors, compiler, reality, fert, risks, results["elapsed_s"])
+    report = markdown(p, config, anchors, compiler, reality, fert, risks, results["elapsed_s"])
     (out / "report.md").write_text(report)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     log(report)
@@ -250,18 +250,19 @@ def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
-def markdown(p, anchors, compiler, reality, fert, risks, elapsed) -> str:
+def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str:
     from jaxpar.plan import cluster as cl
     from jaxpar.plan import memory as mem
     from jaxpar.plan import steptime as st
     from jaxpar.plan.planner import defence, summary_line, table
-    from jaxpar.plan.verify import verification_table
+    from jaxpar.plan.verify import annotate, buildable_sentence, verification_table
     best = p.best
+    annotate(p, config, 10)
     lines = ["# Lab 07: the capstone plan", "",
              f"Every figure is a **prediction** unless it says *measured* or *compiled*. jaxpar's planner "
              f"(`jaxpar plan`, `jaxpar/plan/`); {time.strftime('%Y-%m-%d')}; this run took {elapsed:.0f} s.", "",
              "## a. The plan", "", summary_line(p), "", table(p, 10), "", "![plan](plan.png)", "",
-             "### Defence", "", defence(p), "",
+             "### Defence", "", defence(p) + " " + buildable_sentence(p, config), "",
              f"## The chosen strategy: {best.label}", "",
              "| memory per device | GB |", "|---|---:|"]
     lines += [f"| {k} | {v / GB:.2f} |" for k, v in best.memory.parts().items()]

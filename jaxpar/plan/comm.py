@@ -16,7 +16,9 @@ equal). Pipeline and expert terms follow the pipeline and MoE trainers' own form
   expert  per MoE layer and microbatch, dispatch + combine all-to-alls of b·s·k·h·e each,
           forward and backward (and the forward again under remat): (X-1)/X of them leave.
 
-e = bytes per element on the wire: the activation dtype on GPU (bf16 for bfloat16 and float8),
+e = bytes per element on the wire: the activation dtype on GPU (bf16 for bfloat16 and float8; but
+float8's data-parallel gradient all-reduce runs in fp32: 1.94-1.95x the bf16 bytes in two deviceless
+H100 compiles of the 7B, where XLA reduces before the cast back from the fp8 matmul's gradient),
 4 on CPU (XLA:CPU communicates bf16 in fp32); XLA:CPU spells a reduce-scatter as an all-reduce +
 slice (twice the bytes) and does not merge the q/k/v input-gradient sums (7 tensor all-reduces
 per layer instead of 4).
@@ -107,7 +109,8 @@ def flows(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, p
     if X > 1:
         out += _expert_flows(shape, cand, b, s, e, psi, psi_x, cpu)
     elif D > 1:
-        out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * e * psi / (F * T) * m,
+        grad_e = 4 if cand.precision == "float8" and not cpu else e
+        out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * grad_e * psi / (F * T) * m,
                         m * (WEIGHTS_PER_LAYER + OTHER_WEIGHTS), False))
     if T > 1:
         per_layer = (7 if cpu else 4) + (1 if cand.remat == "full" else 0)

@@ -88,9 +88,9 @@ def run(args) -> int:
     verified_text = []
     if args.verify:
         verified_text = verify_top(p, config, args.verify, args.gpu)
-    from jaxpar.plan.verify import annotate
+    from jaxpar.plan.verify import annotate, buildable_sentence
     annotate(p, config, args.top)
-    lines += [table(p, args.top), "", "## Defence", "", defence(p)]
+    lines += [table(p, args.top), "", "## Defence", "", defence(p) + " " + buildable_sentence(p, config)]
     if verified_text:
         lines += ["", "## Checked against the compiler", "", *verified_text]
     text = "\n".join(lines)
@@ -116,7 +116,8 @@ def verify_top(p, config, count: int, gpu: str) -> list[str]:
     from jaxpar.plan.verify import verification_table, verify
     verified, skipped = verify(p, config, count, target, log=lambda line: None)
     out = [verification_table(verified), ""]
-    out += [f"Not compiled (ranked above or among them): {s}" for s in skipped]
+    out += ["Better-ranked candidates this checkout cannot build (formula only):", ""]
+    out += [f"- {s}" for s in skipped]
     return out
 
 

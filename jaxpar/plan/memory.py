@@ -11,6 +11,7 @@
                remat dots: + the saved matmul outputs q, k, v, gate, up: L·b·s·(a·d_h + 2·kv·d_h + 2F)·e/T;
                remat none: + everything else autodiff keeps per layer, `NONE_SCORE_BYTES` per S x S element
                (fp32 scores and probabilities and the bf16 copy) + `NONE_TOKEN_BYTES` per token x h.
+               float8 (remat none or dots): + what fp8.py's matmul keeps, `fp8_residuals`.
                Pipelines keep the stage's L/p layers for every microbatch in flight (GPipe m, 1F1B and
                ZB-H1 p, interleaved v·p + p - 1 chunks of L/(v·p) layers).
   working set  the largest transient: one layer's backward (recomputed forward + gradients):
@@ -83,6 +84,19 @@ def stored_params(shape: ModelShape, cand: Candidate) -> dict[str, float]:
             "optimizer": params / (d if stage >= 1 else 1)}
 
 
+def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: int) -> float:
+    """Per layer, what jaxpar's fp8 matmul (model/fp8.py) saves for its backward pass unless the layer is
+    recomputed: each matmul's input in e4m3 (1 byte per element; the inputs of q/k/v and gate/up are whole
+    under tensor parallelism, those of wo and w_down split) and its bf16 weight as fetched, i.e. the
+    gathered layer under fsdp."""
+    T = cand.tensor
+    inner = shape.heads * shape.head_dim + (shape.expert_mlp_dim * shape.top_k if shape.experts else shape.mlp_dim)
+    inputs = b * s * (2 * shape.d_model + inner / T)
+    c = shape.counts()
+    weights = 2 * (c["blocks"] - c["experts"] * (1 - 1 / cand.expert)) / shape.layers / T
+    return inputs + weights
+
+
 def in_flight(cand: Candidate) -> tuple[float, float]:
     """(microbatches whose activations a pipeline stage holds at once, layers each of them covers there)."""
     layers = 1.0 / cand.pipe
@@ -115,6 +129,8 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
         per_layer = b * (scores + NONE_TOKEN_BYTES * scale * s * h + s * h * e)
     else:
         per_layer = b * s * h * e + (b * s * widths * e if cand.remat == "dots" else 0)
+    if cand.precision == "float8" and cand.remat != "full":
+        per_layer += fp8_residuals(shape, cand, b, s)
     count, layers_each = in_flight(cand)
     activations = per_layer * L * layers_each * count
 

@@ -24,6 +24,7 @@ from jaxpar.plan.space import Candidate
 from jaxpar.plan.steptime import Calibration
 
 BENCH_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+BENCH_SIZES = ("16K", "4M")          # the α-β sweep: per-device bytes, doubling
 
 
 def default_strategies() -> list[Candidate]:
@@ -47,7 +48,7 @@ def measure_cluster(devices: int, out_dir, budget_s: float = 0.05, log=print) ->
     from jaxpar.measure.hardware import probe_host
     host = probe_host()
     log(f"  host probe: {host.source}")
-    bench = run_collectives_bench(list(BENCH_OPS), "16K", "4M", budget_s, out_dir)
+    bench = run_collectives_bench(list(BENCH_OPS), *BENCH_SIZES, budget_s, out_dir)
     for op, fit in bench["fits"].items():
         log(f"  {op}: α {fit['alpha_us']:.0f} µs, β_bus {fit['beta_bus_GBps'] or float('nan'):.2f} GB/s")
     cluster = cpu_cluster(devices, bench["fits"], host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)

@@ -78,6 +78,26 @@ def annotate(plan, base, count: int, platform: str = "gpu") -> None:
             r.note = candidate_config(base, r.cand, plan.global_batch, plan.seq_len, platform)[1] or "builds"
 
 
+def best_buildable(plan, base, platform: str = "gpu"):
+    """(rank, candidate) of the best ranked candidate this checkout can build, or (None, None)."""
+    for rank, r in enumerate(plan.ranked, 1):
+        if candidate_config(base, r.cand, plan.global_batch, plan.seq_len, platform)[0] is not None:
+            return rank, r
+    return None, None
+
+
+def buildable_sentence(plan, base) -> str:
+    """One sentence for the defence: what this checkout can run of the plan."""
+    from jaxpar.plan.planner import why_loses
+    rank, r = best_buildable(plan, base)
+    if r is None:
+        return "This checkout builds none of the candidates that fit: every one is formula only."
+    if rank == 1:
+        return "This checkout builds the chosen strategy."
+    return (f"This checkout cannot build the {rank - 1} better-ranked candidate(s) (formula only, see the notes); "
+            f"the best it builds is #{rank}, {r.label}: {why_loses(plan.best, r)}.")
+
+
 @dataclasses.dataclass
 class Verified:
     label: str
@@ -102,25 +122,27 @@ def _axis_bytes(predicted: dict, compiled: dict) -> dict:
 def verify(plan, base_config, count: int, target: str = "h100", log=print) -> tuple[list[Verified], list[str]]:
     """Compile the `count` best buildable candidates of `plan` for `target`; demote those that do not fit.
 
-    Returns (what was compiled, the skipped candidates with their reasons). Reorders plan.ranked in place.
+    Returns (what was compiled, one line per reason the better-ranked candidates were not built: how many,
+    the best of them). Reorders plan.ranked in place.
     """
     from jaxpar.dryrun import dryrun
     cluster = plan.cluster
     topology = f"1x{cluster.nodes}x{cluster.per_node}"
-    verified, skipped = [], []
-    for r in list(plan.ranked):
+    verified, skipped = [], {}
+    for rank, r in enumerate(list(plan.ranked), 1):
         if len(verified) >= count:
             break
         config, reason = candidate_config(base_config, r.cand, plan.global_batch, plan.seq_len, "gpu")
         if config is None:
             r.note = reason
-            skipped.append(f"{r.label}: {reason}")
+            first = skipped.setdefault(reason, [0, rank, r.label])
+            first[0] += 1
             continue
         log(f"  compiling {r.label} for {target} {topology} ...")
         result = dryrun(config, target, topology=topology)
         compiled = result["memory"]["compiled"]["peak"]
         usable = plan.cluster.hbm_bytes * (1 - plan.headroom)
-        v = Verified(r.label, r.memory.total, compiled, usable,
+        v = Verified(f"#{rank} {r.label}", r.memory.total, compiled, usable,
                      _axis_bytes(r.comm_bytes, result["collectives"]["by_axis"]), result["timing"]["compile_s"])
         r.note = f"compiled peak {compiled / GIB:.1f} GiB ({compiled / r.memory.total:.2f}x predicted)"
         if compiled > usable:
@@ -128,9 +150,9 @@ def verify(plan, base_config, count: int, target: str = "h100", log=print) -> tu
                          f"({1 - plan.headroom:.0%} of {plan.cluster.hbm_bytes / 1e9:.0f} GB)")
             r.note = v.demoted
         verified.append(v)
-    demoted = {v.label for v in verified if v.demoted}
-    plan.ranked.sort(key=lambda r: r.label in demoted)          # stable: the order is kept otherwise
-    return verified, skipped
+    plan.ranked.sort(key=lambda r: r.note.startswith("demoted"))   # stable: the order is kept otherwise
+    lines = [f"{n} candidate(s), the best #{rank} {label}: {reason}" for reason, (n, rank, label) in skipped.items()]
+    return verified, lines
 
 
 def verification_table(verified: list[Verified]) -> str:

@@ -1,0 +1,65 @@
+"""Lab 07 end to end, reduced (two CPU strategies, one vocabulary, a short collectives sweep): every section
+of the report is written from what the run measured, and bad input writes nothing."""
+import json
+
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.dryrun import gpu_plugin_problem
+from jaxpar.plan.space import Candidate
+
+from test_plan import CONFIGS, run_cli
+
+
+@pytest.fixture
+def reduced(monkeypatch):
+    import jaxpar.labs.capstone as lab
+    import jaxpar.plan.reality as reality
+    plain = dict(remat="none", precision="float32", attention="dot")
+    monkeypatch.setattr(reality, "default_strategies", lambda: [Candidate(data=8, **plain), Candidate(fsdp=8, **plain)])
+    monkeypatch.setattr(reality, "BENCH_SIZES", ("16K", "64K"))
+    monkeypatch.setattr(lab, "VOCABS", (1024,))
+
+
+def test_capstone_report(capsys, tmp_path, reduced):
+    out = tmp_path / "lab"
+    code, text, err = run_cli(capsys, ["capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12",
+                                       "--verify", "0", "--rounds", "3", "--out", str(out)])
+    assert code == 0, err
+    report = (out / "report.md").read_text()
+    for heading in ("## a. The plan", "### Defence", "## The chosen strategy", "## b. Calibration",
+                    "## c. Checked against the compiler", "## d. Checked against reality", "## e. Arabic tokenizer",
+                    "## f. Risks"):
+        assert heading in report, heading
+    for plot in ("plan.png", "memory.png", "steptime.png", "cpu_check.png", "fertility.png"):
+        assert (out / plot).stat().st_size > 0, plot
+    results = json.loads((out / "results.json").read_text())
+    rows = results["reality"]["rows"]
+    assert [r["calibration"] for r in rows] == [True, False]
+    assert rows[0]["ratio"] == pytest.approx(1.0, rel=1e-6)                # η is fitted on the first strategy
+    for r in rows:
+        assert r["measured_s"] == sorted(r["times_s"])[1] and len(r["times_s"]) == 3   # median of 3 rounds
+        assert f"| {r['strategy']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} |" in report
+    fert = results["fertility"]["rows"]
+    assert [f["normalize"] for f in fert] == [False, True]
+    assert fert[0]["tokens_per_word"] == fert[0]["held_out_tokens"] / fert[0]["held_out_words"]
+    assert "Quran is a small" in report
+    assert results["risks"]["risk"]["goodput"] < 1
+
+
+@pytest.mark.skipif(gpu_plugin_problem() is None, reason="the CUDA plugin is installed here")
+def test_capstone_says_how_to_verify_without_the_plugin(capsys, tmp_path, reduced):
+    out = tmp_path / "lab"
+    code, _, err = run_cli(capsys, ["capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12", "--skip-cpu",
+                                    "--out", str(out)])
+    assert code == 0, err
+    assert "Skipped: a deviceless GPU compile needs the jax-cuda12-plugin" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("extra, field", [(["--gpu", "tpu9"], "--gpu"), (["--tokens", "0"], "--tokens"),
+                                          (["--rounds", "1"], "--rounds")])
+def test_capstone_bad_input(capsys, tmp_path, extra, field):
+    argv = ["capstone", "--config", CONFIGS["arabic_7b"], "--out", str(tmp_path / "lab"), *extra]
+    code, _, err = run_cli(capsys, argv)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {field}: "), err
+    assert not (tmp_path / "lab").exists()
