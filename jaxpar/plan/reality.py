@@ -14,6 +14,7 @@ load spike from other jobs hits all strategies alike; the median of the rounds i
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 
@@ -25,6 +26,7 @@ from jaxpar.plan.steptime import Calibration
 
 BENCH_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 BENCH_SIZES = ("16K", "4M")          # the α-β sweep: per-device bytes, doubling
+PROBE_SECONDS = 4.0                  # the host probe's timing budget (medians: a loaded host varies)
 
 
 def default_strategies() -> list[Candidate]:
@@ -37,7 +39,7 @@ def default_strategies() -> list[Candidate]:
         Candidate(data=2, tensor=4, **c),
         Candidate(data=8, data_impl="zero1", **c),
         Candidate(data=8, data_impl="zero3", **c),
-        Candidate(fsdp=8, microbatches=4, **c),
+        Candidate(fsdp=8, microbatches=2, **c),
         Candidate(data=8, **{**c, "remat": "full"}),
     ]
 
@@ -46,7 +48,7 @@ def measure_cluster(devices: int, out_dir, budget_s: float = 0.05, log=print) ->
     """The CPU cluster of `devices` virtual devices: α-β per collective (a short bench sweep) and the host probe."""
     from jaxpar.bench.collectives import run_collectives_bench
     from jaxpar.measure.hardware import probe_host
-    host = probe_host()
+    host = probe_host(PROBE_SECONDS)
     log(f"  host probe: {host.source}")
     bench = run_collectives_bench(list(BENCH_OPS), *BENCH_SIZES, budget_s, out_dir)
     for op, fit in bench["fits"].items():
@@ -58,13 +60,20 @@ def measure_cluster(devices: int, out_dir, budget_s: float = 0.05, log=print) ->
 @dataclasses.dataclass
 class Measured:
     cand: Candidate
-    times: list[float]
+    times: list[float]        # wall-clock seconds per step
     compile_s: float
     compiled_bytes: dict      # mesh axis label -> bytes per step, from the compiled HLO
+    cpu_times: list[float] = dataclasses.field(default_factory=list)   # this process's CPU seconds per step
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.times)
+
+    @property
+    def cpu_median_s(self) -> float:
+        """Median CPU seconds per step / the host's cores: what the step would take on an idle host if it kept
+        every core busy. Other processes' load does not enter it (it is not a wall-clock time)."""
+        return statistics.median(self.cpu_times) / (os.cpu_count() or 1)
 
 
 def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len: int, rounds: int,
@@ -107,22 +116,26 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
         for item in built:
             cand, compiled, state, batch, mesh, measured = item
             with jax.set_mesh(mesh):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 state, metrics = compiled(state, batch)
                 jax.block_until_ready((state, metrics))
             measured.times.append(time.perf_counter() - start)
+            measured.cpu_times.append(time.process_time() - cpu)
             item[2] = state
     return [item[-1] for item in built]
 
 
-def calibrate(cluster: Cluster, shape, measured: Measured, global_batch: int, seq_len: int) -> Calibration:
-    """η such that the planner's time for `measured`'s strategy equals its measured median (no overlap on CPU)."""
+def calibrate(cluster: Cluster, shape, measured: Measured, global_batch: int, seq_len: int,
+              seconds: float | None = None) -> Calibration:
+    """η such that the planner's time for `measured`'s strategy equals its measured median (no overlap on CPU);
+    `seconds`: calibrate on this figure instead (the CPU-time median)."""
     from jaxpar.plan.memory import stored_params
     from jaxpar.plan.steptime import step_time
     at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, source="")
     t = step_time(shape, measured.cand, cluster, global_batch, seq_len, at_peak,
                   optimizer_params=stored_params(shape, measured.cand)["optimizer"])
     rest = t.total_s - t.compute_s
-    eta = t.compute_s / max(measured.median_s - rest, 1e-9)
+    target = measured.median_s if seconds is None else seconds
+    eta = t.compute_s / max(target - rest, 1e-9)
     return Calibration(compute=eta, overlap=0.0, memory=1.0,
                        source=f"η = {eta:.3f} of the host probe's matmul rate, measured on {measured.cand.label()}")

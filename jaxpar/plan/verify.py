@@ -45,12 +45,12 @@ def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platfo
 def candidate_config(base, cand: Candidate, global_batch: int, seq_len: int, platform: str = "gpu"):
     """(config, None) when this checkout can build `cand`, else (None, the reason it stays formula only)."""
     from jaxpar.parallel.registry import select
-    config = copy.deepcopy(base)
     overrides = candidate_overrides(cand, global_batch, seq_len, platform)
     for item in overrides:
         field = item.split("=", 1)[0]
-        if not _has_field(config, field):
+        if not _has_field(base, field):
             return None, f"formula only: this checkout's config has no field {field}"
+    config = copy.deepcopy(base)
     try:
         with config.unlocked():
             config.model.max_seq_len = max(config.model.max_seq_len, seq_len)
