@@ -129,6 +129,23 @@ def test_memory_responds_to_each_setting():
         32 / 8 * memory(s, p1, 256, 4096, hbm).activations)                  # GPipe keeps m, 1F1B p microbatches
 
 
+def test_memory_reproduces_recorded_h100_compiles():
+    """The memory model against 20 recorded deviceless H100 compiles of the 7B (tests/data; re-checked live by
+    `jaxpar plan --verify` where the CUDA plugin is installed). fp32 is not calibrated: that compile is reported."""
+    from jaxpar.config import mesh_shape
+    recorded = json.loads((ROOT / "tests" / "data" / "h100_7b_compiles.json").read_text())["compiles"]
+    ratios = {}
+    for rec in recorded:
+        c = config("arabic_7b", *rec["overrides"])
+        cand = candidate_from_config(c, mesh_shape(c, 64))
+        predicted = memory(ModelShape.from_config(c), cand, c.train.batch_size, c.data.seq_len, 80e9).total
+        ratios[" ".join(rec["overrides"])] = rec["compiled_peak_bytes"] / predicted
+    fp32 = {k: v for k, v in ratios.items() if "float32" in k}
+    assert len(ratios) == 20 and len(fp32) == 1
+    assert all(abs(v - 1) < 0.05 for k, v in ratios.items() if k not in fp32), ratios
+    assert all(v > 1.2 for v in fp32.values())          # what the docstring says: fp32 is under-predicted
+
+
 def test_step_time_terms():
     s, c = seven_b(), gpu_cluster("h100", 8, 8)
     fsdp = Candidate(fsdp=64)
@@ -280,3 +297,43 @@ def test_predicted_memory_matches_a_deviceless_h100_compile():
              candidates=[Candidate(fsdp=8, data=8, microbatches=4, remat="full", attention="dot")])
     verified, skipped = verify(p, config("arabic_7b"), 1, log=lambda line: None)
     assert not skipped and verified[0].memory_ratio == pytest.approx(1.0, abs=0.1)
+
+
+def test_moe_configs_get_an_expert_axis():
+    dense = seven_b()
+    moe = dataclasses.replace(dense, experts=8, top_k=2, expert_mlp_dim=dense.mlp_dim, moe_layers=dense.layers)
+    p = plan(moe, gpu_cluster("h100", 8, 8), global_batch=256, seq_len=4096, tokens=1e12)
+    expert = [r for r in p.results if r.cand.expert > 1]
+    assert expert and all(8 % r.cand.expert == 0 for r in expert)
+    assert not any(r.cand.expert > 1 for r in plan(dense, gpu_cluster("h100", 8, 8), global_batch=256, seq_len=4096,
+                                                    tokens=1e12).results)
+    r = min(expert, key=lambda r: r.time.total_s)
+    unsplit = dataclasses.replace(r.cand, expert=1, data=r.cand.data * r.cand.expert)
+    assert r.comm_bytes["expert"] > 0 and r.memory.state < memory(moe, unsplit, 256, 4096, 80e9).state
+
+
+def test_budget_in_arabic_words(capsys, tmp_path):
+    from jaxpar.plan.fertility import fertility
+    code, out, err = run_cli(capsys, ["plan", "--config", CONFIGS["arabic_7b"], "--set", "data.vocab_size=1024",
+                                      "--words", "1e9", "--top", "1", "--out", str(tmp_path)])
+    assert code == 0, err
+    f = fertility("quran", 1024, False)
+    assert json.loads((tmp_path / "plan.json").read_text())["tokens"] == pytest.approx(1e9 * f["tokens_per_word"])
+    assert f"{f['tokens_per_word']:.3f} tokens/word" in out
+
+
+def test_dry_run_reports_the_calibrated_step(tmp_path):
+    from jaxpar.dryrun import dryrun, markdown_report
+    from jaxpar.plan.cluster import cpu_cluster
+    from jaxpar.measure.hardware import probe_host
+    from jaxpar.plan.planner import predict_config
+    from jaxpar.plan.steptime import Calibration
+    c = config("test", "mesh.data=1", "mesh.fsdp=8")
+    r = dryrun(c, "cpu")
+    host = probe_host()
+    expected = predict_config(c, r["mesh"], c.model.vocab_size, cpu_cluster(8, {}, host.fp32_flops, host.hbm_bw,
+                                                                             host.hbm_bytes or 16e9),
+                              Calibration(compute=1.0, overlap=0.0, memory=1.0))
+    assert r["time"]["calibrated"]["step_s"] == pytest.approx(expected.total_s)
+    text = markdown_report(r)
+    assert "**Calibrated (jaxpar.plan):" in text and "Optimistic bound (100% of peak" in text
