@@ -257,7 +257,8 @@ def calibrated_step(config, sizes: dict[str, int], vocab: int, machine: dict, n:
     if machine["platform"] == "cpu":
         host = hardware.probe_host()
         cluster = cpu_cluster(n, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
-        calibration = Calibration(compute=1.0, overlap=0.0, memory=1.0, source="uncalibrated on CPU (η = 1)")
+        calibration = Calibration(compute=1.0, overlap=0.0, memory=1.0,
+                                  source="η not calibrated on CPU here: `jaxpar capstone` measures it")
     else:
         cluster = gpu_cluster(machine["target"], machine["hosts"], machine["gpus_per_host"])
         calibration = GPU_CALIBRATION
@@ -474,7 +475,8 @@ def markdown_report(r: dict) -> str:
         "",
         "## Predicted step time (prediction, not a measurement)",
         "",
-        f"**Calibrated (jaxpar.plan): {_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}**: compute at "
+        f"**The planner's step model (jaxpar.plan): {_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}**: "
+        "compute at "
         f"η = {cal['efficiency']:.2f} of peak, {cal['overlap']:.0%} of the hideable collectives overlapped "
         f"({cal['source']}); "
         + ", ".join(f"{name} {_seconds(value)}" for name, value in cal["terms"].items()) + ".",

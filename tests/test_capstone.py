@@ -3,12 +3,10 @@ of the report is written from what the run measured, and bad input writes nothin
 import json
 
 import pytest
+from test_plan import CONFIGS, run_cli
 
-from jaxpar.cli import main
 from jaxpar.dryrun import gpu_plugin_problem
 from jaxpar.plan.space import Candidate
-
-from test_plan import CONFIGS, run_cli
 
 
 @pytest.fixture
@@ -24,7 +22,7 @@ def reduced(monkeypatch):
 
 def test_capstone_report(capsys, tmp_path, reduced):
     out = tmp_path / "lab"
-    code, text, err = run_cli(capsys, ["capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12",
+    code, _, err = run_cli(capsys, ["capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12",
                                        "--verify", "0", "--rounds", "3", "--out", str(out)])
     assert code == 0, err
     report = (out / "report.md").read_text()

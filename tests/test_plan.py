@@ -117,12 +117,15 @@ def test_bytes_match_the_compiled_cpu_program(sizes):
 
 def test_memory_responds_to_each_setting():
     s, hbm = seven_b(), 80e9
-    m = lambda **kw: memory(s, Candidate(**{"fsdp": 64, "microbatches": 4, **kw}), 256, 4096, hbm).total  # noqa: E731
+
+    def m(**settings):
+        return memory(s, Candidate(**{"fsdp": 64, "microbatches": 4, **settings}), 256, 4096, hbm).total
+
     assert m(remat="none") > m(remat="dots") > m(remat="full")
     assert m(attention="dot") > m(attention="flash")
     assert m(microbatches=1) > m(microbatches=4)
-    state = lambda c: memory(s, c, 256, 4096, hbm).state   # noqa: E731
-    assert state(Candidate(fsdp=8, data=8)) == pytest.approx(8 * state(Candidate(fsdp=64)), rel=1e-6)
+    hybrid, sharded = (memory(s, c, 256, 4096, hbm).state for c in (Candidate(fsdp=8, data=8), Candidate(fsdp=64)))
+    assert hybrid == pytest.approx(8 * sharded, rel=1e-6)
     p1 = Candidate(fsdp=8, pipe=8, microbatches=32, schedule="1f1b", remat="full")
     gp = dataclasses.replace(p1, schedule="gpipe")
     assert memory(s, gp, 256, 4096, hbm).activations == pytest.approx(
@@ -199,7 +202,9 @@ def test_nothing_fits_names_the_smallest_cluster():
     with pytest.raises(ConfigError, match=r"^--nodes: no strategy fits .* the smallest that fits is (\d+) x 1"):
         plan(s, small, global_batch=256, seq_len=4096, tokens=1e12)
     found = smallest_cluster(s, small, 256, 4096, 0.1)
-    fits = lambda n: any(memory(s, c, 256, 4096, 80e9).fits for c in enumerate_candidates(s, n, 256))  # noqa: E731
+    def fits(devices):
+        return any(memory(s, c, 256, 4096, 80e9).fits for c in enumerate_candidates(s, devices, 256))
+
     assert fits(found.devices) and not fits(found.devices - 1)
 
 
@@ -284,7 +289,7 @@ def test_plan_bad_input(capsys, tmp_path, extra, field):
     argv = ["plan", "--config", CONFIGS["arabic_7b"], "--out", str(tmp_path / "out"), *extra]
     if not any(e.startswith(("--tokens", "--words")) for e in extra):
         argv += ["--tokens", "1e12"]
-    code, out, err = run_cli(capsys, argv)
+    code, _, err = run_cli(capsys, argv)
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {field}: "), err
     assert not (tmp_path / "out").exists()
 
@@ -324,8 +329,8 @@ def test_budget_in_arabic_words(capsys, tmp_path):
 
 def test_dry_run_reports_the_calibrated_step(tmp_path):
     from jaxpar.dryrun import dryrun, markdown_report
-    from jaxpar.plan.cluster import cpu_cluster
     from jaxpar.measure.hardware import probe_host
+    from jaxpar.plan.cluster import cpu_cluster
     from jaxpar.plan.planner import predict_config
     from jaxpar.plan.steptime import Calibration
     c = config("test", "mesh.data=1", "mesh.fsdp=8")
@@ -336,4 +341,4 @@ def test_dry_run_reports_the_calibrated_step(tmp_path):
                               Calibration(compute=1.0, overlap=0.0, memory=1.0))
     assert r["time"]["calibrated"]["step_s"] == pytest.approx(expected.total_s)
     text = markdown_report(r)
-    assert "**Calibrated (jaxpar.plan):" in text and "Optimistic bound (100% of peak" in text
+    assert "**The planner's step model (jaxpar.plan):" in text and "Optimistic bound (100% of peak" in text

@@ -196,7 +196,8 @@ def part_risks(args, p, compiler: dict) -> dict:
         base = ops["baseline"]["goodput"]
         saves = max(1, ops["steps"] // ops["checkpoint_every"])
         sources["module 6"] = (f"module 6 measured (its small CPU run): start-up + compile "
-                               f"{base['badput_s']['startup_compile']:.1f} s, {base['badput_s']['checkpoint'] / saves:.2f} "
+                               f"{base['badput_s']['startup_compile']:.1f} s, "
+                               f"{base['badput_s']['checkpoint'] / saves:.2f} "
                                f"s blocking per save, goodput {base['goodput']:.1%}; used for the structure of the "
                                "badput, not its size (a 7B on 64 GPUs saves and compiles far more)")
     risk = assess(p.best.cand.devices, p.best.days, checkpoint_s, restart_s)
@@ -209,10 +210,13 @@ def part_risks(args, p, compiler: dict) -> dict:
 
 # ============================================================================ the run
 
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
 def run_lab(args) -> dict:
     out = Path(args.out)
     started = time.perf_counter()
-    log = lambda line: print(line, flush=True)   # noqa: E731
     config, p = part_plan(args, log)              # every input checked before anything is written
     out.mkdir(parents=True, exist_ok=True)
     log("b. calibration and anchors")
@@ -295,10 +299,12 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
               "## b. Calibration: what is assumed, fitted, measured", "",
               "| quantity | value | kind | source |", "|---|---:|---|---|",
               f"| compute efficiency η (GPU) | {st.COMPUTE_EFFICIENCY} | fitted to one published anchor | "
-              "the planner's best 70B plan predicts MaxText's ~51% MFU (`jaxpar.plan.anchors.fit_compute_efficiency`) |",
+              "the planner's best 70B plan predicts MaxText's ~51% MFU "
+              "(`jaxpar.plan.anchors.fit_compute_efficiency`) |",
               f"| fp8 matmul efficiency | {st.FP8_EFFICIENCY} x η of the fp8 peak | assumption | fp8 GEMMs reach a "
               "lower share of their doubled peak; casts and scales cost extra |",
-              f"| overlap of hideable collectives | {st.OVERLAP:.0%} | assumption | lab 02: XLA overlaps 5 of 8 forward "
+              f"| overlap of hideable collectives | {st.OVERLAP:.0%} | assumption | lab 02: XLA overlaps 5 of 8 "
+              "forward "
               "and 4 of 8 backward gathers per layer in the compiled H100 step |",
               f"| memory-bound passes | {st.MEMORY_EFFICIENCY:.0%} of HBM bandwidth | assumption | |",
               f"| link efficiency | {cl.LINK_EFFICIENCY:.0%} of the datasheet | assumption | nccl-tests-like busbw |",
@@ -381,7 +387,8 @@ def reality_section(reality) -> list[str]:
 def fertility_section(fert, p) -> list[str]:
     lines = ["## e. Arabic tokenizer fertility", "",
              f"Byte-level BPE (jaxpar's tokenizer) trained on nine tenths of the '{fert['corpus']}' documents, tokens "
-             f"per word measured on the held-out tenth; cost at the chosen strategy ({fert['strategy']}) with the model's "
+             f"per word measured on the held-out tenth; cost at the chosen strategy ({fert['strategy']}) with the "
+             "model's "
              f"vocabulary set to each size (the embedding and head change with it), at "
              f"{p.cluster.price_per_gpu_hour:.2f} per GPU-hour"
              f"{' (assumed price)' if p.cluster.price_per_gpu_hour == ASSUMED_PRICE else ''}.", "",
@@ -390,7 +397,8 @@ def fertility_section(fert, p) -> list[str]:
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in fert["rows"]:
         lines.append(f"| {r['vocab_requested']} / {r['vocab_reached']} | {'stripped' if r['normalize'] else 'kept'} | "
-                     f"{r['tokens_per_word']:.3f} ({r['train_tokens_per_word']:.3f}) | {r['characters_per_word']:.2f} | "
+                     f"{r['tokens_per_word']:.3f} ({r['train_tokens_per_word']:.3f}) | "
+                     f"{r['characters_per_word']:.2f} | "
                      f"{r['model_params'] / 1e9:.2f} | {r['flops_per_word'] / 1e12:.3f} | "
                      f"{r['gpu_hours_per_billion_words']:,.0f} | {r['cost_per_billion_words']:,.0f} |")
     lines += ["", "![fertility](fertility.png)", "",

@@ -84,7 +84,7 @@ class Cluster:
             return self.scaleup
         return self.scaleout
 
-    def resized(self, nodes: int) -> "Cluster":
+    def resized(self, nodes: int) -> Cluster:
         return dataclasses.replace(self, nodes=nodes)
 
     def describe(self) -> str:
@@ -128,7 +128,8 @@ def cpu_cluster(devices: int, fits: dict, host_flops: float, host_copy_bw: float
     """
     per_op = tuple((op, fit["alpha_us"] * 1e-6, fit["beta_bus_GBps"] * GB) for op, fit in fits.items()
                    if fit.get("beta_bus_GBps"))
-    default = dict((op, (a, b)) for op, a, b in per_op).get("all-reduce") or (per_op[0][1:] if per_op else (0, host_copy_bw))
+    measured = {op: (alpha, beta) for op, alpha, beta in per_op}
+    default = measured.get("all-reduce") or (per_op[0][1:] if per_op else (0.0, host_copy_bw))
     peak = host_flops / devices
     return Cluster(name="virtual CPU device", platform="cpu", nodes=1, per_node=devices,
                    peaks=(("float32", peak), ("bfloat16", peak), ("float8", peak)),

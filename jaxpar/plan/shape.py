@@ -27,7 +27,7 @@ class ModelShape:
     moe_layers: int = 0           # the last `moe_layers` layers are MoE
 
     @classmethod
-    def from_config(cls, config, vocab: int | None = None) -> "ModelShape":
+    def from_config(cls, config, vocab: int | None = None) -> ModelShape:
         m = config.model
         moe = m.get("moe") if hasattr(m, "get") else None
         experts = int(moe.experts) if moe is not None and moe.get("experts", 0) else 0
@@ -54,7 +54,8 @@ class ModelShape:
         d = self.d_model
         dense_block = self.attention_params + 3 * d * self.mlp_dim + 2 * d
         experts = self.moe_layers * self.experts * 3 * d * self.expert_mlp_dim
-        moe_block_rest = self.attention_params + 2 * d + d * self.experts + 3 * d * self.shared_experts * self.expert_mlp_dim
+        shared = 3 * d * self.shared_experts * self.expert_mlp_dim
+        moe_block_rest = self.attention_params + 2 * d + d * self.experts + shared
         blocks = self.dense_layers * dense_block + self.moe_layers * moe_block_rest + experts
         embed = self.vocab * d
         head = 0 if self.tie_embeddings else d * self.vocab

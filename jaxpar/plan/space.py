@@ -16,6 +16,7 @@ import itertools
 from jaxpar.plan.shape import ModelShape
 
 AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
+SHORT = {"expert": "ep", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
 REMATS = ("none", "dots", "full")
 PRECISIONS = ("bfloat16", "float8", "float32")
 ATTENTIONS = ("dot", "flash")      # dot: jaxpar's einsum attention (S x S scores); flash: a fused kernel
@@ -60,7 +61,7 @@ class Candidate:
         return VIRTUAL if self.schedule == "interleaved" else 1
 
     def mesh_text(self) -> str:
-        used = [f"{'ep' if a == 'expert' else a[:4] if a != 'tensor' else 'tp'}={s}" for a, s in self.sizes.items() if s > 1]
+        used = [f"{SHORT.get(a, a)}={s}" for a, s in self.sizes.items() if s > 1]
         mesh = " ".join(used) or "1 device"
         if self.data_impl != "auto" and self.data > 1:
             mesh = mesh.replace(f"data={self.data}", f"{self.data_impl}={self.data}")
@@ -111,7 +112,7 @@ def mesh_choices(shape: ModelShape, devices: int, global_batch: int) -> list[dic
 def microbatch_choices(rows: int, pipe: int, schedule: str) -> list[int]:
     """Microbatch counts for `rows` sequences per data shard: powers of two (and rows itself) dividing rows;
     a pipeline needs at least `pipe` of them (interleaved: a multiple of pipe)."""
-    counts = sorted({m for m in [2**k for k in range(0, 16)] + [rows] if m <= rows and rows % m == 0})
+    counts = sorted({m for m in [2**k for k in range(16)] + [rows] if m <= rows and rows % m == 0})
     if pipe == 1:
         return counts
     return [m for m in counts if m >= pipe and (schedule != "interleaved" or m % pipe == 0)]

@@ -7,13 +7,15 @@ communication per axis + the pipeline bubble.
             needed by the backward pass) and both attention einsums; `dots` recomputes the
             attention scores (a batched dot, which the policy does not save); a fused (flash)
             attention kernel skips the masked half of a causal mask and recomputes the scores
-            in its backward (FlashAttention-2: 2.5x the forward instead of 2x). These are the
-            compiled FLOPs of the 7B's deviceless H100 compiles (lab 07 shows them side by side).
+            in its backward (FlashAttention-2: 2.5x the forward instead of 2x). Within 2-3% of the
+            compiled FLOPs of the 7B's deviceless H100 compiles (the rest is elementwise work).
             float8: the weight matmuls run at the fp8 peak; attention stays bf16.
   memory    passes bound by memory bandwidth: the AdamW update (read param, grad, μ, ν, write
             param, μ, ν; the norm for clipping reads the grad again: 32 bytes per parameter a
-            device updates) and, for jaxpar's einsum attention, the S x S scores and
-            probabilities (bytes per element in `SCORE_BYTES`), at `MEMORY_EFFICIENCY` x bandwidth.
+            device updates), the residual stream's norms and adds (`RESIDUAL_PASSES`; replicated
+            over `tensor`), ZeRO-1/2's extra copies (`ZERO_COPIES`), and, for jaxpar's einsum
+            attention, the S x S scores and probabilities (bytes per element in `SCORE_BYTES`), at
+            `MEMORY_EFFICIENCY` x bandwidth.
   comm      α-β per flow (plan/comm.py) on the link its group spans; hideable flows are hidden
             behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
             non-hideable flow, is exposed.
@@ -42,7 +44,7 @@ from jaxpar.plan.comm import Flow, flows, rows_per_microbatch
 from jaxpar.plan.shape import ModelShape
 from jaxpar.plan.space import Candidate
 
-COMPUTE_EFFICIENCY = 0.526
+COMPUTE_EFFICIENCY = 0.535
 FP8_EFFICIENCY = 0.7
 OVERLAP = 0.6
 MEMORY_EFFICIENCY = 0.8
@@ -51,6 +53,16 @@ MEMORY_EFFICIENCY = 0.8
 # the backward reads the probabilities, writes and reads their gradient and the scores' gradient: ~24).
 SCORE_BYTES = {"forward": 12, "backward": 24}
 ADAM_BYTES_PER_PARAM = 32
+# Passes over the residual stream per layer, in elements of the activation dtype: forward, two RMSNorms (read,
+# write) and two residual adds (two reads, a write) = 10; the backward pass twice that; remat `full` the forward
+# again. Tensor parallelism without sequence parallelism does not split the residual stream: every device of a
+# tensor group makes these passes over all of its group's tokens (why Megatron added sequence parallelism).
+RESIDUAL_PASSES = {"forward": 10, "backward": 20}
+# parallel.data = zero1 / zero2 (parallel/zero.py): the compiled step copies a full fp32 parameter-sized buffer three
+# more times than DDP (gradient into the reduce-scatter's layout, gathered parameters into the state), each read
+# and written: the default model's XLA:CPU program has 82 MB of copy ops per device against DDP's 41 MB (4Ψ = 13.7
+# MB). Assumed the same on GPU.
+ZERO_COPIES = {"zero1": 3, "zero2": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +159,12 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     mem_rate = calibration.memory * cluster.mem_bw
     updated = optimizer_params if optimizer_params is not None else shape.params / (cand.fsdp * cand.tensor)
     memory = ADAM_BYTES_PER_PARAM * updated / mem_rate
+    e = 4 if cand.precision == "float32" else 2
+    passes = RESIDUAL_PASSES["forward"] * (2 if cand.remat == "full" else 1) + RESIDUAL_PASSES["backward"]
+    residual_tokens = tokens / cand.batch_shards * shape.layers / cand.pipe      # token-layers one device sees
+    memory += residual_tokens * shape.d_model * e * passes / mem_rate
+    if cand.data > 1:
+        memory += ZERO_COPIES.get(cand.data_impl, 0) * 2 * 4 * shape.params / (cand.fsdp * cand.tensor) / mem_rate
     if cand.attention == "dot":
         b = rows_per_microbatch(cand, global_batch)
         elements = b * (shape.heads / cand.tensor) * seq_len**2 * shape.layers / cand.pipe * cand.microbatches
