@@ -14,7 +14,6 @@ load spike from other jobs hits all strategies alike; the median of the rounds i
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 
@@ -69,11 +68,6 @@ class Measured:
     def median_s(self) -> float:
         return statistics.median(self.times)
 
-    @property
-    def cpu_median_s(self) -> float:
-        """Median CPU seconds per step / the host's cores: what the step would take on an idle host if it kept
-        every core busy. Other processes' load does not enter it (it is not a wall-clock time)."""
-        return statistics.median(self.cpu_times) / (os.cpu_count() or 1)
 
 
 def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len: int, rounds: int,
@@ -125,17 +119,14 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
     return [item[-1] for item in built]
 
 
-def calibrate(cluster: Cluster, shape, measured: Measured, global_batch: int, seq_len: int,
-              seconds: float | None = None) -> Calibration:
-    """η such that the planner's time for `measured`'s strategy equals its measured median (no overlap on CPU);
-    `seconds`: calibrate on this figure instead (the CPU-time median)."""
+def calibrate(cluster: Cluster, shape, measured: Measured, global_batch: int, seq_len: int) -> Calibration:
+    """η such that the planner's time for `measured`'s strategy equals its measured median (no overlap on CPU)."""
     from jaxpar.plan.memory import stored_params
     from jaxpar.plan.steptime import step_time
     at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, source="")
     t = step_time(shape, measured.cand, cluster, global_batch, seq_len, at_peak,
                   optimizer_params=stored_params(shape, measured.cand)["optimizer"])
     rest = t.total_s - t.compute_s
-    target = measured.median_s if seconds is None else seconds
-    eta = t.compute_s / max(target - rest, 1e-9)
+    eta = t.compute_s / max(measured.median_s - rest, 1e-9)
     return Calibration(compute=eta, overlap=0.0, memory=1.0,
                        source=f"η = {eta:.3f} of the host probe's matmul rate, measured on {measured.cand.label()}")
