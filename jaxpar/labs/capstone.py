@@ -342,6 +342,10 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
     return "\n".join(lines) + "\n"
 
 
+def _spread(values: list[float]) -> float:
+    return max(values) / min(values) - 1
+
+
 def reality_section(reality) -> list[str]:
     if reality is None:
         return ["## d. Checked against reality", "", "Skipped (--skip-cpu).", ""]
@@ -366,7 +370,10 @@ def reality_section(reality) -> list[str]:
                      f"{r['predicted_rank']} | {r['measured_rank']} | {axes} |")
     lines += ["", f"**{wall['within']} of {wall['checked']}** predicted strategies within "
               f"{WITHIN:.0%} of measured; the fastest measured ({wall['fastest']}) is ranked "
-              f"**#{wall['fastest_predicted_rank']}** by the planner. (results.json also keeps each step's CPU seconds, "
+              f"**#{wall['fastest_predicted_rank']}** by the planner. Predictions span "
+              f"{_spread([r['predicted_s'] for r in wall['rows']]):.0%} from fastest to slowest, measured medians "
+              f"{_spread([r['measured_s'] for r in wall['rows']]):.0%}; a rank is only as good as the gaps between "
+              "predictions. (results.json also keeps each step's CPU seconds, "
               "all of this process's threads.)", "",
               "![cpu check](cpu_check.png)", ""]
     return lines

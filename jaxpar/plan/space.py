@@ -25,7 +25,7 @@ DATA_IMPLS = ("auto", "zero1", "zero3")    # parallel.data: XLA's data parallel,
 VIRTUAL = 2                         # chunks per stage of the interleaved schedule (the pipeline branch's default)
 # Left out of the space, because the planner cannot predict it: jaxpar's fp8 matmuls (per-tensor current
 # scaling, model/fp8.py) under tensor parallelism compiled, deviceless for H100 (7B, tensor=2), to 3.5x the
-# tensor-axis bytes of bf16 and 12-30% more memory than the fp8 terms of plan/memory.py account for.
+# tensor-axis bytes of bf16 and 14-32% more memory than the fp8 terms of plan/memory.py account for.
 FP8_WITH_TENSOR = "fp8 with tensor > 1: not modelled (3.5x the bf16 tensor bytes when compiled), not ranked"
 
 
