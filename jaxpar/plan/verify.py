@@ -22,7 +22,9 @@ from jaxpar.config import ConfigError, apply_overrides, validate
 from jaxpar.plan.space import Candidate
 
 GIB = 2**30
-FLASH = {"gpu": "cudnn", "cpu": "pallas"}      # model.attention value of a fused kernel, per platform
+# model.attention of a fused (flash) kernel: jaxpar's Pallas kernel, Triton on GPU. cuDNN's (`cudnn`) is the other
+# GPU choice, but it cannot even be traced without the cuDNN library, so a deviceless compile could not check it.
+FLASH = {"gpu": "pallas", "cpu": "pallas"}
 
 
 def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platform: str = "gpu") -> list[str]:
