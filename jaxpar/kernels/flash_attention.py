@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxpar.kernels import varying
+
 MIN_BLOCK = 16
 NEG_INF = float("-inf")
 MASKED = -1e30          # finite: a fully masked block never produces inf - inf
@@ -191,12 +193,13 @@ def _forward(q, k, v, c: Blocks):
     q_spec = pl.BlockSpec((None, c.block_q, None, Dh), lambda b, h, i: (b, i, h, 0))
     kv_spec = pl.BlockSpec((None, P, None, Dh), lambda b, h, i: (b, 0, h // group, 0))
     nbytes = sum(x.size * x.dtype.itemsize for x in (q, k, v)) * 2
+    (q, k, v), axes = varying.match(q, k, v)
     return pl.pallas_call(
         functools.partial(_forward_kernel, c=c),
         grid=(B, H, c.q_blocks),
         in_specs=[q_spec, kv_spec, kv_spec],
         out_specs=[q_spec, pl.BlockSpec((None, None, c.block_q), lambda b, h, i: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, P), jnp.float32)],
+        out_shape=[varying.struct(q.shape, q.dtype, axes), varying.struct((B, H, P), jnp.float32, axes)],
         compiler_params=_compiler_params(Dh, c.interpret),
         cost_estimate=_cost(c, B, H, Dh, 2, nbytes),
         interpret=c.interpret,
@@ -260,6 +263,7 @@ def _backward(q, k, v, out, lse, do, c: Blocks):
     kv_heads = k.shape[2]
     group = H // kv_heads
     delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+    (q, k, v, do, lse, delta), axes = varying.match(q, k, v, do, lse, delta)
     params = _compiler_params(Dh, c.interpret)
     nbytes = sum(x.size * x.dtype.itemsize for x in (q, k, v, do)) * 2
 
@@ -273,7 +277,7 @@ def _backward(q, k, v, out, lse, do, c: Blocks):
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, c=c), grid=(B, H, c.q_blocks),
         in_specs=[head_block(c.block_q), kv_whole, kv_whole, head_block(c.block_q), row_block, row_block],
-        out_specs=head_block(c.block_q), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_specs=head_block(c.block_q), out_shape=varying.struct(q.shape, q.dtype, axes),
         compiler_params=params, cost_estimate=_cost(c, B, H, Dh, 3, nbytes), interpret=c.interpret,
         name="jaxpar_flash_backward_dq",
     )(q, k, v, do, lse, delta)
@@ -284,7 +288,7 @@ def _backward(q, k, v, out, lse, do, c: Blocks):
         functools.partial(_dkv_kernel, c=c), grid=(B, H, c.k_blocks),
         in_specs=[head_whole, kv_block, kv_block, head_whole, row_whole, row_whole],
         out_specs=[head_block(c.block_k), head_block(c.block_k)],
-        out_shape=[jax.ShapeDtypeStruct((B, P, H, Dh), per_head)] * 2,
+        out_shape=[varying.struct((B, P, H, Dh), per_head, axes)] * 2,
         compiler_params=params, cost_estimate=_cost(c, B, H, Dh, 4, nbytes), interpret=c.interpret,
         name="jaxpar_flash_backward_dkv",
     )(q, k, v, do, lse, delta)
@@ -331,5 +335,6 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     if c.padded != S:
         pad = ((0, 0), (0, c.padded - S), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    (q, k, v), _ = varying.match(q, k, v)
     out = _flash(q, k, v, c)
     return out[:, :S] if c.padded != S else out

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxpar.kernels import varying
+
 from jaxpar.model.ops import rms_norm as rms_norm_reference  # noqa: F401 - the reference the tests compare to
 
 
@@ -92,11 +94,12 @@ def _forward(x2, scale, c: Layout):
     row_block = pl.BlockSpec((c.block_rows, c.padded_width), lambda i: (i, 0))
     whole_scale = pl.BlockSpec((c.padded_width,), lambda i: (0,))
     nbytes = 2 * x2.size * x2.dtype.itemsize
+    (x2, scale), axes = varying.match(x2, scale)
     return pl.pallas_call(
         functools.partial(_forward_kernel, c=c), grid=(c.padded_rows // c.block_rows,),
         in_specs=[row_block, whole_scale],
         out_specs=[row_block, pl.BlockSpec((c.block_rows,), lambda i: (i,))],
-        out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype), jax.ShapeDtypeStruct((c.padded_rows,), jnp.float32)],
+        out_shape=[varying.struct(x2.shape, x2.dtype, axes), varying.struct((c.padded_rows,), jnp.float32, axes)],
         compiler_params=_compiler_params(c.interpret),
         cost_estimate=pl.CostEstimate(flops=4 * x2.size, transcendentals=c.padded_rows, bytes_accessed=nbytes),
         interpret=c.interpret, name="jaxpar_rms_norm_forward",
@@ -107,12 +110,12 @@ def _backward(x2, scale, rstd, dy2, c: Layout):
     whole = lambda shape: pl.BlockSpec(shape, lambda p: (0,) * len(shape))
     matrix = whole((c.padded_rows, c.padded_width))
     nbytes = 3 * x2.size * x2.dtype.itemsize
+    (x2, scale, dy2, rstd), axes = varying.match(x2, scale, dy2, rstd)
     dx, partial = pl.pallas_call(
         functools.partial(_backward_kernel, c=c), grid=(c.programs,),
         in_specs=[matrix, whole((c.padded_width,)), matrix, whole((c.padded_rows,))],
         out_specs=[matrix, pl.BlockSpec((None, c.padded_width), lambda p: (p, 0))],
-        out_shape=[jax.ShapeDtypeStruct(x2.shape, x2.dtype),
-                   jax.ShapeDtypeStruct((c.programs, c.padded_width), jnp.float32)],
+        out_shape=[varying.struct(x2.shape, x2.dtype, axes), varying.struct((c.programs, c.padded_width), jnp.float32, axes)],
         compiler_params=_compiler_params(c.interpret),
         cost_estimate=pl.CostEstimate(flops=9 * x2.size, transcendentals=0, bytes_accessed=nbytes),
         interpret=c.interpret, name="jaxpar_rms_norm_backward",
@@ -152,5 +155,6 @@ def rms_norm(x, scale, eps, *, interpret: bool | None = None, block_rows: int | 
     if (c.padded_rows, c.padded_width) != (rows, width):
         x2 = jnp.pad(x2, ((0, c.padded_rows - rows), (0, c.padded_width - width)))
         scale = jnp.pad(scale, (0, c.padded_width - width))
+    (x2, scale), _ = varying.match(x2, scale)      # as jnp would: an invariant scale meets varying rows
     y = _norm(x2, scale, c)
     return y[:rows, :width].reshape(x.shape)
