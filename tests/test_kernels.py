@@ -50,7 +50,8 @@ def test_flash_attention_matches_reference(case):
     flash = jax.jit(lambda q, k, v: value_and_grads(
         lambda *a: flash_attention(*a, causal=causal, block_q=bq, block_k=bk), (q, k, v), cotangent))
     (_, got_grads), got = flash(q, k, v)
-    (_, want_grads), want = value_and_grads(lambda *a: attention_reference(*a, causal=causal), (q, k, v), cotangent)
+    (_, want_grads), want = jax.jit(lambda q, k, v: value_and_grads(
+        lambda *a: attention_reference(*a, causal=causal), (q, k, v), cotangent))(q, k, v)
     assert got.dtype == dtype and got.shape == q.shape
     for name, g, w in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (want, *want_grads)):
         assert rel_error(g, w) < TOLERANCE[dtype], (name, rel_error(g, w))
@@ -73,7 +74,8 @@ def test_fused_rms_norm_matches_reference(shape, dtype, block_rows):
     scale = 1 + 0.1 * random(shape[-1:], jnp.float32, 2)
     (_, got_grads), got = jax.jit(lambda x, s: value_and_grads(
         lambda *a: rms_norm(*a, 1e-5, block_rows=block_rows), (x, s), cotangent))(x, scale)
-    (_, want_grads), want = value_and_grads(lambda *a: rms_norm_reference(*a, 1e-5), (x, scale), cotangent)
+    (_, want_grads), want = jax.jit(lambda x, s: value_and_grads(
+        lambda *a: rms_norm_reference(*a, 1e-5), (x, s), cotangent))(x, scale)
     for name, g, w in zip(("y", "dx", "dscale"), (got, *got_grads), (want, *want_grads)):
         assert rel_error(g, w) < TOLERANCE[dtype], (name, rel_error(g, w))
 

@@ -58,16 +58,17 @@ def test_pallas_run_matches_dot_run(mesh, dot_losses):
     np.testing.assert_allclose(run(build(*MESHES[mesh], *KERNELS)), dot_losses, rtol=1e-4)
 
 
-def test_every_attention_choice_gives_the_same_loss():
-    """dot, xla (jax.nn.dot_product_attention) and pallas, with either loss: one forward pass, same value."""
+def test_xla_attention_and_chunked_loss_give_the_same_loss():
+    """xla attention (jax.nn.dot_product_attention) with the chunked loss: one forward pass, the dot run's value
+    (pallas is compared over 5 training steps above)."""
     config = configured("mesh.data=1")
     cfg = ModelConfig.from_config(config.model, VOCAB)
     params, tokens = init_params(cfg, 0), jnp.asarray(counting_batches(config, 1, VOCAB)[0])
     want = float(loss(params, tokens, cfg)[0])
-    for attention, norm, chunked in (("xla", "xla", "chunked"), ("pallas", "pallas", "full")):
-        apply_overrides(config, [f"model.attention={attention}", f"model.norm={norm}", f"model.loss={chunked}"])
-        ops = kernel_ops(Ops(), config, "cpu")
-        assert float(jax.jit(lambda p, t: loss(p, t, cfg, ops)[0])(params, tokens)) == pytest.approx(want, rel=1e-6)
+    apply_overrides(config, ["model.attention=xla", "model.loss=chunked"])
+    ops = kernel_ops(Ops(), config, "cpu")
+    assert ops.attention is not Ops().attention and ops.cross_entropy is not Ops().cross_entropy
+    assert float(jax.jit(lambda p, t: loss(p, t, cfg, ops)[0])(params, tokens)) == pytest.approx(want, rel=1e-6)
 
 
 def test_kernels_run_on_each_devices_shard():
