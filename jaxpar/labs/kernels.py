@@ -185,18 +185,35 @@ def memory(base: list[str], vocab: int, seq_lens, log) -> dict:
                 m = step_memory(overrides, vocab)
                 rows.append({"attention": attention, "remat": remat, "seq_len": s, **m})
                 log(f"  {attention:6s} remat {remat:4s} S={s}: temp {_mib(m['temp'])} (predicted {_mib(m['predicted'])})")
-    growth = {}
-    for remat in ("none", "full"):
-        for attention in ("dot", "pallas"):
-            own = [r for r in rows if r["attention"] == attention and r["remat"] == remat]
-            growth[f"{attention}/{remat}"] = own[-1]["temp"] / own[0]["temp"]
     table = _table(["attention", "remat", "S", "temp (compiled)", "predicted: grads + activations", "ratio"],
                    [[r["attention"], r["remat"], r["seq_len"], _mib(r["temp"]), _mib(r["predicted"]),
                      f"{r['temp'] / r['predicted']:.2f}"] for r in rows])
+    probe = _trainer(["mesh.data=1", *base], jax.devices()[:1], vocab)
+    b, heads, layers = probe.config.train.batch_size, probe.model_cfg.heads, probe.model_cfg.layers
+    quadratic = []
+    for remat in ("none", "full"):
+        for attention in ("dot", "pallas"):
+            own = [r for r in rows if r["attention"] == attention and r["remat"] == remat]
+            # the S² coefficient: Korthikanti's 5·a·s²·b per layer (fp32: x 2), kept for L layers, or 1 with remat full
+            kept = layers if remat == "none" else 1
+            predicted = 0.0 if attention == "pallas" else 5 * heads * b * 4 / 2 * kept
+            quadratic.append({"attention": attention, "remat": remat, "measured": _s2_coefficient(own),
+                              "predicted": predicted, "growth": own[-1]["temp"] / own[0]["temp"]})
     span = seq_lens[-1] / seq_lens[0]
-    note = (f"S grows {span:.0f}x: temp grows " + ", ".join(f"{k} {v:.2f}x" for k, v in growth.items()) +
-            f" (linear would be {span:.0f}x on the S-proportional part, quadratic {span ** 2:.0f}x on the scores).")
-    return {"rows": rows, "growth": growth, "markdown": table + "\n\n" + note}
+    fit = _table(["attention", "remat", f"temp growth over S x{span:.0f}", "S² coefficient, fitted (bytes/S²)",
+                  "predicted: 5·a·b·(bytes/2)·layers kept", "ratio"],
+                 [[q["attention"], q["remat"], f"{q['growth']:.2f}x", f"{q['measured']:.1f}", f"{q['predicted']:.0f}",
+                   f"{q['measured'] / q['predicted']:.2f}" if q["predicted"] else "-"] for q in quadratic])
+    note = ("The S² coefficient is fitted exactly through the three lengths (temp = α + β·S + γ·S²): the dot "
+            "attention's γ is the [S, S] scores and probabilities kept for the backward pass; flash attention's "
+            "is ~0 (what is left grows linearly).")
+    return {"rows": rows, "quadratic": quadratic, "markdown": table + "\n\n" + fit + "\n\n" + note}
+
+
+def _s2_coefficient(rows) -> float:
+    """γ of temp = α + β·S + γ·S² through the first, middle and last measurements (bytes per S²)."""
+    (s1, t1), (s2, t2), (s3, t3) = [(r["seq_len"], r["temp"]) for r in (rows[0], rows[len(rows) // 2], rows[-1])]
+    return ((t3 - t2) / (s3 - s2) - (t2 - t1) / (s2 - s1)) / (s3 - s1)
 
 
 def loss_memory(base: list[str], vocab: int, log) -> dict:
@@ -307,8 +324,8 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
             gpu_results: str | None = None, log=print) -> dict:
     if steps < 1:
         raise ConfigError("--steps", f"is {steps}; must be at least 1")
-    if len(seq_lens) < 2 or any(s < 16 for s in seq_lens):
-        raise ConfigError("--seq-lens", f"{seq_lens}: give at least two lengths >= 16")
+    if len(seq_lens) < 3 or any(s < 16 for s in seq_lens) or sorted(set(seq_lens)) != list(seq_lens):
+        raise ConfigError("--seq-lens", f"{seq_lens}: give at least three increasing lengths >= 16")
     if gpu_results and not Path(gpu_results).is_dir():
         raise ConfigError("--gpu-results", f"'{gpu_results}' is not a directory written by the benchmarks' --out")
     start = time.perf_counter()

@@ -135,20 +135,25 @@ def _child(argv=None) -> int:
 
 # ----------------------------------------------------------------------------- depth, scanned vs unrolled
 
+def unrolled_loss(params, tokens, model_cfg):
+    """The model's cross-entropy with one `run_blocks` call per layer: one-layer scans that XLA inlines."""
+    import jax
+
+    from jaxpar.model.transformer import embed, head_loss, run_blocks
+    x = embed(params, tokens[:, :-1])
+    for i in range(model_cfg.layers):
+        x, _ = run_blocks(jax.tree.map(lambda w: w[i:i + 1], params["blocks"]), x, model_cfg)
+    return head_loss(params, x, tokens[:, 1:], model_cfg)
+
+
 def loss_and_grad_compile(model_cfg, batch: int, seq_len: int, unrolled: bool) -> dict:
     """Compile value_and_grad of the model's loss: the layer scan, or one `run_blocks` per layer (unrolled)."""
     import jax
     import jax.numpy as jnp
 
-    from jaxpar.model.transformer import embed, head_loss, init_params, loss, run_blocks
+    from jaxpar.model.transformer import init_params, loss
 
-    def unrolled_loss(params, tokens):
-        x = embed(params, tokens[:, :-1])
-        for i in range(model_cfg.layers):
-            x, _ = run_blocks(jax.tree.map(lambda w: w[i:i + 1], params["blocks"]), x, model_cfg)
-        return head_loss(params, x, tokens[:, 1:], model_cfg)
-
-    objective = unrolled_loss if unrolled else (lambda p, t: loss(p, t, model_cfg)[0])
+    objective = (lambda p, t: unrolled_loss(p, t, model_cfg)) if unrolled else (lambda p, t: loss(p, t, model_cfg)[0])
     params = jax.eval_shape(lambda: init_params(model_cfg, 0))
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
     timing = timed_compile(jax.jit(jax.value_and_grad(objective)), params, tokens)
