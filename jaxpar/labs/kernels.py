@@ -82,15 +82,17 @@ def kernel_agreement() -> dict:
     from jaxpar.model.ops import Ops
 
     rows = []
-    for dtype, (B, S, H, KV, Dh) in (("float32", (2, 40, 4, 2, 64)), ("float32", (1, 48, 4, 1, 128)),
-                                     ("bfloat16", (1, 64, 4, 2, 128)), ("bfloat16", (2, 40, 8, 2, 64))):
+    for dtype, (B, S, H, KV, Dh), causal in (("float32", (2, 40, 4, 2, 64), True), ("float32", (1, 48, 4, 1, 128), True),
+                                             ("bfloat16", (1, 64, 4, 2, 128), True), ("bfloat16", (2, 40, 8, 2, 64), True),
+                                             ("float32", (1, 40, 2, 2, 16), False)):
         dt = jnp.dtype(dtype)
         args = (_rand((B, S, H, Dh), dt, 0), _rand((B, S, KV, Dh), dt, 1), _rand((B, S, KV, Dh), dt, 2))
         cot = _rand((B, S, H, Dh), jnp.float32, 3)
-        got = jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, block_q=16, block_k=32), a, cot))(*args)
-        want = jax.jit(lambda *a: _grads(attention_reference, a, cot))(*args)
+        got = jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, causal=causal, block_q=16, block_k=32),
+                                        a, cot))(*args)
+        want = jax.jit(lambda *a: _grads(lambda *x: attention_reference(*x, causal=causal), a, cot))(*args)
         errors = [_rel(g, w) for g, w in zip(got, want)]
-        rows.append({"kernel": "flash attention (causal)", "dtype": dtype,
+        rows.append({"kernel": f"flash attention ({'causal' if causal else 'not causal'})", "dtype": dtype,
                      "shape": f"B{B} S{S} H{H} KV{KV} Dh{Dh}", "parts": "out, dq, dk, dv", "errors": errors})
     for dtype, shape in (("float32", (4, 33, 96)), ("bfloat16", (3, 40, 256))):
         dt = jnp.dtype(dtype)
