@@ -117,8 +117,8 @@ def main(argv=None) -> int:
     meta = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M"), "peak": peak, "peak_source": peak_source}
     (out / "attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = [f"### Attention forward + backward, causal, {args.dtype}, B {B}, H {H}, KV {KV}, D {D} "
-             f"({device.device_kind}, jax {jax.__version__}, {meta['date']})", "",
+    lines = [(f"### Attention forward + backward, causal, {args.dtype}, B {B}, H {H}, KV {KV}, D {D} "
+              f"({device.device_kind}, jax {jax.__version__}, {meta['date']})"), "",
              f"Peak: {peak_source}." + ("" if gpu else " CPU: Pallas runs interpreted; speeds are not the kernel's."),
              "", "| impl | S | ms | TFLOP/s | of peak | vs cudnn | max rel. error vs fp32 reference |",
              "|---|---:|---:|---:|---:|---:|---:|"]

@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     (out / "mfu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     ok = [r for r in rows if "error" not in r]
     head = ok[0] if ok else {}
-    lines = [f"### Train step on one {device.device_kind}: {head.get('config', '?')}, batch {batch} x "
-             f"{head.get('seq_len', '?')}, {head.get('compute_dtype', '?')}, remat {head.get('remat', '?')} "
-             f"(jax {jax.__version__}, {meta['date']})", "",
+    lines = [(f"### Train step on one {device.device_kind}: {head.get('config', '?')}, batch {batch} x "
+              f"{head.get('seq_len', '?')}, {head.get('compute_dtype', '?')}, remat {head.get('remat', '?')} "
+              f"(jax {jax.__version__}, {meta['date']})"), "",
              f"Peak: {head.get('peak_source', '-')}." + ("" if gpu else " CPU: Pallas interpreted."), "",
              "| attention | step (ms) | tokens/s | MFU | compiled / model FLOPs | compile (s) |",
              "|---|---:|---:|---:|---:|---:|"]

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxpar.kernels import varying
-
 from jaxpar.model.ops import rms_norm as rms_norm_reference  # noqa: F401 - the reference the tests compare to
 
 

@@ -357,8 +357,8 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
     plot(results, out)
     results["total_seconds"] = time.perf_counter() - start
     sections = [f"# Lab 05: fused kernels and compilation, {len(devices)} x {devices[0].platform}",
-                f"jax {jax.__version__}, {results['date']}; Pallas kernels interpreted on CPU. Measured values come "
-                "from the compiled programs and the clock, predictions from the formulas named beside them.",
+                (f"jax {jax.__version__}, {results['date']}; Pallas kernels interpreted on CPU. Measured values come "
+                 "from the compiled programs and the clock, predictions from the formulas named beside them."),
                 "## a. Numerical agreement: kernels vs pure-jnp references", parts["agreement: kernels"],
                 "## a. Numerical agreement: the model, 5 steps, fp32", parts["agreement: model"],
                 "## b. Activation memory: dot vs flash attention (train step temp, one device, fp32)", parts["memory"],

@@ -93,7 +93,8 @@ def step_compile_in_fresh_process(config_file: str | None, overrides: list[str],
         command += ["--config", config_file]
     for item in overrides:
         command += ["--set", item]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[2])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[2],
+                          check=False)
     if done.returncode != 0:
         raise RuntimeError(f"compile in a fresh process failed: {done.stderr.strip()[-800:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -142,7 +143,7 @@ def unrolled_loss(params, tokens, model_cfg):
     from jaxpar.model.transformer import embed, head_loss, run_blocks
     x = embed(params, tokens[:, :-1])
     for i in range(model_cfg.layers):
-        x, _ = run_blocks(jax.tree.map(lambda w: w[i:i + 1], params["blocks"]), x, model_cfg)
+        x, _ = run_blocks(jax.tree.map(lambda w, i=i: w[i:i + 1], params["blocks"]), x, model_cfg)
     return head_loss(params, x, tokens[:, 1:], model_cfg)
 
 

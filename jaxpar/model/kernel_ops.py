@@ -35,7 +35,6 @@ from jaxpar.kernels.flash_attention import flash_attention
 from jaxpar.kernels.rms_norm import rms_norm as fused_rms_norm
 from jaxpar.model.ops import Ops, cross_entropy, dot_attention, rms_norm
 
-
 # logical names of the kernels' operands for shard_local (None: that dimension stays whole on every device)
 _Q, _KV = ("batch", None, "heads", None), ("batch", None, "kv_heads", None)
 _ROWS = ("batch", "length", None)
