@@ -46,6 +46,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
+    c.model.attention = "dot"          # dot | xla | cudnn | pallas | auto (model/kernel_ops.py)
+    c.model.norm = "xla"               # xla | pallas | auto
+    c.model.loss = "full"              # full ([B, S, V] fp32 logits) | chunked | auto
+    c.model.attention_block_q = 128    # pallas flash attention blocks: powers of two >= 16
+    c.model.attention_block_kv = 128
+    c.model.loss_chunk = 256           # chunked loss: sequence positions per chunk
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1              # -1 fills the devices the other axes leave
@@ -243,6 +249,27 @@ def head_dim(model) -> int:
     return model.head_dim or model.d_model // model.heads
 
 
+KERNEL_CHOICES = {"attention": ("dot", "xla", "cudnn", "pallas", "auto"), "norm": ("xla", "pallas", "auto"),
+                  "loss": ("full", "chunked", "auto")}
+
+
+def _validate_kernels(m) -> None:
+    """model.attention / norm / loss and the kernels' sizes (the backend is checked in model/kernel_ops.py)."""
+    for field, valid in KERNEL_CHOICES.items():
+        if m[field] not in valid:
+            raise ConfigError(f"model.{field}", f"is '{m[field]}'; valid: {', '.join(valid)}")
+    for field in ("attention_block_q", "attention_block_kv"):
+        size = m[field]
+        if size < 16 or size & (size - 1):
+            raise ConfigError(f"model.{field}", f"is {size}; flash attention blocks are powers of two >= 16")
+    dh = head_dim(m)
+    if m.attention == "pallas" and (dh < 16 or dh & (dh - 1)):
+        raise ConfigError("model.head_dim", f"is {dh}; model.attention=pallas needs a power of two >= 16 "
+                          "(64 and 128 are the tuned sizes); use xla or dot attention")
+    if m.loss_chunk < 1:
+        raise ConfigError("model.loss_chunk", f"is {m.loss_chunk}; must be at least 1 sequence position")
+
+
 def validate(config, num_devices: int) -> dict[str, int]:
     """Check everything that can be checked before compiling; return the mesh sizes."""
     m, t, d = config.model, config.train, config.data
@@ -258,6 +285,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
         raise ConfigError("model.kv_heads", f"kv_heads={m.kv_heads} must divide heads={m.heads}")
     if head_dim(m) % 2:
         raise ConfigError("model.head_dim", f"is {head_dim(m)}; RoPE needs an even head dimension")
+    _validate_kernels(m)
     if d.seq_len <= 0 or d.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", f"is {d.seq_len}; must be in 1..model.max_seq_len={m.max_seq_len}")
     if not 0 < d.val_fraction < 1:

@@ -254,6 +254,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     import jax
     import jax.numpy as jnp
 
+    from jaxpar.kernels.costs import kernel_flops
     from jaxpar.measure import hardware, hlo
     from jaxpar.measure.flops import compiled_flops, mfu, model_flops_per_step
     from jaxpar.measure.memory import (
@@ -266,6 +267,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     )
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.counting import param_count
+    from jaxpar.model.kernel_ops import resolve
     from jaxpar.model.transformer import ModelConfig
     from jaxpar.parallel.registry import make_trainer
     from jaxpar.train.step import activation_dtype
@@ -286,7 +288,10 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     start = time.perf_counter()
     trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
     tokens = trainer.abstract_batch()
-    lowered = trainer.lower_step()
+    with jax.set_mesh(mesh):   # traced once: the jaxpr gives the kernels' FLOPs, then it is lowered
+        traced = trainer.step_fn.trace(trainer.abstract_state, tokens)
+        lowered = traced.lower()
+    kernels = kernel_flops(traced.jaxpr)
     lowered_at = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = lowered.compile()
@@ -300,9 +305,12 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     formula = zero_formula(psi, shard_counts(config, sizes))
     batch_bytes = leaf_bytes_per_device(tokens)
     micro = B // config.train.microbatches // (sizes["data"] * sizes["fsdp"])
+    chosen = resolve(config, machine["platform"], activation_dtype(config.train.compute_dtype))
     acts = activation_estimate(layers=model_cfg.layers, seq_len=S, micro_batch=micro, d_model=model_cfg.d_model,
                                heads=model_cfg.heads, vocab_size=model_cfg.vocab_size, tensor=sizes["tensor"],
-                               compute_bytes=compute_bytes, remat=config.train.remat)
+                               compute_bytes=compute_bytes, remat=config.train.remat,
+                               flash=chosen["attention"] in ("pallas", "cudnn"),
+                               loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None)
     mem = compiled_memory(compiled, machine["platform"])
 
     # collectives
@@ -323,7 +331,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
         row["predicted_bytes"] = predicted_bytes.get(label)
 
     # flops and time
-    flops = compiled_flops(compiled, hlo_text)
+    flops = compiled_flops(compiled, hlo_text, kernel_flops=kernels.total)
     model_flops = model_flops_per_step(model_cfg, B, S)
     peak, peak_source = _peak_flops(config, machine, n)
     compute_s = flops["corrected"] / peak
@@ -339,7 +347,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
         "model": {"params": psi, "layers": model_cfg.layers, "d_model": model_cfg.d_model,
                   "vocab_size": model_cfg.vocab_size, "batch_size": B, "seq_len": S,
                   "microbatches": config.train.microbatches, "compute_dtype": config.train.compute_dtype,
-                  "remat": config.train.remat},
+                  "remat": config.train.remat, "kernels": chosen},
         "memory": {"compiled": mem.as_dict(), "state_from_shardings": state, "zero_formula": formula,
                    "shard_counts": shard_counts(config, sizes), "batch_bytes": batch_bytes,
                    "activations_estimate": acts, "device_hbm_bytes": hbm},
@@ -386,7 +394,8 @@ def markdown_report(r: dict) -> str:
         f"# Dry run: {r['config']} on {r['devices']} x {r['target']}{where} ({r['mesh_text']})",
         "",
         f"{m['params']:,} params ({m['params'] / 1e9:.2f} B), batch {m['batch_size']} x {m['seq_len']} tokens, "
-        f"{m['microbatches']} microbatch(es), compute {m['compute_dtype']}, remat {m['remat']}. "
+        f"{m['microbatches']} microbatch(es), compute {m['compute_dtype']}, remat {m['remat']}, "
+        f"attention {m['kernels']['attention']}, norm {m['kernels']['norm']}, loss {m['kernels']['loss']}. "
         f"jax {r['jax']}, {r['date']}. Lowered in {r['timing']['lower_s']:.1f} s, compiled in "
         f"{r['timing']['compile_s']:.1f} s; host peak RSS {r['timing']['host_peak_rss_bytes'] / GIB:.2f} GiB.",
         "",
@@ -443,6 +452,8 @@ def markdown_report(r: dict) -> str:
         f"| cost_analysis (loop bodies once) | "
         f"{'-' if fl['cost_analysis'] is None else format(fl['cost_analysis'], '.4g')} | "
         f"{_ratio(fl['cost_analysis'], fl['model_per_device'])} |",
+        f"| fused kernels (their cost estimates; {'added: custom calls' if fl['kernels_added'] else 'in the HLO count: interpreted'}) | "
+        f"{fl['kernels']:.4g} | {_ratio(fl['kernels'], fl['model_per_device'])} |",
         f"| compiled, loop-corrected ({fl['method']}) | {fl['corrected']:.4g} | "
         f"{_ratio(fl['corrected'], fl['model_per_device'])} |",
         "",

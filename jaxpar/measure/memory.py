@@ -165,7 +165,8 @@ def gradient_held(stage: str, psi: int, psi_layers: int, layers: int, n: int, gr
 # ----------------------------------------------------------------------------- activations
 
 def activation_estimate(*, layers: int, seq_len: int, micro_batch: int, d_model: int, heads: int,
-                        vocab_size: int, tensor: int = 1, compute_bytes: int = 2, remat: str = "none") -> dict:
+                        vocab_size: int, tensor: int = 1, compute_bytes: int = 2, remat: str = "none",
+                        flash: bool = False, loss_chunk: int | None = None) -> dict:
     """Rough activation bytes per device for one microbatch (Korthikanti et al. 2022, "Reducing
     Activation Recomputation in Large Transformer Models"), adapted. Assumptions, stated:
 
@@ -180,9 +181,17 @@ def activation_estimate(*, layers: int, seq_len: int, micro_batch: int, d_model:
       recomputed and differentiated in the backward pass.
       remat 'dots'/'names': not modelled; reported as the 'none' figure (an upper bound).
     - Output layer (not in Korthikanti): fp32 logits and their gradient, 2·4·s·b·V/t.
+    - flash=True (flash attention: pallas, cudnn): the 5·a·s/h term (scores, softmax, its
+      dropout mask: the [S, S] arrays) disappears; the kernel keeps a fp32 log-sum-exp per
+      query and head instead, 4·a·s·b/t bytes.
+    - loss_chunk=c (chunked cross-entropy): one chunk's logits and their gradient,
+      2·4·c·b·V/t, plus the gradient of the head's input kept for the backward pass, s·b·h.
     """
     s, b, h, a, t = seq_len, micro_batch, d_model, heads, tensor
-    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * compute_bytes / 2
+    if flash:
+        per_layer = s * b * h * (10 + 24 / t) * compute_bytes / 2 + 4 * a * s * b / t
+    else:
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * compute_bytes / 2
     layer_inputs = layers * s * b * h * compute_bytes
     if remat == "full":
         layers_total, note = layer_inputs + per_layer, "remat full: L layer inputs + one layer recomputed"
@@ -190,7 +199,10 @@ def activation_estimate(*, layers: int, seq_len: int, micro_batch: int, d_model:
         layers_total, note = layers * per_layer, "no remat: L x per-layer activations"
     else:
         layers_total, note = layers * per_layer, f"remat '{remat}' not modelled: no-remat upper bound"
-    logits = 2 * 4 * s * b * vocab_size / t
+    if loss_chunk:
+        logits = 2 * 4 * min(loss_chunk, s) * b * vocab_size / t + s * b * h * compute_bytes
+    else:
+        logits = 2 * 4 * s * b * vocab_size / t
     return {"per_layer": per_layer, "layers": layers_total, "logits": logits,
             "total": layers_total + logits, "note": note}
 

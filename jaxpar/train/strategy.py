@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.model.axes import named_arrays
+from jaxpar.model.kernel_ops import kernel_ops, platform_of
 from jaxpar.model.ops import make_ops
 from jaxpar.model.transformer import ModelConfig, init_params
 from jaxpar.parallel.rules import AxisRules
@@ -40,7 +41,7 @@ class Strategy:
         self.optimizer = make_optimizer(config.train)
         self.rules = AxisRules.from_config(config)
         self.rules.check(named_arrays(model_cfg.tie_embeddings), dict(mesh.shape))
-        self.ops = make_ops(config.train.compute_dtype, self.rules)
+        self.ops = kernel_ops(make_ops(config.train.compute_dtype, self.rules), config, platform_of(mesh), self.rules)
         self.policy = remat_policy(config.train)
         self.microbatches = config.train.microbatches
         self.donate_argnums = donate_state(mesh, donate)
