@@ -173,7 +173,8 @@ def korthikanti_layer_bytes(*, seq_len: int, micro_batch: int, d_model: int, hea
 
 
 def jaxpar_layer_bytes(*, seq_len: int, micro_batch: int, d_model: int, heads: int, kv_heads: int, head_dim: int,
-                       mlp_dim: int, tensor: int = 1, sequence_parallel: bool = False) -> dict:
+                       mlp_dim: int, tensor: int = 1, sequence_parallel: bool = False,
+                       gathered_kept: bool = False) -> dict:
     """Korthikanti's count redone for jaxpar's fp32 block: the tensors JAX's autodiff keeps for the backward
     pass of one layer (no remat), 4 bytes each, per device. Term by term (b·s tokens, t = tensor):
 
@@ -185,11 +186,19 @@ def jaxpar_layer_bytes(*, seq_len: int, micro_batch: int, d_model: int, heads: i
         attention: two fp32 s x s tensors per head (exponentials and probabilities) + two per-row
         scalars, a·(2s + 2) per token (GPT: softmax output, dropout mask and output, 5·a·s bytes).
 
+    `gathered_kept` (SP only): the two norms' outputs are kept as the gathered [b, s, h] inputs of the
+    column-parallel matmuls instead of their s/t shards (2·h per token not divided by t).
+
     The number of SiLU intermediates and s x s tensors is what `jax.ad_checkpoint.print_saved_residuals`
     lists for jaxpar's block; a different jax version may keep a different set."""
     s, b, h, t = seq_len, micro_batch, d_model, tensor
     tokens = b * s
-    sequence_region = 4 * tokens * (6 * h + 4) / (t if sequence_parallel else 1)
+    if not sequence_parallel:
+        sequence_region = 4 * tokens * (6 * h + 4)
+    elif gathered_kept:
+        sequence_region = 4 * tokens * ((4 * h + 4) / t + 2 * h)
+    else:
+        sequence_region = 4 * tokens * (6 * h + 4) / t
     attention_projections = 2 * heads * head_dim + 2 * kv_heads * head_dim
     tensor_region = 4 * tokens * (attention_projections + 6 * mlp_dim + heads * (2 * s + 2)) / t
     return {"sequence_region": sequence_region, "tensor_region": tensor_region,
