@@ -172,6 +172,7 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
                the q/k/v and gate/up input-gradient sums before reducing: 2 forward + 5
                backward = 7 per layer there. The cross-entropy's vocab reductions (max,
                sum of exponentials, target logit: b·s numbers each) are left out.
+    parallel.tensor = manual (parallel/tensor.py, with or without parallel.sequence): `manual_tensor_bytes`.
     """
     import numpy as np
 

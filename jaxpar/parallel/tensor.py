@@ -24,6 +24,8 @@ What the registry runs here: parallel.tensor=manual with parallel.data=auto or d
 mean this DDP), mesh.fsdp = pipe = expert = 1, no parallel.rules overrides. Anything else is
 refused with one line. The state is every trainer's (same pytree, same global shapes):
 params and Adam moments split over `tensor` as the default rules say, replicated over `data`.
+Under `train.compute_dtype=float8` each device scales its own shards (per-shard amax), so the
+losses are close to, not equal to, one device's.
 """
 from __future__ import annotations
 
