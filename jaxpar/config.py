@@ -65,7 +65,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.fsdp = "auto"      # auto: params, grads, Adam state split on `embed`; XLA gathers and scatters
     c.parallel.pipe = "auto"
     c.parallel.expert = "auto"
-    c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules
+    c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
+    c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
     c.parallel.rules = ""         # logical-axis rule overrides, e.g. "length=tensor,embed=fsdp+data"
 
     c.data = ml_collections.ConfigDict()
@@ -315,6 +316,16 @@ def validate(config, num_devices: int) -> dict[str, int]:
                           "use a tensor size that divides kv_heads")
     if m.mlp_dim % tp:
         raise ConfigError("model.mlp_dim", f"mlp_dim={m.mlp_dim} is not divisible by mesh.tensor={tp}")
+    if config.parallel.sequence:
+        if config.parallel.tensor != "manual":
+            raise ConfigError("parallel.sequence", "sequence parallelism is part of the manual Megatron trainer: "
+                              "set parallel.tensor=manual (the automatic trainer: parallel.rules=length=tensor)")
+        if tp == 1:
+            raise ConfigError("parallel.sequence", "splits the sequence over mesh.tensor, which is 1; "
+                              "set mesh.tensor > 1 or parallel.sequence=false")
+        if d.seq_len % tp:
+            raise ConfigError("data.seq_len", f"seq_len={d.seq_len} is not divisible by mesh.tensor={tp} "
+                              "(parallel.sequence splits the sequence over tensor)")
     if m.d_model % sizes["fsdp"]:
         raise ConfigError("model.d_model", f"d_model={m.d_model} is not divisible by mesh.fsdp={sizes['fsdp']}")
     batch_shards = sizes["data"] * sizes["fsdp"]

@@ -172,12 +172,15 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
                the q/k/v and gate/up input-gradient sums before reducing: 2 forward + 5
                backward = 7 per layer there. The cross-entropy's vocab reductions (max,
                sum of exponentials, target logit: b·s numbers each) are left out.
+    parallel.tensor = manual (parallel/tensor.py, with or without parallel.sequence): `manual_tensor_bytes`.
     """
     import numpy as np
 
     from jaxpar.model.counting import param_count
     from jaxpar.train.step import activation_dtype
 
+    if config.parallel.tensor == "manual":
+        return manual_tensor_bytes(config, model_cfg, sizes, platform)
     counts = param_count(model_cfg)
     psi, psi_layers = counts["total"], counts["blocks"]
     psi_other = psi - psi_layers
@@ -209,6 +212,61 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
         per_layer = (7 if platform == "cpu" else 4) + (1 if config.train.remat == "full" else 0)
         count = (per_layer * model_cfg.layers + 2) * m
         out["tensor"] = count * 2 * (T - 1) / T * e * b * s * h
+    return out
+
+
+def manual_tensor_layer_units(remat: str, sequence: bool, regather: bool = True) -> int:
+    """Collective bytes of one layer, one microbatch, under parallel.tensor=manual, in units of
+    u = (T-1)/T·e·b·s·h (an all-reduce of b·s·h is 2u; an all-gather or reduce-scatter of it, u).
+    See `manual_tensor_bytes` for what each term is."""
+    recompute_row = remat in ("full", "dots")
+    if not sequence:
+        return 8 + (2 if recompute_row else 0)
+    return 8 + (2 if regather or remat != "none" else 0) + (1 if recompute_row else 0)
+
+
+def manual_tensor_bytes(config, model_cfg, sizes: dict[str, int], platform: str,
+                        regather: bool = True) -> dict[str, float]:
+    """Bytes each device sends per step under parallel.tensor=manual (parallel/tensor.py), by mesh axis.
+
+    u = (T-1)/T·e·b·s·h, e = bytes of the activation dtype on GPU (the psums are written in it); 4 on
+    CPU, where XLA runs bf16 collectives in fp32 (measured); b = rows per data shard per microbatch,
+    m microbatches.
+    tensor, TP: per layer 4 all-reduces of b·s·h = 8u (g after wo and w_down forward, f before q/k/v
+               and gate/up backward), +2u with remat full/dots (the attention g is recomputed: its output
+               is the MLP norm's input; the MLP's is the next layer's input, saved by the scan).
+               Outside the layers 4u: the embedding's g forward, the head's f backward.
+           SP: the same 8u as 4 all-gathers + 4 reduce-scatters, +2u for gathering each column-parallel
+               input again in the backward pass (`regather`, Megatron-LM's choice; also whenever a remat
+               policy does not save it), +1u with remat full/dots (the attention reduce-scatter).
+               Outside 4u: embedding reduce-scatter forward + all-gather backward, head all-gather
+               forward + reduce-scatter backward. Once per step: the norm weights' gradient sum
+               2(T-1)/T·4·(2L+1)·h.
+           Both, per microbatch: the cross-entropy's three fp32 reductions (max, sum of exponentials,
+               target logit) 3·2(T-1)/T·4·b·s; once per step: the grad-norm scalar 2(T-1)/T·4.
+    data:  DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(Ψ_split/T + Ψ_norms), plus
+           the loss 2(D-1)/D·4.
+    """
+    import numpy as np
+
+    from jaxpar.model.counting import param_count
+    from jaxpar.train.step import activation_dtype
+
+    T, D = sizes.get("tensor", 1), sizes.get("data", 1)
+    m, L, h, s = config.train.microbatches, model_cfg.layers, model_cfg.d_model, config.data.seq_len
+    b = config.train.batch_size // m // D
+    e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
+    norms = (2 * L + 1) * h
+    out = {}
+    if T > 1:
+        per_layer = manual_tensor_layer_units(config.train.remat, config.parallel.sequence, regather)
+        u = (T - 1) / T * e * b * s * h
+        ring = 2 * (T - 1) / T
+        out["tensor"] = (m * ((per_layer * L + 4) * u + ring * 4 * 3 * b * s) + ring * 4
+                         + (ring * 4 * norms if config.parallel.sequence else 0))
+    if D > 1:
+        psi = param_count(model_cfg)["total"]
+        out["data"] = 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1)
     return out
 
 
@@ -310,7 +368,8 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
                                heads=model_cfg.heads, vocab_size=model_cfg.vocab_size, tensor=sizes["tensor"],
                                compute_bytes=compute_bytes, remat=config.train.remat,
                                flash=chosen["attention"] in ("pallas", "cudnn"),
-                               loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None)
+                               loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None,
+                               sequence_parallel=config.parallel.sequence)
     mem = compiled_memory(compiled, machine["platform"])
 
     # collectives
