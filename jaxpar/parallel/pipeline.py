@@ -299,60 +299,52 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
     def idle(carry, row):
         return carry, zeros_act, zeros_act
 
-    def forward(carry, row, x, last):
+    def head(carry, row, y):
+        """The last model stage: the loss, and at once its gradient (the loss ends the graph)."""
+        head = {k: outer[k] for k in head_names}
+        objective = lambda head, y: head_loss(head, y, targets[row["microbatch"]], cfg, ops) / m
+        if not train:
+            return {**carry, "loss": carry["loss"] + objective(head, y)}
+        loss, (d_head, dy) = jax.value_and_grad(objective, argnums=(0, 1))(head, y)
+        grads = {**carry["grads"], "outer": _add(carry["grads"]["outer"], d_head)}
+        grads_in = carry["grads_in"].at[row["grad"]].set(dy.astype(dtype))
+        return {**carry, "loss": carry["loss"] + loss, "grads": grads, "grads_in": grads_in}
+
+    def forward(carry, row):
+        first, last = row["branch"] == F_FIRST, row["branch"] == F_LAST
+        x = jax.lax.cond(first, lambda: embed_of(row["microbatch"]), lambda: carry["acts"][row["act"]])
         weights = chunk_weights(row)
         if train:
             y, kept = stage.forward(weights, x)
-            carry["stash"] = _put(carry["stash"], row["stash"], kept)
+            carry = {**carry, "stash": _put(carry["stash"], row["stash"], kept)}
         else:
             y = stage.run(weights, x)
-        if not last:
-            return carry, y.astype(dtype), zeros_act
-        head = {k: outer[k] for k in head_names}
-        objective = lambda head, y: head_loss(head, y, targets[row["microbatch"]], cfg, ops) / m
-        if train:
-            loss, (d_head, dy) = jax.value_and_grad(objective, argnums=(0, 1))(head, y)
-            carry["grads"]["outer"] = _add(carry["grads"]["outer"], d_head)
-            carry["grads_in"] = carry["grads_in"].at[row["grad"]].set(dy.astype(dtype))
-        else:
-            loss = objective(head, y)
-        carry["loss"] = carry["loss"] + loss
-        return carry, zeros_act, zeros_act
+        carry = jax.lax.cond(last, head, lambda carry, row, y: carry, carry, row, y)
+        return carry, y.astype(dtype), zeros_act
 
-    def f_first(carry, row):
-        return forward(carry, row, embed_of(row["microbatch"]), last=False)
-
-    def f_mid(carry, row):
-        return forward(carry, row, carry["acts"][row["act"]], last=False)
-
-    def f_last(carry, row):
-        return forward(carry, row, carry["acts"][row["act"]], last=True)
-
-    def backward(carry, row, first):
-        weights = chunk_weights(row)
-        dw, taps, dx = stage.backward(weights, _get(carry["stash"], row["stash"]), carry["grads_in"][row["grad"]])
-        carry["grads"]["chunks"] = _add_chunk(carry["grads"]["chunks"], row["chunk"], dw)
-        if taps is not None:
-            carry["wstash"] = _put(carry["wstash"], row["wstash"], taps)
-        if not first:
-            return carry, zeros_act, dx.astype(dtype)
+    def embed_grad(carry, row, dx):
+        """The first model stage: the input gradient becomes the embedding's."""
         tokens_in = inputs[row["microbatch"]]
         (d_embed,) = jax.vjp(lambda table: embed({"embed": table}, tokens_in, ops), outer["embed"])[1](dx)
-        carry["grads"]["outer"] = _add(carry["grads"]["outer"], {"embed": d_embed})
-        return carry, zeros_act, zeros_act
+        return {**carry, "grads": {**carry["grads"], "outer": _add(carry["grads"]["outer"], {"embed": d_embed})}}
 
-    def b_first(carry, row):
-        return backward(carry, row, first=True)
-
-    def b_mid(carry, row):
-        return backward(carry, row, first=False)
+    def backward(carry, row):
+        weights = chunk_weights(row)
+        dw, taps, dx = stage.backward(weights, _get(carry["stash"], row["stash"]), carry["grads_in"][row["grad"]])
+        carry = {**carry, "grads": {**carry["grads"], "chunks": _add_chunk(carry["grads"]["chunks"], row["chunk"], dw)}}
+        if taps is not None:
+            carry["wstash"] = _put(carry["wstash"], row["wstash"], taps)
+        carry = jax.lax.cond(row["branch"] == B_FIRST, embed_grad, lambda carry, row, dx: carry, carry, row, dx)
+        return carry, zeros_act, dx.astype(dtype)
 
     def weight(carry, row):
         dw = stage.weight(chunk_weights(row), _get(carry["wstash"], row["wstash"]))
-        carry["grads"]["chunks"] = _add_chunk(carry["grads"]["chunks"], row["chunk"], dw)
-        return carry, zeros_act, zeros_act
+        return {**carry, "grads": {**carry["grads"], "chunks": _add_chunk(carry["grads"]["chunks"], row["chunk"], dw)}}, \
+            zeros_act, zeros_act
 
-    branches = [idle, f_first, f_mid, f_last, b_first, b_mid, weight][:(7 if sched.split_backward else 6) if train else 4]
+    # the switch runs one of these per tick; the table's F/B variants pick their first/last parts inside
+    kinds = np.array([0, 1, 1, 1, 2, 2, 3], np.int32)          # BRANCHES -> idle, forward, backward, weight
+    branches = [idle, forward, backward, weight][:(4 if sched.split_backward else 3) if train else 2]
     slots = program.slots
     carry = {"acts": jnp.zeros((slots["act"] + 1, *act_shape.shape), dtype), "loss": jnp.zeros((), jnp.float32)}
     if train:
@@ -371,7 +363,7 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
 
     def tick(carry, t):
         row = {k: t_[t, me] for k, t_ in table.items()}
-        carry, send_act, send_grad = jax.lax.switch(row["branch"], branches, carry, row)
+        carry, send_act, send_grad = jax.lax.switch(jnp.asarray(kinds)[row["branch"]], branches, carry, row)
         carry["acts"] = carry["acts"].at[row["act_in"]].set(jax.lax.ppermute(send_act, AXIS, forward_pairs))
         if train:
             carry["grads_in"] = carry["grads_in"].at[row["grad_in"]].set(

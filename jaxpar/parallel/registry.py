@@ -16,6 +16,7 @@ AUTO = "jaxpar.parallel.auto:AutoTrainer"
 STRATEGIES = (
     "jaxpar.parallel.zero:ZeroTrainer",        # data: ddp | zero1 | zero2 | zero3
     "jaxpar.parallel.pipeline:PipelineTrainer",  # pipe: gpipe | 1f1b | interleaved | zb-h1
+    "jaxpar.parallel.circular:CircularTrainer",  # pipe: circular (the compiler-driven pipeline)
 )
 
 
