@@ -190,11 +190,6 @@ def compile_program(schedule: Schedule) -> Program:
     return Program(schedule, table, slots)
 
 
-def branch_ticks(program: Program) -> dict[str, np.ndarray]:
-    """Per branch: on how many ticks each stage runs it."""
-    return {name: (program.table["branch"] == code).sum(axis=0) for code, name in enumerate(BRANCHES)}
-
-
 # ============================================================================ one stage's chunk
 
 class StageFunctions:
@@ -274,6 +269,44 @@ def _add(grads, d):
     return {k: g + d[k].astype(g.dtype) if k in d else g for k, g in grads.items()}
 
 
+def scoped(part: str):
+    """Run under the named scope `pipeline_<part>`: the compiled HLO's metadata then says which part of a
+    tick each instruction belongs to (`executed_collectives`, the lab's timeline)."""
+    def wrap(fn):
+        def run(*args):
+            with jax.named_scope(f"pipeline_{part}"):
+                return fn(*args)
+        return run
+    return wrap
+
+
+PARTS = {"F": (F_FIRST, F_MID, F_LAST), "embed": (F_FIRST,), "head": (F_LAST,), "B": (B_FIRST, B_MID),
+         "embed_grad": (B_FIRST,), "W": (W,)}
+
+
+def part_ticks(program: Program) -> dict[str, np.ndarray]:
+    """Per part of a tick (PARTS): on how many ticks each stage runs it."""
+    return {part: np.isin(program.table["branch"], codes).sum(axis=0) for part, codes in PARTS.items()}
+
+
+def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
+    """`measure.hlo.collectives` of a pipeline step, with the runs of the collectives inside a tick's parts
+    set to what `stage` executes: the static count runs every branch of the tick's switch on every tick."""
+    import re
+
+    from jaxpar.measure import hlo
+    scopes = dict(re.findall(r'%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', hlo_text))
+    ticks = part_ticks(program)
+    out = []
+    for c in hlo.collectives(hlo_text, mesh):
+        parts = [p[len("pipeline_"):] for p in scopes.get(c.name, "").split("/") if p.startswith("pipeline_")]
+        if parts and parts[-1] in ticks:
+            runs = c.runs_per_step // program.ticks * int(ticks[parts[-1]][stage])
+            c = dataclasses.replace(c, runs_per_step=runs)
+        out.append(c)
+    return out
+
+
 def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, *, cfg, ops, train: bool):
     """Run the tick loop on this device: chunks [v, Lc, ...] (compute dtype), outer = embed / final_norm /
     lm_head, tokens [rows, S+1] this data shard's. Returns (sum of microbatch losses / m, grads or None)."""
@@ -299,6 +332,7 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
     def idle(carry, row):
         return carry, zeros_act, zeros_act
 
+    @scoped("head")
     def head(carry, row, y):
         """The last model stage: the loss, and at once its gradient (the loss ends the graph)."""
         head = {k: outer[k] for k in head_names}
@@ -310,9 +344,10 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
         grads_in = carry["grads_in"].at[row["grad"]].set(dy.astype(dtype))
         return {**carry, "loss": carry["loss"] + loss, "grads": grads, "grads_in": grads_in}
 
+    @scoped("F")
     def forward(carry, row):
         first, last = row["branch"] == F_FIRST, row["branch"] == F_LAST
-        x = jax.lax.cond(first, lambda: embed_of(row["microbatch"]), lambda: carry["acts"][row["act"]])
+        x = jax.lax.cond(first, scoped("embed")(lambda: embed_of(row["microbatch"])), lambda: carry["acts"][row["act"]])
         weights = chunk_weights(row)
         if train:
             y, kept = stage.forward(weights, x)
@@ -322,12 +357,14 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
         carry = jax.lax.cond(last, head, lambda carry, row, y: carry, carry, row, y)
         return carry, y.astype(dtype), zeros_act
 
+    @scoped("embed_grad")
     def embed_grad(carry, row, dx):
         """The first model stage: the input gradient becomes the embedding's."""
         tokens_in = inputs[row["microbatch"]]
         (d_embed,) = jax.vjp(lambda table: embed({"embed": table}, tokens_in, ops), outer["embed"])[1](dx)
         return {**carry, "grads": {**carry["grads"], "outer": _add(carry["grads"]["outer"], {"embed": d_embed})}}
 
+    @scoped("B")
     def backward(carry, row):
         weights = chunk_weights(row)
         dw, taps, dx = stage.backward(weights, _get(carry["stash"], row["stash"]), carry["grads_in"][row["grad"]])
@@ -337,6 +374,7 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
         carry = jax.lax.cond(row["branch"] == B_FIRST, embed_grad, lambda carry, row, dx: carry, carry, row, dx)
         return carry, zeros_act, dx.astype(dtype)
 
+    @scoped("W")
     def weight(carry, row):
         dw = stage.weight(chunk_weights(row), _get(carry["wstash"], row["wstash"]))
         return {**carry, "grads": {**carry["grads"], "chunks": _add_chunk(carry["grads"]["chunks"], row["chunk"], dw)}}, \
@@ -439,6 +477,11 @@ class PipelineTrainer(Strategy):
                                  out_specs=P(), check_vma=False)
         self.eval_fn = jax.jit(lambda params, tokens: evaluate(self._staged(params), tokens),
                                in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
+
+    def collectives(self, hlo_text: str):
+        """The compiled step's collectives as the busiest stage executes them (`executed_collectives`)."""
+        per_stage = [executed_collectives(hlo_text, self.mesh, self.program, s) for s in range(self.p)]
+        return max(per_stage, key=lambda found: sum(c.bytes_per_step for c in found))
 
     # ---------------------------------------------------------------- layout
     def _staged(self, params):
