@@ -261,14 +261,6 @@ def _get(buffer, slot):
     return jax.tree.map(lambda b: b[slot], buffer)
 
 
-def _add_chunk(grads, chunk, dw):
-    return {k: g.at[chunk].add(dw[k].astype(g.dtype)) if k in dw else g for k, g in grads.items()}
-
-
-def _add(grads, d):
-    return {k: g + d[k].astype(g.dtype) if k in d else g for k, g in grads.items()}
-
-
 def scoped(part: str):
     """Run under the named scope `pipeline_<part>`: the compiled HLO's metadata then says which part of a
     tick each instruction belongs to (`executed_collectives`, the lab's timeline)."""
@@ -309,7 +301,12 @@ def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
 
 def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, *, cfg, ops, train: bool):
     """Run the tick loop on this device: chunks [v, Lc, ...] (compute dtype), outer = embed / final_norm /
-    lm_head, tokens [rows, S+1] this data shard's. Returns (sum of microbatch losses / m, grads or None)."""
+    lm_head, tokens [rows, S+1] this data shard's. Returns (sum of microbatch losses / m, grads or None).
+
+    The big buffers (stash, gradient accumulators, received activations) never pass through the tick's
+    `lax.switch`: each tick slices out the one slot its cell uses, the branch returns that slot's new
+    value, and the slot is written back after. (Threaded through the switch, XLA copies every buffer
+    on every tick.)"""
     sched = program.schedule
     p, v, m = sched.stages, sched.virtual, sched.microbatches
     me = jax.lax.axis_index(AXIS)
@@ -318,98 +315,117 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
     head_names = ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
     dtype = ops.dtype
 
-    def chunk_weights(row):
-        return jax.tree.map(lambda w: w[row["chunk"]], chunks)
-
     def embed_of(microbatch):
         return embed(outer, inputs[microbatch], ops)
 
     act_shape = jax.eval_shape(embed_of, 0)
     zeros_act = jnp.zeros(act_shape.shape, act_shape.dtype)
+    zeros_outer = lambda: jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), outer)
     if train:
         stage.plan(jax.tree.map(lambda w: w[0], chunks), zeros_act)
 
-    def idle(carry, row):
-        return carry, zeros_act, zeros_act
+    # ---- the branches: (this tick's slots, row) -> the slots' new values and what leaves the device
+    def idle(io, row):
+        return {**io, "send_act": zeros_act, "send_grad": zeros_act, "d_outer": zeros_outer(),
+                "loss": jnp.zeros((), jnp.float32)}
 
     @scoped("head")
-    def head(carry, row, y):
+    def head(y, row):
         """The last model stage: the loss, and at once its gradient (the loss ends the graph)."""
         head = {k: outer[k] for k in head_names}
         objective = lambda head, y: head_loss(head, y, targets[row["microbatch"]], cfg, ops) / m
         if not train:
-            return {**carry, "loss": carry["loss"] + objective(head, y)}
+            return objective(head, y), zeros_outer(), zeros_act
         loss, (d_head, dy) = jax.value_and_grad(objective, argnums=(0, 1))(head, y)
-        grads = {**carry["grads"], "outer": _add(carry["grads"]["outer"], d_head)}
-        grads_in = carry["grads_in"].at[row["grad"]].set(dy.astype(dtype))
-        return {**carry, "loss": carry["loss"] + loss, "grads": grads, "grads_in": grads_in}
+        return loss, {**zeros_outer(), **d_head}, dy.astype(dtype)
 
     @scoped("F")
-    def forward(carry, row):
-        first, last = row["branch"] == F_FIRST, row["branch"] == F_LAST
-        x = jax.lax.cond(first, scoped("embed")(lambda: embed_of(row["microbatch"])), lambda: carry["acts"][row["act"]])
-        weights = chunk_weights(row)
+    def forward(io, row):
+        out = idle(io, row)
+        x = jax.lax.cond(row["branch"] == F_FIRST, scoped("embed")(lambda: embed_of(row["microbatch"])),
+                         lambda: io["x"])
+        weights = jax.tree.map(lambda w: w[row["chunk"]], chunks)
         if train:
-            y, kept = stage.forward(weights, x)
-            carry = {**carry, "stash": _put(carry["stash"], row["stash"], kept)}
+            y, out["kept"] = stage.forward(weights, x)
         else:
             y = stage.run(weights, x)
-        carry = jax.lax.cond(last, head, lambda carry, row, y: carry, carry, row, y)
-        return carry, y.astype(dtype), zeros_act
+        no_head = lambda y, row: (jnp.zeros((), jnp.float32), zeros_outer(), io["dy"] if train else zeros_act)
+        loss, d_outer, dy = jax.lax.cond(row["branch"] == F_LAST, head, no_head, y, row)
+        out.update(loss=loss, d_outer=d_outer, send_act=y.astype(dtype))
+        if train:
+            out["dy"] = dy
+        return out
 
     @scoped("embed_grad")
-    def embed_grad(carry, row, dx):
+    def embed_grad(dx, row):
         """The first model stage: the input gradient becomes the embedding's."""
         tokens_in = inputs[row["microbatch"]]
         (d_embed,) = jax.vjp(lambda table: embed({"embed": table}, tokens_in, ops), outer["embed"])[1](dx)
-        return {**carry, "grads": {**carry["grads"], "outer": _add(carry["grads"]["outer"], {"embed": d_embed})}}
+        return {**zeros_outer(), "embed": d_embed}
 
     @scoped("B")
-    def backward(carry, row):
-        weights = chunk_weights(row)
-        dw, taps, dx = stage.backward(weights, _get(carry["stash"], row["stash"]), carry["grads_in"][row["grad"]])
-        carry = {**carry, "grads": {**carry["grads"], "chunks": _add_chunk(carry["grads"]["chunks"], row["chunk"], dw)}}
+    def backward(io, row):
+        out = idle(io, row)
+        weights = jax.tree.map(lambda w: w[row["chunk"]], chunks)
+        dw, taps, dx = stage.backward(weights, io["kept"], io["dy"])
+        out["acc"] = {k: a + dw[k].astype(a.dtype) if k in dw else a for k, a in io["acc"].items()}
         if taps is not None:
-            carry["wstash"] = _put(carry["wstash"], row["wstash"], taps)
-        carry = jax.lax.cond(row["branch"] == B_FIRST, embed_grad, lambda carry, row, dx: carry, carry, row, dx)
-        return carry, zeros_act, dx.astype(dtype)
+            out["taps"] = taps
+        out["d_outer"] = jax.lax.cond(row["branch"] == B_FIRST, embed_grad, lambda dx, row: zeros_outer(), dx, row)
+        out["send_grad"] = dx.astype(dtype)
+        return out
 
     @scoped("W")
-    def weight(carry, row):
-        dw = stage.weight(chunk_weights(row), _get(carry["wstash"], row["wstash"]))
-        return {**carry, "grads": {**carry["grads"], "chunks": _add_chunk(carry["grads"]["chunks"], row["chunk"], dw)}}, \
-            zeros_act, zeros_act
+    def weight(io, row):
+        out = idle(io, row)
+        dw = stage.weight(jax.tree.map(lambda w: w[row["chunk"]], chunks), io["taps"])
+        out["acc"] = {k: a + dw[k].astype(a.dtype) if k in dw else a for k, a in io["acc"].items()}
+        return out
 
     # the switch runs one of these per tick; the table's F/B variants pick their first/last parts inside
-    kinds = np.array([0, 1, 1, 1, 2, 2, 3], np.int32)          # BRANCHES -> idle, forward, backward, weight
+    kinds = jnp.asarray(np.array([0, 1, 1, 1, 2, 2, 3], np.int32))   # BRANCHES -> idle, forward, backward, weight
     branches = [idle, forward, backward, weight][:(4 if sched.split_backward else 3) if train else 2]
+
+    # ---- the buffers
     slots = program.slots
     carry = {"acts": jnp.zeros((slots["act"] + 1, *act_shape.shape), dtype), "loss": jnp.zeros((), jnp.float32)}
     if train:
-        buffers = lambda avals, n: [jnp.zeros((n, *a.shape), a.dtype) for a in avals]
         carry["grads_in"] = jnp.zeros((slots["grad"] + 1, *act_shape.shape), dtype)
-        carry["stash"] = buffers(stage.kept, slots["stash"])
-        carry["grads"] = {"chunks": jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), chunks),
-                          "outer": jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), outer)}
+        carry["stash"] = [jnp.zeros((max(slots["stash"], 1), *a.shape), a.dtype) for a in stage.kept]
+        carry["chunk_grads"] = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), chunks)
+        carry["outer_grads"] = zeros_outer()
         if sched.split_backward:
             carry["wstash"] = {k: tuple(jnp.zeros((slots["wstash"], stage.chunk_layers, *s.shape), s.dtype)
                                         for s in (site.x, site.y)) for k, site in stage.sites.items()}
-    ring = v > 1
-    forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
+    forward_pairs = [(s, (s + 1) % p) for s in range(p if v > 1 else p - 1)]     # v > 1: a ring
     backward_pairs = [(b, a) for a, b in forward_pairs]
     table = {k: jnp.asarray(t) for k, t in program.table.items()}
 
     def tick(carry, t):
-        row = {k: t_[t, me] for k, t_ in table.items()}
-        carry, send_act, send_grad = jax.lax.switch(jnp.asarray(kinds)[row["branch"]], branches, carry, row)
-        carry["acts"] = carry["acts"].at[row["act_in"]].set(jax.lax.ppermute(send_act, AXIS, forward_pairs))
+        row = {k: column[t, me] for k, column in table.items()}
+        io = {"x": carry["acts"][row["act"]]}
         if train:
+            io.update(dy=carry["grads_in"][row["grad"]], kept=_get(carry["stash"], row["stash"]),
+                      acc=_get(carry["chunk_grads"], row["chunk"]))
+            if sched.split_backward:
+                io["taps"] = _get(carry["wstash"], row["wstash"])
+        out = jax.lax.switch(kinds[row["branch"]], branches, io, row)
+        carry = {**carry, "loss": carry["loss"] + out["loss"]}
+        if train:
+            carry["grads_in"] = carry["grads_in"].at[row["grad"]].set(out["dy"])
+            carry["stash"] = _put(carry["stash"], row["stash"], out["kept"])
+            carry["chunk_grads"] = _put(carry["chunk_grads"], row["chunk"], out["acc"])
+            carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], out["d_outer"])
+            if sched.split_backward:
+                carry["wstash"] = _put(carry["wstash"], row["wstash"], out["taps"])
             carry["grads_in"] = carry["grads_in"].at[row["grad_in"]].set(
-                jax.lax.ppermute(send_grad, AXIS, backward_pairs))
+                jax.lax.ppermute(out["send_grad"], AXIS, backward_pairs))
+        carry["acts"] = carry["acts"].at[row["act_in"]].set(jax.lax.ppermute(out["send_act"], AXIS, forward_pairs))
         return carry, None
 
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(program.ticks))
-    return carry["loss"], carry.get("grads")
+    grads = {"chunks": carry["chunk_grads"], "outer": carry["outer_grads"]} if train else None
+    return carry["loss"], grads
 
 
 # ============================================================================ the trainer
