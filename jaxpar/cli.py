@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Lab 02 (experiments/02_zero): same losses, different memory, different bytes.")
     from jaxpar.labs.zero import add_arguments as add_lab_zero_arguments
     add_lab_zero_arguments(p)
+    p = labs.add_parser("pipeline", help="module 3: pipeline schedules: bubble, timeline, memory vs m, p2p bytes",
+                        description="Lab 03 (experiments/03_pipeline): GPipe, 1F1B, interleaved, ZB-H1, circular.")
+    from jaxpar.labs.pipeline import add_arguments as add_lab_pipeline_arguments
+    add_lab_pipeline_arguments(p)
     return parser
 
 
@@ -158,8 +162,8 @@ def cmd_memory(args) -> int:
 
 
 def cmd_lab(args) -> int:
-    from jaxpar.labs import zero
-    return {"zero": zero.run_from_args}[args.lab](args)
+    from jaxpar.labs import pipeline, zero
+    return {"zero": zero.run_from_args, "pipeline": pipeline.run_from_args}[args.lab](args)
 
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,

@@ -80,7 +80,7 @@ def built(initial):
 
     def get(name):
         if name not in cache:
-            overrides, devices = CASES[name] if name in CASES else (["mesh.data=1"], 1)
+            overrides, devices = CASES.get(name, (["mesh.data=1"], 1))
             cache[name] = Compiled(make(overrides, devices), initial)
         return cache[name]
     return get
@@ -163,7 +163,7 @@ def test_matches_single_device(name, runs, oracle):
 
 
 def test_evaluation_runs_the_forward_schedule(built, runs, oracle):
-    losses, _, state = runs("interleaved p=2 v=2 m=4")
+    _, _, state = runs("interleaved p=2 v=2 m=4")
     trainer = built("interleaved p=2 v=2 m=4").trainer
     single = built("single device").trainer
     batch = counting_batches(trainer.config, 1, VOCAB, seed=7)[0]

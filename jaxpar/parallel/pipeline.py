@@ -539,6 +539,7 @@ class PipelineTrainer(Strategy):
         chunks, outer = self._split(self._gather_fsdp(params))
         stage = StageFunctions(self.model_cfg, self.stage_ops, self.policy, self.schedule.split_backward,
                                self.chunk_layers)
+        self.stage_functions = stage            # the residual layout, for the lab's memory prediction
         loss, grads = run_program(self.program, stage, chunks, outer, tokens, cfg=self.model_cfg,
                                   ops=self.stage_ops, train=True)
         grads = {**grads["outer"], "blocks": jax.tree.map(lambda g: g[:, None], grads["chunks"])}
