@@ -227,6 +227,24 @@ def test_split_backward_defers_only_the_weight_matmuls():
     assert w > 0.25 * whole and b < 0.75 * whole
 
 
+def test_executed_collectives_match_the_dry_run_formulas(built):
+    """data x pipe x tensor: the bytes the busiest stage sends per axis (the tick's branches counted on the ticks
+    that run them) against dryrun.predicted_collective_bytes: lock-step permutes, Megatron's 4 all-reduces per
+    layer per microbatch, the gradients' all-reduce."""
+    from collections import defaultdict
+
+    from jaxpar.dryrun import predicted_collective_bytes
+    c = built("3d data=2 pipe=2 tensor=2")
+    sent = defaultdict(float)
+    for collective in c.trainer.collectives(c.step.as_text()):
+        sent[collective.axis_label] += collective.bytes_per_step
+    sizes = {axis: int(n) for axis, n in c.trainer.mesh.shape.items()}
+    predicted = predicted_collective_bytes(c.trainer.config, c.trainer.model_cfg, sizes, "cpu")
+    assert set(predicted) == {"pipe", "tensor", "data"}
+    for axis, want in predicted.items():
+        assert sent[axis] == pytest.approx(want, rel=0.01), axis
+
+
 # ---------------------------------------------------------------------------- one checkpoint layout
 
 def test_interleaved_checkpoint_restores_on_one_device_and_on_1f1b(tmp_path, built, runs):

@@ -519,9 +519,10 @@ def plot_tables(result: dict, path: Path) -> None:
     ax = fig.add_subplot(1, 1, 1)
     for name, v in TABLE_CASES:
         points = [r for r in result["sweep"] if r["schedule"] == name and r["p"] == 4]
-        ax.plot([r["m"] for r in points], [r["table"] for r in points], "o", label=f"{name} table")
+        (dots,) = ax.plot([r["m"] for r in points], [r["table"] for r in points], "o",
+                          label=f"{name} table" + (" (= gpipe)" if name == "1f1b" else ""))
         ms = range(4, 17)
-        ax.plot(ms, [float(bubble_fraction(name, 4, x, v)) for x in ms], "-", alpha=0.5)
+        ax.plot(ms, [float(bubble_fraction(name, 4, x, v)) for x in ms], "-", alpha=0.5, color=dots.get_color())
     ax.set_xlabel("microbatches m (p = 4)")
     ax.set_ylabel("bubble fraction")
     ax.legend(fontsize=8)

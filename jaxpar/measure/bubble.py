@@ -30,7 +30,8 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
     raise ValueError(f"no bubble formula for schedule '{schedule}'")
 
 
-def p2p_bytes(p: int, m: int, micro_batch: int, seq_len: int, d_model: int, bytes_per_element: float) -> float:
-    """Bytes all stages send per step: each microbatch's activation crosses p-1 stage boundaries
-    forward and its gradient p-1 boundaries backward: 2 (p-1) m b s h e."""
-    return 2 * (p - 1) * m * micro_batch * seq_len * d_model * bytes_per_element
+def p2p_bytes(model_stages: int, m: int, micro_batch: int, seq_len: int, d_model: int,
+              bytes_per_element: float) -> float:
+    """Bytes all stages send per step: each microbatch's activation crosses K-1 stage boundaries forward and
+    its gradient K-1 backward: 2 (K-1) m b s h e, K = p model stages (p·v when interleaved)."""
+    return 2 * (model_stages - 1) * m * micro_batch * seq_len * d_model * bytes_per_element

@@ -36,6 +36,7 @@ gradient accumulation (train.microbatches > 1) does not combine with them.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
+from jaxpar.measure import hlo
 from jaxpar.model.transformer import embed, head_loss, run_blocks
 from jaxpar.parallel import deferred
 from jaxpar.parallel.megatron import tensor_parallel_ops
@@ -54,8 +56,8 @@ from jaxpar.train.strategy import Strategy
 
 AXIS = "pipe"
 BATCH_AXES = ("data", "fsdp")
+# a table cell: F and B on the first / a middle / the last model stage differ in what they do around the chunk
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, W = range(7)
-BRANCHES = ("idle", "F first", "F", "F last", "B first", "B", "W")
 
 
 # ============================================================================ config -> schedule
@@ -284,9 +286,6 @@ def part_ticks(program: Program) -> dict[str, np.ndarray]:
 def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
     """`measure.hlo.collectives` of a pipeline step, with the runs of the collectives inside a tick's parts
     set to what `stage` executes: the static count runs every branch of the tick's switch on every tick."""
-    import re
-
-    from jaxpar.measure import hlo
     scopes = dict(re.findall(r'%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', hlo_text))
     ticks = part_ticks(program)
     out = []
@@ -383,7 +382,7 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
         return out
 
     # the switch runs one of these per tick; the table's F/B variants pick their first/last parts inside
-    kinds = jnp.asarray(np.array([0, 1, 1, 1, 2, 2, 3], np.int32))   # BRANCHES -> idle, forward, backward, weight
+    kinds = jnp.asarray(np.array([0, 1, 1, 1, 2, 2, 3], np.int32))   # cell -> idle, forward, backward, weight
     branches = [idle, forward, backward, weight][:(4 if sched.split_backward else 3) if train else 2]
 
     # ---- the buffers
