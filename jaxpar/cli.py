@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "memory with flash attention and the chunked loss, compile times.")
     from jaxpar.labs.kernels import add_arguments as add_lab_kernels_arguments
     add_lab_kernels_arguments(p)
+    p = labs.add_parser("pipeline", help="module 3: pipeline schedules: bubble, timeline, memory vs m, p2p bytes",
+                        description="Lab 03 (experiments/03_pipeline): GPipe, 1F1B, interleaved, ZB-H1, circular.")
+    from jaxpar.labs.pipeline import add_arguments as add_lab_pipeline_arguments
+    add_lab_pipeline_arguments(p)
     return parser
 
 
@@ -168,8 +172,9 @@ def cmd_memory(args) -> int:
 
 
 def cmd_lab(args) -> int:
-    from jaxpar.labs import kernels, tensor, zero
-    return {"zero": zero.run_from_args, "tensor": tensor.run_from_args, "kernels": kernels.run_from_args}[args.lab](args)
+    from jaxpar.labs import kernels, pipeline, tensor, zero
+    return {"zero": zero.run_from_args, "tensor": tensor.run_from_args, "pipeline": pipeline.run_from_args,
+            "kernels": kernels.run_from_args}[args.lab](args)
 
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,

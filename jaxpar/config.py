@@ -63,7 +63,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel = ml_collections.ConfigDict()   # which implementation runs each mesh axis (parallel/registry.py)
     c.parallel.data = "auto"      # auto (XLA all-reduces) | ddp | zero1 | zero2 | zero3 (shard_map, parallel/zero.py)
     c.parallel.fsdp = "auto"      # auto: params, grads, Adam state split on `embed`; XLA gathers and scatters
-    c.parallel.pipe = "auto"
+    c.parallel.pipe = "auto"      # mesh.pipe > 1: gpipe | 1f1b | interleaved | zb-h1 (parallel/pipeline.py) |
+                                  # circular (compiler-driven, parallel/circular.py)
+    c.parallel.pipe_microbatches = 0   # the pipeline's own microbatches m (0: 2 x mesh.pipe)
+    c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved, else 1; circular: repeats)
     c.parallel.expert = "auto"
     c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
@@ -305,9 +308,14 @@ def validate(config, num_devices: int) -> dict[str, int]:
         raise ConfigError("train.lr", f"is {t.lr}; must be positive")
 
     sizes = mesh_shape(config, num_devices)
-    for axis in ("pipe", "expert"):
-        if sizes[axis] != 1:
-            raise ConfigError(f"mesh.{axis}", f"is {sizes[axis]}; {axis} parallelism is not built yet, use 1")
+    if sizes["expert"] != 1:
+        raise ConfigError("mesh.expert", f"is {sizes['expert']}; expert parallelism is not built yet, use 1")
+    if sizes["pipe"] > 1 and config.parallel.pipe == "auto":
+        raise ConfigError("parallel.pipe", f"is 'auto' but mesh.pipe={sizes['pipe']}; choose a schedule: "
+                          "gpipe, 1f1b, interleaved, zb-h1, or circular (the compiler-driven pipeline)")
+    for field in ("pipe_microbatches", "pipe_virtual"):
+        if config.parallel[field] < 0:
+            raise ConfigError(f"parallel.{field}", f"is {config.parallel[field]}; must be positive, or 0 (default)")
     tp = sizes["tensor"]
     if m.heads % tp:
         raise ConfigError("model.heads", f"heads={m.heads} is not divisible by mesh.tensor={tp}")

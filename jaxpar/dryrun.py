@@ -189,6 +189,8 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     F, D, T = sizes.get("fsdp", 1), sizes.get("data", 1), sizes.get("tensor", 1)
     m = config.train.microbatches
     b = config.train.batch_size // m // (D * F)
+    if sizes.get("pipe", 1) > 1:
+        return _pipeline_collective_bytes(config, model_cfg, sizes, platform)
     out = {}
     stage = config.parallel.data
     if stage != "auto":
@@ -267,6 +269,75 @@ def manual_tensor_bytes(config, model_cfg, sizes: dict[str, int], platform: str,
     if D > 1:
         psi = param_count(model_cfg)["total"]
         out["data"] = 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1)
+    return out
+
+
+def _pipeline_collective_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
+    """Bytes per device per step of the pipeline trainers (parallel/pipeline.py, parallel/circular.py).
+
+    b = microbatch rows per data shard, a = b·s·h·e one microbatch's activation (e: compute dtype bytes on
+    GPU, 4 on CPU, where XLA moves bf16 as fp32).
+    hand-written schedules, the busiest stage, T ticks of the table:
+      pipe    2·T·a: every tick each stage sends one activation forward and one gradient backward
+              (lock-step SPMD: a buffer moves even in a bubble; the textbook 2(p-1)·m·a counts only the
+              useful ones, see measure/bubble.p2p_bytes), + the embedding/head gradients summed over
+              pipe, 2(p-1)/p·4·Ψ_o/T. With v > 1 XLA also re-deals the chunks (not predicted).
+      tensor  Megatron, 2(T-1)/T·a each: 2 per layer per F (g after wo, down), 2 per layer per B (f's
+              backward before q/k/v and gate/up; zb-h1's W has none), +1 per layer per B with remat
+              'full' (XLA recomputes the attention's g, not the MLP's), + 1 per embedding lookup (g) and
+              1 per head (f's backward); the cross-entropy's per-token reductions are left out.
+      data    the stage's gradients all-reduced once, 2(D-1)/D·4·(Ψ_L/p + Ψ_o)/T.
+      fsdp    the stage's fp32 weights all-gathered once and gradients reduce-scattered once,
+              2·(F-1)/F·4·(Ψ_L/p + Ψ_o)/T.
+    circular: v·m + p - 1 iterations, each rolling one activation forward and one gradient back: pipe 2·it·a.
+    """
+    import numpy as np
+
+    from jaxpar.model.counting import param_count
+    from jaxpar.parallel.pipeline import compile_program, part_ticks, pipe_microbatches, pipe_virtual
+    from jaxpar.parallel.schedules import build
+    from jaxpar.train.step import activation_dtype
+
+    p, D, F, T = sizes["pipe"], sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
+    m, v = pipe_microbatches(config, p), pipe_virtual(config)
+    e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
+    b = config.train.batch_size // (D * F) // m
+    a = b * config.data.seq_len * model_cfg.d_model * e
+    counts = param_count(model_cfg)
+    psi_layers, psi_other = counts["blocks"], counts["total"] - counts["blocks"]
+    stage_params = (psi_layers / p + psi_other) / T
+    out = {}
+    if config.parallel.pipe == "circular":
+        out["pipe"] = 2 * (v * m + p - 1) * a
+        return out
+    program = compile_program(build(config.parallel.pipe, p, m, v))
+    ticks = part_ticks(program)
+    out["pipe"] = 2 * program.ticks * a + 2 * (p - 1) / p * 4 * psi_other / T
+    if T > 1:
+        chunk = model_cfg.layers // (p * v)
+        per_backward = 2 + (1 if config.train.remat == "full" else 0)
+        reductions = (2 * ticks["F"] + per_backward * ticks["B"]) * chunk + ticks["embed"] + ticks["head"]
+        out["tensor"] = float(reductions.max()) * 2 * (T - 1) / T * a
+    if D > 1:
+        out["data"] = 2 * (D - 1) / D * 4 * stage_params
+    if F > 1:
+        out["fsdp"] = 2 * (F - 1) / F * 4 * stage_params
+    return out
+
+
+def pipeline_summary(trainer, compiled_peak: int) -> dict | None:
+    """A pipeline trainer's schedule, bubble (table and formula) and stash, for the dry-run report."""
+    from jaxpar.measure.bubble import bubble_fraction
+    schedule = getattr(trainer, "schedule", None)
+    name = trainer.config.parallel.pipe
+    if name == "auto":
+        return None
+    p, m, v = trainer.p, trainer.m, trainer.v
+    out = {"schedule": name, "stages": p, "microbatches": m, "virtual": v,
+           "bubble_formula": float(bubble_fraction(name, p, m, v)), "peak_per_stage": compiled_peak}
+    if schedule is not None:
+        out.update(bubble_table=float(schedule.bubble()), ticks=schedule.ticks, in_flight=max(schedule.in_flight()),
+                   stash_slots=trainer.program.slots["stash"])
     return out
 
 
@@ -373,7 +444,8 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     mem = compiled_memory(compiled, machine["platform"])
 
     # collectives
-    found = hlo.collectives(hlo_text, mesh)
+    # a pipeline step runs each tick's branches only on some ticks: its trainer counts what it executes
+    found = trainer.collectives(hlo_text) if hasattr(trainer, "collectives") else hlo.collectives(hlo_text, mesh)
     summary = hlo.summarize(found)
     predicted_bytes = predicted_collective_bytes(config, model_cfg, sizes, machine["platform"])
     links = _links(found, mesh, machine)
@@ -410,6 +482,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
         "memory": {"compiled": mem.as_dict(), "state_from_shardings": state, "zero_formula": formula,
                    "shard_counts": shard_counts(config, sizes), "batch_bytes": batch_bytes,
                    "activations_estimate": acts, "device_hbm_bytes": hbm},
+        "pipeline": pipeline_summary(trainer, mem.peak),
         "collectives": {"by_axis": axes, "total_bytes": summary["total"]["bytes"],
                         "predicted_total_bytes": sum(predicted_bytes.values()),
                         "by_op": summary["by_op"]},
@@ -485,6 +558,18 @@ def markdown_report(r: dict) -> str:
     if mem["device_hbm_bytes"]:
         fits = "fits" if cm["peak"] <= mem["device_hbm_bytes"] else "does NOT fit"
         lines.append(f"Peak {_gib(cm['peak'])} vs {mem['device_hbm_bytes'] / 1e9:.0f} GB of device memory: {fits}.")
+    pipe = r.get("pipeline")
+    if pipe:
+        table = f"{pipe['bubble_table']:.4f} (table, {pipe['ticks']} ticks)" if "bubble_table" in pipe else "-"
+        lines += ["", "## Pipeline", "",
+                  f"{pipe['schedule']}: p={pipe['stages']} stages, m={pipe['microbatches']} microbatches, "
+                  f"v={pipe['virtual']} chunks per stage. Predicted bubble {pipe['bubble_formula']:.4f} (formula, "
+                  f"measure/bubble.py), {table}. Every stage runs the same SPMD program: the compiled memory "
+                  f"above is each stage's ({_gib(pipe['peak_per_stage'])} peak)"
+                  + (f", with a stash of {pipe['stash_slots']} microbatches' activations "
+                     f"(at most {pipe['in_flight']} alive on the busiest stage)." if "stash_slots" in pipe else ".")
+                  + (" FLOPs below count every branch of a tick on every tick (an upper bound); the collectives "
+                     "count what the busiest stage runs." if "stash_slots" in pipe else "")]
     lines += [
         "",
         "## Collectives per step (bytes each device sends, ring model)",
