@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,17 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
+from jaxpar.labs.report import md_table, standalone_main
 
 MIB = 2**20
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 LOSS_TOLERANCE = 1e-4
 KERNELS = ["model.attention=pallas", "model.norm=pallas", "model.loss=chunked"]
 SMALL_BLOCKS = ["model.attention_block_q=16", "model.attention_block_kv=16", "model.loss_chunk=8"]
-
-
-def _table(header, rows) -> str:
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                      *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)])
 
 
 def _rel(got, want) -> float:
@@ -111,7 +106,7 @@ def kernel_agreement() -> dict:
     for r in rows:
         r["tolerance"] = TOLERANCE[r["dtype"]]
         r["within"] = max(r["errors"]) <= r["tolerance"]
-    table = _table(["kernel", "dtype", "shape", "parts", "max rel. error (measured)", "tolerance", "within"],
+    table = md_table(["kernel", "dtype", "shape", "parts", "max rel. error (measured)", "tolerance", "within"],
                    [[r["kernel"], r["dtype"], r["shape"], r["parts"], ", ".join(f"{e:.1e}" for e in r["errors"]),
                      f"{r['tolerance']:.0e}", "yes" if r["within"] else "**NO**"] for r in rows])
     return {"rows": rows, "markdown": table}
@@ -150,7 +145,7 @@ def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:
     for r in results:
         r["max_rel_dev"] = _rel(r["losses"], oracle) if r is not results[0] else 0.0
         r["within"] = r["max_rel_dev"] <= LOSS_TOLERANCE
-    table = _table(["ops", "mesh", "loss step 1", f"loss step {steps}", "max rel. deviation vs dot, one device",
+    table = md_table(["ops", "mesh", "loss step 1", f"loss step {steps}", "max rel. deviation vs dot, one device",
                     "tolerance", "within"],
                    [[r["ops"], r["mesh"], f"{r['losses'][0]:.5f}", f"{r['losses'][-1]:.5f}", f"{r['max_rel_dev']:.1e}",
                      f"{LOSS_TOLERANCE:.0e}", "yes" if r["within"] else "**NO**"] for r in results])
@@ -187,7 +182,7 @@ def memory(base: list[str], vocab: int, seq_lens, log) -> dict:
                 m = step_memory(overrides, vocab)
                 rows.append({"attention": attention, "remat": remat, "seq_len": s, **m})
                 log(f"  {attention:6s} remat {remat:4s} S={s}: temp {_mib(m['temp'])} (predicted {_mib(m['predicted'])})")
-    table = _table(["attention", "remat", "S", "temp (compiled)", "predicted: grads + activations", "ratio"],
+    table = md_table(["attention", "remat", "S", "temp (compiled)", "predicted: grads + activations", "ratio"],
                    [[r["attention"], r["remat"], r["seq_len"], _mib(r["temp"]), _mib(r["predicted"]),
                      f"{r['temp'] / r['predicted']:.2f}"] for r in rows])
     probe = _trainer(["mesh.data=1", *base], jax.devices()[:1], vocab)
@@ -202,7 +197,7 @@ def memory(base: list[str], vocab: int, seq_lens, log) -> dict:
             quadratic.append({"attention": attention, "remat": remat, "measured": _s2_coefficient(own),
                               "predicted": predicted, "growth": own[-1]["temp"] / own[0]["temp"]})
     span = seq_lens[-1] / seq_lens[0]
-    fit = _table(["attention", "remat", f"temp growth over S x{span:.0f}", "S² coefficient, fitted (bytes/S²)",
+    fit = md_table(["attention", "remat", f"temp growth over S x{span:.0f}", "S² coefficient, fitted (bytes/S²)",
                   "predicted: 5·a·b·(bytes/2)·layers kept", "ratio"],
                  [[q["attention"], q["remat"], f"{q['growth']:.2f}x", f"{q['measured']:.1f}", f"{q['predicted']:.0f}",
                    f"{q['measured'] / q['predicted']:.2f}" if q["predicted"] else "-"] for q in quadratic])
@@ -229,7 +224,7 @@ def loss_memory(base: list[str], vocab: int, log) -> dict:
     logits_bytes = B * S * vocab * 4
     saved = out["full"]["temp"] - out["chunked"]["temp"]
     predicted = out["full"]["activations"] - out["chunked"]["activations"]
-    table = _table(["", "bytes"], [
+    table = md_table(["", "bytes"], [
         ["[B, S, V] fp32 logits", _mib(logits_bytes)],
         ["temp, full logits (compiled)", _mib(out["full"]["temp"])],
         ["temp, chunked (compiled)", _mib(out["chunked"]["temp"])],
@@ -259,12 +254,12 @@ def compilation(devices: int, depths, log) -> dict:
             t = loss_and_grad_compile(cfg, batch=4, seq_len=config.data.seq_len, unrolled=unrolled)
             depth_rows.append({"layers": layers, "unrolled": unrolled, **t})
             log(f"  {layers} layers {'unrolled' if unrolled else 'scanned '}: compile {t['compile_s']:.2f} s")
-    cache_md = _table(["default config step", "trace + lower (s)", "XLA compile (s)", "cache files after"], [
+    cache_md = md_table(["default config step", "trace + lower (s)", "XLA compile (s)", "cache files after"], [
         ["cold (empty cache)", f"{cold['lower_s']:.2f}", f"{cold['compile_s']:.2f}", cold["cache_files_after"]],
         ["warm (fresh process, same cache)", f"{warm['lower_s']:.2f}", f"{warm['compile_s']:.2f}",
          warm["cache_files_after"]],
         ["warm / cold", f"{warm['lower_s'] / cold['lower_s']:.2f}", f"{warm['compile_s'] / cold['compile_s']:.3f}", ""]])
-    depth_md = _table(["layers", "scanned: compile (s)", "unrolled: compile (s)", "unrolled / scanned",
+    depth_md = md_table(["layers", "scanned: compile (s)", "unrolled: compile (s)", "unrolled / scanned",
                        "HLO text scanned / unrolled (KiB)"],
                       [[L, f"{s['compile_s']:.2f}", f"{u['compile_s']:.2f}", f"{u['compile_s'] / s['compile_s']:.2f}",
                         f"{s['hlo_bytes'] / 1024:.0f} / {u['hlo_bytes'] / 1024:.0f}"]
@@ -395,14 +390,5 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (experiments/05_kernels/run.py): parse, set the CPU devices, run; bad input exits 2."""
-    from jaxpar.mesh import set_cpu_devices
-    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        set_cpu_devices(args.cpu_devices)
-        return run_from_args(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    """Standalone entry (experiments/*/run.py): parse, set the CPU devices, run; bad input exits 2."""
+    return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.labs.report import figure, fmt_bytes, json_default, md_table, standalone_main
 from jaxpar.measure import hlo
 from jaxpar.measure.bubble import bubble_fraction, p2p_bytes
 from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W, executed_collectives
@@ -120,19 +121,6 @@ def _pipe(schedule: str, p: int, m: int, v: int = 1, data: int = 1, fsdp: int = 
             f"train.batch_size={MICRO * m * data * fsdp}"]
 
 
-def _table(header: list[str], rows: list[list]) -> str:
-    sep = ["---"] + ["---:"] * (len(header) - 1)
-    return "\n".join(["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |",
-                      *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)])
-
-
-def _b(x) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3f} {unit}"
-    return f"{x:.0f} B"
-
-
 # ============================================================================ a. tables
 
 TABLE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
@@ -156,7 +144,7 @@ def tables(lab: Lab) -> dict:
     exact = all(r["exact"] for r in sweep)
     md = "\n".join([
         "## a. Schedules as tables: bubble = idle cells / all cells (every action one tick)", "",
-        _table(["schedule", "p", "m", "v", "ticks", "bubble (table)", "formula", "decimal", "equal",
+        md_table(["schedule", "p", "m", "v", "ticks", "bubble (table)", "formula", "decimal", "equal",
                 "max in flight", "claimed bound"], rows), "",
         f"Over p in (2, 4, 8) x m in (p, 2p, 4p) ({len(sweep)} tables) every table's bubble equals its formula "
         f"exactly: {'yes' if exact else 'NO'}. Formulas: GPipe and 1F1B (p-1)/(m+p-1); interleaved "
@@ -196,7 +184,7 @@ def equivalence(lab: Lab, steps: int) -> dict:
         rows.append([label, f"{losses[0]:.4f} -> {losses[-1]:.4f}", f"{dev:.1e}", f"{dev_norm:.1e}",
                      "yes" if max(dev, dev_norm) <= TOLERANCE else "NO"])
     md = "\n".join([f"## b. Equivalence with one device ({steps} steps, fp32, batches of {MICRO} rows per microbatch)",
-                    "", _table(["layout", "loss", "max rel. dev. loss", "max rel. dev. grad norm",
+                    "", md_table(["layout", "loss", "max rel. dev. loss", "max rel. dev. grad norm",
                                 f"within {TOLERANCE:g}"], rows)])
     return {"cases": out, "markdown": md}
 
@@ -328,7 +316,7 @@ def timeline(lab: Lab, p: int, m: int, warmup: int) -> dict:
         lab.log(f"  {name}: measured idle {measured:.3f} vs formula {formula:.3f}")
     md = "\n".join([
         f"## c. Measured timeline (one profiled step on {p} CPU devices, after {warmup} warm-up steps)", "",
-        _table(["schedule", "", "ticks", "step span (ms)", "median action (ms)", "bubble (formula = table)",
+        md_table(["schedule", "", "ticks", "step span (ms)", "median action (ms)", "bubble (formula = table)",
                 "measured idle", "measured / formula", "lock-step model", "measured / model"], rows), "",
         "Measured idle = 1 - (sum over stages and ticks of the time the stage's F, B or W work ran) / (stages x "
         "span of the tick loop). A cell's work is every trace event of that device, on whatever thread, from an "
@@ -365,15 +353,15 @@ def memory(lab: Lab, p: int) -> dict:
         base = series[0]["temp"]
         out[name] = {"v": v, "series": series, "growth_4p": series[-1]["temp"] / base}
         for r in series:
-            rows.append([name + (f" v={v}" if v > 1 else ""), r["m"], _b(r["temp"]), f"{r['temp'] / base:.2f}",
-                         "-" if r["stash"] is None else _b(r["stash"]),
-                         "-" if r["stash"] is None else _b(r["temp"] - r["stash"]),
-                         "-" if r["slots"] is None else r["slots"]["stash"], _b(r["peak"])])
+            rows.append([name + (f" v={v}" if v > 1 else ""), r["m"], fmt_bytes(r["temp"]), f"{r['temp'] / base:.2f}",
+                         "-" if r["stash"] is None else fmt_bytes(r["stash"]),
+                         "-" if r["stash"] is None else fmt_bytes(r["temp"] - r["stash"]),
+                         "-" if r["slots"] is None else r["slots"]["stash"], fmt_bytes(r["peak"])])
     flat = out["1f1b"]["growth_4p"]
     grows = out["gpipe"]["growth_4p"]
     md = "\n".join([
         f"## d. Compiled activation memory per stage as m grows (p={p}, {MICRO} rows per microbatch)", "",
-        _table(["schedule", "m", "compiled temp", "temp / temp at m=p", "stash (predicted: slots x residuals)",
+        md_table(["schedule", "m", "compiled temp", "temp / temp at m=p", "stash (predicted: slots x residuals)",
                 "temp - stash", "stash slots", "peak"], rows), "",
         f"1F1B's temp at m=4p is {flat:.3f}x its m=p value (flat: within +-15%: "
         f"{'yes' if abs(flat - 1) <= 0.15 else 'NO'}); GPipe's grows {grows:.2f}x (at least 2.5x: "
@@ -420,11 +408,11 @@ def p2p(lab: Lab, p: int, m: int) -> dict:
                      + (np.isin(table, (B_MID,)) & (k > 0)).sum())
             useful = int(sends) * a
         out[name] = {"compiled": compiled, "formula": formula, "table_sends": useful, "v": v}
-        rows.append([name + (f" v={v}" if v > 1 else ""), _b(formula), "-" if useful is None else _b(useful),
-                     _b(compiled), f"{compiled / formula:.2f}"])
+        rows.append([name + (f" v={v}" if v > 1 else ""), fmt_bytes(formula), "-" if useful is None else fmt_bytes(useful),
+                     fmt_bytes(compiled), f"{compiled / formula:.2f}"])
     md = "\n".join([
         f"## e. Point-to-point bytes per step over `pipe` (p={p}, m={m}, b={MICRO}, fp32)", "",
-        _table(["schedule", "formula 2(K-1)·m·b·s·h·e", "the table's sends", "compiled (HLO permutes)",
+        md_table(["schedule", "formula 2(K-1)·m·b·s·h·e", "the table's sends", "compiled (HLO permutes)",
                 "compiled / formula"], rows), "",
         "Summed over all stages: each collective-permute's buffer x its runs per step x its source-target pairs. "
         "The table's sends (every F but the last model stage's, every B but the first's) equal the formula. The "
@@ -454,7 +442,7 @@ def dryrun_7b(lab: Lab, out: Path) -> dict:
     report = json.loads((target / "dryrun.json").read_text())
     pipe = report["pipeline"]
     p, m = pipe["stages"], pipe["microbatches"]
-    rows = [[axis, _b(row["bytes"]), _b(row["predicted_bytes"]) if row["predicted_bytes"] else "-",
+    rows = [[axis, fmt_bytes(row["bytes"]), fmt_bytes(row["predicted_bytes"]) if row["predicted_bytes"] else "-",
              f"{row['bytes'] / row['predicted_bytes']:.3f}" if row["predicted_bytes"] else "-"]
             for axis, row in sorted(report["collectives"]["by_axis"].items())]
     cm = report["memory"]["compiled"]
@@ -464,10 +452,10 @@ def dryrun_7b(lab: Lab, out: Path) -> dict:
     md = "\n".join([
         "## f. Dry run: configs/arabic_7b.py, pipe=4 x tensor=8 x fsdp=2 on 64 CPU devices, 1F1B m=16", "",
         f"Compiled for the CPU target in {report['timing']['compile_s']:.1f} s. Memory per stage (each stage's "
-        f"program): arguments {_b(cm['argument'])} (params and Adam state: fp32, 1/64 of the blocks and 1/16 of "
-        f"the embedding and head each), temp {_b(cm['temp'])}, peak {_b(cm['peak'])} ({cm['peak_method']}); "
+        f"program): arguments {fmt_bytes(cm['argument'])} (params and Adam state: fp32, 1/64 of the blocks and 1/16 of "
+        f"the embedding and head each), temp {fmt_bytes(cm['temp'])}, peak {fmt_bytes(cm['peak'])} ({cm['peak_method']}); "
         f"stash of {pipe['stash_slots']} microbatches (b = {256 // 2 // m} rows x 4096 tokens, remat full).", "",
-        _table(["mesh axis", "compiled bytes / device / step", "predicted", "ratio"], rows), "",
+        md_table(["mesh axis", "compiled bytes / device / step", "predicted", "ratio"], rows), "",
         f"Predicted bubble (formula = table): 1F1B {pipe['bubble_formula']:.4f} ({pipe['ticks']} ticks); with the "
         f"same p and m, interleaved v=2 would be {bubbles['interleaved']:.4f} and ZB-H1 {bubbles['zb-h1']:.4f}. "
         f"The tensor bytes are the busiest stage's Megatron all-reduces: 2 per layer per forward, 2 (+1 recomputed "
@@ -479,14 +467,6 @@ def dryrun_7b(lab: Lab, out: Path) -> dict:
 
 
 # ============================================================================ plots
-
-def _figure(width, height):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig
-
 
 def _draw(ax, boxes, p, title, x_label):
     for box in boxes:
@@ -500,7 +480,7 @@ def _draw(ax, boxes, p, title, x_label):
 
 def plot_timeline(result: dict, path: Path) -> None:
     schedules = result["schedules"]
-    fig = _figure(13, 2.3 * len(schedules))
+    fig = figure(13, 2.3 * len(schedules))
     for i, (name, r) in enumerate(schedules.items()):
         table = build(name, r["p"], r["m"], r["v"])
         cells = [{"stage": s, "kind": row[s].kind, "x": t, "w": 1} for t, row in enumerate(table.grid)
@@ -515,7 +495,7 @@ def plot_timeline(result: dict, path: Path) -> None:
 
 
 def plot_tables(result: dict, path: Path) -> None:
-    fig = _figure(7.5, 4.5)
+    fig = figure(7.5, 4.5)
     ax = fig.add_subplot(1, 1, 1)
     for name, v in TABLE_CASES:
         points = [r for r in result["sweep"] if r["schedule"] == name and r["p"] == 4]
@@ -532,7 +512,7 @@ def plot_tables(result: dict, path: Path) -> None:
 
 
 def plot_memory(result: dict, path: Path) -> None:
-    fig = _figure(7.5, 4.5)
+    fig = figure(7.5, 4.5)
     ax = fig.add_subplot(1, 1, 1)
     for name, r in result["schedules"].items():
         ax.plot([s["m"] for s in r["series"]], [s["temp"] / 2**20 for s in r["series"]], "o-", label=name)
@@ -545,7 +525,7 @@ def plot_memory(result: dict, path: Path) -> None:
 
 
 def plot_bytes(result: dict, path: Path) -> None:
-    fig = _figure(7.5, 4.5)
+    fig = figure(7.5, 4.5)
     ax = fig.add_subplot(1, 1, 1)
     names = list(result["schedules"])
     x = np.arange(len(names))
@@ -618,18 +598,10 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
               + ", ".join(f"{k} {results[k]['seconds']:.1f} s" for k, _ in steps_plan) + ".")
     report.append(footer)
     (out / "report.md").write_text("\n\n".join(report) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
     log(footer)
     log(f"wrote {out / 'report.md'}, results.json and the plots")
     return results
-
-
-def _json(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return str(x)
 
 
 # ============================================================================ command line
@@ -652,13 +624,5 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    from jaxpar.mesh import set_cpu_devices
-    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        set_cpu_devices(args.cpu_devices)
-        return run_from_args(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    """Standalone entry (experiments/*/run.py): parse, set the CPU devices, run; bad input exits 2."""
+    return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

@@ -24,7 +24,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -35,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
-from jaxpar.labs.zero import _b, _figure, _json, _r, _rel_dev, _table
+from jaxpar.labs.report import figure, fmt_bytes, json_default, max_rel_dev, md_table, ratio, standalone_main
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_tensor.py uses the same)
 KIB = 2**10
@@ -232,7 +231,7 @@ def equivalence(lab: Lab, steps: int) -> dict:
     oracle = runs["single"]["losses"]
     want_loss, want = lab.grads(lab.gradient("single"), batches[0])
     for key, r in runs.items():
-        r["max_rel_dev"] = _rel_dev(r["losses"], oracle)
+        r["max_rel_dev"] = max_rel_dev(r["losses"], oracle)
         r["within_tolerance"] = r["max_rel_dev"] <= TOLERANCE
         if key in MANUAL:
             loss, got = lab.grads(lab.gradient(key), batches[0])
@@ -248,7 +247,7 @@ def equivalence(lab: Lab, steps: int) -> dict:
     md = "\n".join([
         f"## a. Equivalence: {steps} steps, same batches, fp32, mesh data={lab.d} x tensor={lab.t}",
         "",
-        _table(["strategy", "loss step 1", f"loss step {steps}", "max rel. loss deviation (measured)", "tolerance",
+        md_table(["strategy", "loss step 1", f"loss step {steps}", "max rel. loss deviation (measured)", "tolerance",
                 "within", "gradient of batch 1: max abs. deviation / max abs. gradient (measured)"], rows),
         "",
         "Predicted deviation: 0 up to fp32 rounding (the devices sum the same products in another order). "
@@ -293,19 +292,19 @@ def communication(lab: Lab) -> dict:
                      "step_predicted": sum(predicted.values()) if predicted else None,
                      "instructions": len(found)}
     tp = rows["tp"]["layer_bytes"]
-    layer_rows = [[r["label"], ", ".join(f"{op} {_b(v)}" for op, v in sorted(r["layer_by_op"].items())),
-                   _b(r["layer_bytes"]), _b(r["layer_predicted"]), _r(r["layer_bytes"], r["layer_predicted"]),
+    layer_rows = [[r["label"], ", ".join(f"{op} {fmt_bytes(v)}" for op, v in sorted(r["layer_by_op"].items())),
+                   fmt_bytes(r["layer_bytes"]), fmt_bytes(r["layer_predicted"]), ratio(r["layer_bytes"], r["layer_predicted"]),
                    f"{r['layer_bytes'] / tp:.3f}"] for r in rows.values()]
-    step_rows = [[r["label"], r["instructions"], _b(r["step_bytes"]), _b(r["step_predicted"]),
-                  _r(r["step_bytes"], r["step_predicted"])] for r in rows.values()]
+    step_rows = [[r["label"], r["instructions"], fmt_bytes(r["step_bytes"]), fmt_bytes(r["step_predicted"]),
+                  ratio(r["step_bytes"], r["step_predicted"])] for r in rows.values()]
     md = "\n".join([
         "## b. Communication: compiled collectives vs the formulas",
         "",
         f"One layer (collectives inside the layer loops, {L} runs per step, over `tensor`), bytes each device "
-        f"sends under a ring model; u = (t-1)/t·4·b·s·h = {_b(u)} (b = {b} rows per device, s = {s}, h = {h}, "
+        f"sends under a ring model; u = (t-1)/t·4·b·s·h = {fmt_bytes(u)} (b = {b} rows per device, s = {s}, h = {h}, "
         f"t = {t}, fp32).",
         "",
-        _table(["strategy", "compiled, by op", "compiled per layer", "predicted", "ratio", "vs manual TP"],
+        md_table(["strategy", "compiled, by op", "compiled per layer", "predicted", "ratio", "vs manual TP"],
                layer_rows),
         "",
         "Predicted per layer: manual TP 8u (4 all-reduces of b·s·h: g after wo and w_down forward, f before "
@@ -317,7 +316,7 @@ def communication(lab: Lab) -> dict:
         "",
         "Whole step, every axis (data: DDP's gradient all-reduce, 2(D-1)/D·4·Ψ_local):",
         "",
-        _table(["strategy", "collective instructions", "compiled per step", "predicted", "ratio"], step_rows),
+        md_table(["strategy", "collective instructions", "compiled per step", "predicted", "ratio"], step_rows),
     ])
     return {"u": u, "rows": rows, "markdown": md}
 
@@ -357,16 +356,16 @@ def memory(lab: Lab) -> dict:
         r["sequence_ratio_compiled"] = r["compiled_sequence_region"] / tp["compiled_sequence_region"]
     for r in rows.values():   # 1/t for SP; the count's own ratio when the gathered inputs are kept
         r["sequence_ratio_predicted"] = r["jaxpar_formula"]["sequence_region"] / tp["jaxpar_formula"]["sequence_region"]
-    per_layer_rows = [[r["label"], _b(r["compiled_per_layer"]), _b(r["saved"]["per_layer"]),
-                       _r(r["compiled_per_layer"], r["saved"]["per_layer"]),
-                       _b(r["jaxpar_formula"]["per_layer"]), _r(r["compiled_per_layer"], r["jaxpar_formula"]["per_layer"]),
-                       _b(r["korthikanti_bf16"]["per_layer"]), _b(2 * r["korthikanti_bf16"]["per_layer"]),
-                       _r(r["compiled_per_layer"], 2 * r["korthikanti_bf16"]["per_layer"])] for r in rows.values()]
-    region_rows = [[r["label"], _b(r["saved"]["sequence_region"]), _b(r["compiled_sequence_region"]),
-                    _b(r["jaxpar_formula"]["sequence_region"]), f"{r['sequence_ratio_saved']:.4f}",
+    per_layer_rows = [[r["label"], fmt_bytes(r["compiled_per_layer"]), fmt_bytes(r["saved"]["per_layer"]),
+                       ratio(r["compiled_per_layer"], r["saved"]["per_layer"]),
+                       fmt_bytes(r["jaxpar_formula"]["per_layer"]), ratio(r["compiled_per_layer"], r["jaxpar_formula"]["per_layer"]),
+                       fmt_bytes(r["korthikanti_bf16"]["per_layer"]), fmt_bytes(2 * r["korthikanti_bf16"]["per_layer"]),
+                       ratio(r["compiled_per_layer"], 2 * r["korthikanti_bf16"]["per_layer"])] for r in rows.values()]
+    region_rows = [[r["label"], fmt_bytes(r["saved"]["sequence_region"]), fmt_bytes(r["compiled_sequence_region"]),
+                    fmt_bytes(r["jaxpar_formula"]["sequence_region"]), f"{r['sequence_ratio_saved']:.4f}",
                     f"{r['sequence_ratio_compiled']:.4f}",
-                    f"{r['sequence_ratio_predicted']:.4f}", _b(r["saved"]["tensor_region"]),
-                    _b(r["jaxpar_formula"]["tensor_region"])] for r in rows.values()]
+                    f"{r['sequence_ratio_predicted']:.4f}", fmt_bytes(r["saved"]["tensor_region"]),
+                    fmt_bytes(r["jaxpar_formula"]["tensor_region"])] for r in rows.values()]
     md = "\n".join([
         "## c. Activation memory per layer",
         "",
@@ -378,7 +377,7 @@ def memory(lab: Lab) -> dict:
         f"JAX differentiates it: 3 tensors per norm, SwiGLU: 6·F, GQA, two fp32 s x s tensors per head, no "
         f"dropout; `measure.memory.jaxpar_layer_bytes`). b = {b}, s = {s}, h = {h}, a = {cfg.heads}, t = {t}.",
         "",
-        _table(["strategy", "compiled per layer", "saved per layer", "compiled / saved", "jaxpar's count",
+        md_table(["strategy", "compiled per layer", "saved per layer", "compiled / saved", "jaxpar's count",
                 "compiled / count", "Korthikanti (bf16)", "Korthikanti x2 (fp32)", "compiled / (x2)"],
                per_layer_rows),
         "",
@@ -386,7 +385,7 @@ def memory(lab: Lab) -> dict:
         "per-token scalars) against TP's. Compiled: the compiled per-layer bytes minus the tensor region "
         "(identical tensors in every variant). Predicted ratio: jaxpar's count over TP's, 1/t with SP.",
         "",
-        _table(["strategy", "sequence region: saved", "compiled", "jaxpar's count", "SP / TP: saved",
+        md_table(["strategy", "sequence region: saved", "compiled", "jaxpar's count", "SP / TP: saved",
                 "SP / TP: compiled", "predicted", "tensor region: saved", "jaxpar's count"], region_rows),
         "",
         "Keeping the gathered inputs (`regather=False`) stores the full [b, s, h] input of the q/k/v and gate/up "
@@ -399,7 +398,7 @@ def memory(lab: Lab) -> dict:
 # ============================================================================ plots
 
 def plot_equivalence(result: dict, path: Path) -> None:
-    fig = _figure(11, 4.2)
+    fig = figure(11, 4.2)
     ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     oracle = np.asarray(result["runs"]["single"]["losses"])
     for key, r in result["runs"].items():
@@ -420,7 +419,7 @@ def plot_equivalence(result: dict, path: Path) -> None:
 
 def plot_communication(result: dict, path: Path) -> None:
     rows = list(result["rows"].values())
-    fig = _figure(10, 4.5)
+    fig = figure(10, 4.5)
     ax = fig.add_subplot()
     x = np.arange(len(rows))
     w = 0.38
@@ -439,7 +438,7 @@ def plot_communication(result: dict, path: Path) -> None:
 
 def plot_memory(result: dict, path: Path) -> None:
     rows = list(result["rows"].values())
-    fig = _figure(10, 4.8)
+    fig = figure(10, 4.8)
     ax = fig.add_subplot()
     x = np.arange(len(rows))
     w = 0.27
@@ -516,7 +515,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
               + ".")
     parts.append(footer)
     (out / "report.md").write_text("\n\n".join(parts) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
     log(footer)
     log(f"wrote {out / 'report.md'}, results.json and 3 plots")
     return results
@@ -545,14 +544,5 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (experiments/03_tensor/run.py): parse, set the CPU devices, run; bad input exits 2."""
-    from jaxpar.mesh import set_cpu_devices
-    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        set_cpu_devices(args.cpu_devices)
-        return run_from_args(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    """Standalone entry (experiments/*/run.py): parse, set the CPU devices, run; bad input exits 2."""
+    return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)
