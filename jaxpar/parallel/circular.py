@@ -118,10 +118,7 @@ class CircularTrainer(Strategy):
         self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
         abstract = jax.eval_shape(self._init_state)
         replicated = NamedSharding(mesh, P())
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, s: s, abstract["opt_state"], self.param_shardings,
-            transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
-        self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings, "step": replicated}
+        self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=replicated)
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
         self.objective = partial(circular_loss, cfg=model_cfg, ops=self.ops, outer_ops=outer_ops, policy=self.policy,
                                  p=self.p, v=self.v, m=self.m)

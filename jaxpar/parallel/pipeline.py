@@ -469,10 +469,7 @@ class PipelineTrainer(Strategy):
         self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), self.live)
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs)
         replicated = NamedSharding(mesh, P())
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, s: s, abstract["opt_state"], self.param_shardings,
-            transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
-        self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings, "step": replicated}
+        self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=replicated)
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
         batch_axes = tuple(a for a in BATCH_AXES if a in self.live) or None
         self.batch_spec = P(batch_axes, None)

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
-from jaxpar.train.step import accumulate
+from jaxpar.train.step import accumulate, clip_to_norm
 from jaxpar.train.strategy import Strategy
 
 AXIS = "tensor"
@@ -84,9 +84,7 @@ class TensorTrainer(Strategy):
 
         abstract = jax.eval_shape(self._init_state)       # the same pytree as every trainer's
         self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), (AXIS,))
-        self.state_specs = {"params": self.param_specs, "step": P(), "opt_state": optax.tree_map_params(
-            self.optimizer, lambda _, spec: spec, abstract["opt_state"], self.param_specs,
-            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))}
+        self.state_specs = self._state_layout(abstract, self.param_specs, replicated=P())
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs)
         self.param_shardings = self.state_shardings["params"]
         self.batch_sharding = NamedSharding(mesh, P(DATA, None))
@@ -128,10 +126,7 @@ class TensorTrainer(Strategy):
         params = state["params"]
         metrics, grads = self._local_grads(params, tokens)
         norm = self._global_norm(grads)
-        # clip by the true global norm (optax's formula); the chain's own clip then sees a local norm
-        # <= grad_clip and passes this device's shards through unchanged
-        clip = self.config.train.grad_clip
-        grads = jax.tree.map(lambda g: jax.lax.select(norm < clip, g, g / norm.astype(g.dtype) * clip), grads)
+        grads = clip_to_norm(grads, norm, self.config.train.grad_clip)   # by the true global norm
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
         params = optax.apply_updates(params, updates)
         metrics = {**metrics, "grad_norm": norm}

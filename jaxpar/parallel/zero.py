@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.train.step import accumulate
+from jaxpar.train.step import accumulate, clip_to_norm
 from jaxpar.train.strategy import Strategy
 
 AXIS = "data"
@@ -217,10 +217,7 @@ class ZeroTrainer(Strategy):
             sliced = jax.tree.map(lambda leaf, dim: P(*[AXIS if d == dim else None for d in range(leaf.ndim)]),
                                   params, self.dims)
         param_specs = sliced if self.stage == "zero3" else jax.tree.map(lambda _: P(), params)
-        opt_specs = optax.tree_map_params(                 # m, v follow `sliced`; step counts replicate
-            self.optimizer, lambda _, spec: spec, abstract["opt_state"], sliced,
-            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
-        return {"params": param_specs, "opt_state": opt_specs, "step": P()}
+        return self._state_layout(abstract, param_specs, sliced, replicated=P())   # m, v always sliced
 
     def _dims(self, name: str):
         """Split dims of one top-level entry; a layer inside the scan has lost its leading `layers` axis."""
@@ -285,10 +282,8 @@ class ZeroTrainer(Strategy):
         return jnp.sqrt(jax.lax.psum(local, AXIS))
 
     def apply_optimizer(self, grads, norm, opt_state, params):
-        """Clip by the true global norm (optax's formula), then the unchanged optimizer on what this device
-        holds; the chain's own clip then sees a norm <= grad_clip and passes the slice through."""
-        clip = self.config.train.grad_clip
-        grads = jax.tree.map(lambda g: jax.lax.select(norm < clip, g, g / norm.astype(g.dtype) * clip), grads)
+        """Clip by the true global norm, then the unchanged optimizer on what this device holds."""
+        grads = clip_to_norm(grads, norm, self.config.train.grad_clip)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 

@@ -43,6 +43,13 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
     )
 
 
+def clip_to_norm(grads, norm, max_norm: float):
+    """optax.clip_by_global_norm's formula with the global `norm` given: a shard_map program computes it
+    over every device's part (optax inside it would see only this device's). The optimizer chain's own
+    clip then sees a norm <= max_norm and leaves the gradient alone."""
+    return jax.tree.map(lambda g: jax.lax.select(norm < max_norm, g, g / norm.astype(g.dtype) * max_norm), grads)
+
+
 def donate_state(mesh, donate: bool | None) -> tuple[int, ...]:
     """donate_argnums for the step. Donating lets XLA update the state in place: one copy of
     params and Adam state instead of two on an accelerator. XLA:CPU runs the donated step
