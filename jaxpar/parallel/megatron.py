@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from jaxpar.kernels.cross_entropy import chunked_cross_entropy
 from jaxpar.model.ops import Ops
+from jaxpar.train.step import never_saving, produced_by
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -192,22 +193,10 @@ def sequence_parallel_ops(base: Ops, axis: str = "tensor") -> Ops:
     )
 
 
-def _gathers(prim, params) -> bool:
-    """An all-gather, or a custom_vjp call whose forward is one (`gather_sequence`, as partial eval sees it)."""
-    if prim.name.startswith("all_gather"):
-        return True
-    jaxpr = params.get("call_jaxpr")
-    return jaxpr is not None and any(_gathers(e.primitive, e.params) for e in jaxpr.eqns)
-
-
 def sequence_parallel_policy(policy=None):
     """Remat policy for a layer under SP: `policy` (None: save everything), except a gathered sequence.
 
     The matmuls after `gather_sequence` need its full [b, s, h] output for their weight gradients;
     this policy keeps the s/t input instead and gathers again in the backward pass, as Megatron-LM's
     column-parallel linear does under sequence parallelism (so that activation is divided by t too)."""
-    def saveable(prim, *args, **params):
-        if _gathers(prim, params):
-            return False
-        return True if policy is None else policy(prim, *args, **params)
-    return saveable
+    return never_saving(produced_by(("all_gather",)), policy)

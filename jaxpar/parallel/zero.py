@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.train.step import accumulate, clip_to_norm
+from jaxpar.train.step import accumulate, clip_to_norm, never_saving, produced_by
 from jaxpar.train.strategy import Strategy
 
 AXIS = "data"
@@ -124,25 +124,13 @@ def _copy_bwd(dim, _, full_grad):
 use_local_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
-def _is_fetch(prim, params) -> bool:
-    """A weight fetch: an all-gather (ZeRO-3), a pvary (ZeRO-2's local copy), or a custom_vjp call whose
-    forward is one (partial evaluation sees the call, not what is inside)."""
-    if prim.name.startswith("all_gather") or prim.name == "pvary":
-        return True
-    jaxpr = params.get("call_jaxpr")
-    return jaxpr is not None and any(_is_fetch(e.primitive, e.params) for e in jaxpr.eqns)
-
-
 def refetch_policy(policy):
     """The remat policy of ZeRO-2/3's layer body: `policy` (None: save everything), but never a fetched
     weight. ZeRO-3's backward pass therefore gathers each layer again; ZeRO-2's re-reads its local copy
     (saving it would stack a copy of every layer's weights). Broadcasts are never saved either: they are
     free to recompute and bigger than their input (the norm scales' [B, S, D] broadcasts)."""
-    def saveable(prim, *args, **params):
-        if _is_fetch(prim, params) or prim.name == "broadcast_in_dim":
-            return False
-        return True if policy is None else policy(prim, *args, **params)
-    return saveable
+    fetched = produced_by(("all_gather", "pvary"))
+    return never_saving(lambda prim, params: fetched(prim, params) or prim.name == "broadcast_in_dim", policy)
 
 
 # ============================================================================ the split rule

@@ -27,6 +27,27 @@ def remat_policy(train_cfg):
     }[train_cfg.remat]
 
 
+def produced_by(primitives: tuple[str, ...]):
+    """A predicate on (primitive, params): one of `primitives` (by name prefix), or a custom_vjp call whose
+    forward contains one (a remat policy sees the call, not what is inside it)."""
+    def test(prim, params) -> bool:
+        if prim.name.startswith(primitives):
+            return True
+        jaxpr = params.get("call_jaxpr")
+        return jaxpr is not None and any(test(e.primitive, e.params) for e in jaxpr.eqns)
+    return test
+
+
+def never_saving(recompute, policy=None):
+    """The remat policy `policy` (None: save everything) except values `recompute(prim, params)` picks,
+    which the backward pass computes again: a gathered weight (ZeRO-3), a gathered sequence (SP)."""
+    def saveable(prim, *args, **params):
+        if recompute(prim, params):
+            return False
+        return True if policy is None else policy(prim, *args, **params)
+    return saveable
+
+
 def learning_rate(train_cfg) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=train_cfg.lr, warmup_steps=train_cfg.warmup_steps,
