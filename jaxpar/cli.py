@@ -100,6 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Lab 02 (experiments/02_zero): same losses, different memory, different bytes.")
     from jaxpar.labs.zero import add_arguments as add_lab_zero_arguments
     add_lab_zero_arguments(p)
+    p = labs.add_parser("tensor", help="module 3: Megatron tensor and sequence parallelism by hand: losses, bytes, memory",
+                        description="Lab 03 (experiments/03_tensor): manual TP and TP+SP against one device and the "
+                                    "formulas, beside XLA's automatic TP.")
+    from jaxpar.labs.tensor import add_arguments as add_lab_tensor_arguments
+    add_lab_tensor_arguments(p)
+    p = labs.add_parser("kernels", help="module 5: fused kernels (agreement, memory), compilation cache and depth",
+                        description="Lab 05 (experiments/05_kernels): Pallas kernels vs references, activation "
+                                    "memory with flash attention and the chunked loss, compile times.")
+    from jaxpar.labs.kernels import add_arguments as add_lab_kernels_arguments
+    add_lab_kernels_arguments(p)
+    p = labs.add_parser("pipeline", help="module 3: pipeline schedules: bubble, timeline, memory vs m, p2p bytes",
+                        description="Lab 03 (experiments/03_pipeline): GPipe, 1F1B, interleaved, ZB-H1, circular.")
+    from jaxpar.labs.pipeline import add_arguments as add_lab_pipeline_arguments
+    add_lab_pipeline_arguments(p)
     return parser
 
 
@@ -185,8 +199,9 @@ def cmd_capstone(args) -> int:
 
 
 def cmd_lab(args) -> int:
-    from jaxpar.labs import zero
-    return {"zero": zero.run_from_args}[args.lab](args)
+    from jaxpar.labs import kernels, pipeline, tensor, zero
+    return {"zero": zero.run_from_args, "tensor": tensor.run_from_args, "pipeline": pipeline.run_from_args,
+            "kernels": kernels.run_from_args}[args.lab](args)
 
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,

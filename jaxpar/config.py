@@ -46,6 +46,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
+    c.model.attention = "dot"          # dot | xla | cudnn | pallas | auto (model/kernel_ops.py)
+    c.model.norm = "xla"               # xla | pallas | auto
+    c.model.loss = "full"              # full ([B, S, V] fp32 logits) | chunked | auto
+    c.model.attention_block_q = 128    # pallas flash attention blocks: powers of two >= 16
+    c.model.attention_block_kv = 128
+    c.model.loss_chunk = 256           # chunked loss: sequence positions per chunk
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1              # -1 fills the devices the other axes leave
@@ -57,9 +63,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel = ml_collections.ConfigDict()   # which implementation runs each mesh axis (parallel/registry.py)
     c.parallel.data = "auto"      # auto (XLA all-reduces) | ddp | zero1 | zero2 | zero3 (shard_map, parallel/zero.py)
     c.parallel.fsdp = "auto"      # auto: params, grads, Adam state split on `embed`; XLA gathers and scatters
-    c.parallel.pipe = "auto"
+    c.parallel.pipe = "auto"      # mesh.pipe > 1: gpipe | 1f1b | interleaved | zb-h1 (parallel/pipeline.py) |
+                                  # circular (compiler-driven, parallel/circular.py)
+    c.parallel.pipe_microbatches = 0   # the pipeline's own microbatches m (0: 2 x mesh.pipe)
+    c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved, else 1; circular: repeats)
     c.parallel.expert = "auto"
-    c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules
+    c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
+    c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
     c.parallel.rules = ""         # logical-axis rule overrides, e.g. "length=tensor,embed=fsdp+data"
 
     c.data = ml_collections.ConfigDict()
@@ -243,6 +253,27 @@ def head_dim(model) -> int:
     return model.head_dim or model.d_model // model.heads
 
 
+KERNEL_CHOICES = {"attention": ("dot", "xla", "cudnn", "pallas", "auto"), "norm": ("xla", "pallas", "auto"),
+                  "loss": ("full", "chunked", "auto")}
+
+
+def _validate_kernels(m) -> None:
+    """model.attention / norm / loss and the kernels' sizes (the backend is checked in model/kernel_ops.py)."""
+    for field, valid in KERNEL_CHOICES.items():
+        if m[field] not in valid:
+            raise ConfigError(f"model.{field}", f"is '{m[field]}'; valid: {', '.join(valid)}")
+    for field in ("attention_block_q", "attention_block_kv"):
+        size = m[field]
+        if size < 16 or size & (size - 1):
+            raise ConfigError(f"model.{field}", f"is {size}; flash attention blocks are powers of two >= 16")
+    dh = head_dim(m)
+    if m.attention == "pallas" and (dh < 16 or dh & (dh - 1)):
+        raise ConfigError("model.head_dim", f"is {dh}; model.attention=pallas needs a power of two >= 16 "
+                          "(64 and 128 are the tuned sizes); use xla or dot attention")
+    if m.loss_chunk < 1:
+        raise ConfigError("model.loss_chunk", f"is {m.loss_chunk}; must be at least 1 sequence position")
+
+
 def validate(config, num_devices: int) -> dict[str, int]:
     """Check everything that can be checked before compiling; return the mesh sizes."""
     m, t, d = config.model, config.train, config.data
@@ -258,6 +289,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
         raise ConfigError("model.kv_heads", f"kv_heads={m.kv_heads} must divide heads={m.heads}")
     if head_dim(m) % 2:
         raise ConfigError("model.head_dim", f"is {head_dim(m)}; RoPE needs an even head dimension")
+    _validate_kernels(m)
     if d.seq_len <= 0 or d.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", f"is {d.seq_len}; must be in 1..model.max_seq_len={m.max_seq_len}")
     if not 0 < d.val_fraction < 1:
@@ -276,9 +308,14 @@ def validate(config, num_devices: int) -> dict[str, int]:
         raise ConfigError("train.lr", f"is {t.lr}; must be positive")
 
     sizes = mesh_shape(config, num_devices)
-    for axis in ("pipe", "expert"):
-        if sizes[axis] != 1:
-            raise ConfigError(f"mesh.{axis}", f"is {sizes[axis]}; {axis} parallelism is not built yet, use 1")
+    if sizes["expert"] != 1:
+        raise ConfigError("mesh.expert", f"is {sizes['expert']}; expert parallelism is not built yet, use 1")
+    if sizes["pipe"] > 1 and config.parallel.pipe == "auto":
+        raise ConfigError("parallel.pipe", f"is 'auto' but mesh.pipe={sizes['pipe']}; choose a schedule: "
+                          "gpipe, 1f1b, interleaved, zb-h1, or circular (the compiler-driven pipeline)")
+    for field in ("pipe_microbatches", "pipe_virtual"):
+        if config.parallel[field] < 0:
+            raise ConfigError(f"parallel.{field}", f"is {config.parallel[field]}; must be positive, or 0 (default)")
     tp = sizes["tensor"]
     if m.heads % tp:
         raise ConfigError("model.heads", f"heads={m.heads} is not divisible by mesh.tensor={tp}")
@@ -287,6 +324,16 @@ def validate(config, num_devices: int) -> dict[str, int]:
                           "use a tensor size that divides kv_heads")
     if m.mlp_dim % tp:
         raise ConfigError("model.mlp_dim", f"mlp_dim={m.mlp_dim} is not divisible by mesh.tensor={tp}")
+    if config.parallel.sequence:
+        if config.parallel.tensor != "manual":
+            raise ConfigError("parallel.sequence", "sequence parallelism is part of the manual Megatron trainer: "
+                              "set parallel.tensor=manual (the automatic trainer: parallel.rules=length=tensor)")
+        if tp == 1:
+            raise ConfigError("parallel.sequence", "splits the sequence over mesh.tensor, which is 1; "
+                              "set mesh.tensor > 1 or parallel.sequence=false")
+        if d.seq_len % tp:
+            raise ConfigError("data.seq_len", f"seq_len={d.seq_len} is not divisible by mesh.tensor={tp} "
+                              "(parallel.sequence splits the sequence over tensor)")
     if m.d_model % sizes["fsdp"]:
         raise ConfigError("model.d_model", f"d_model={m.d_model} is not divisible by mesh.fsdp={sizes['fsdp']}")
     batch_shards = sizes["data"] * sizes["fsdp"]

@@ -173,12 +173,15 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
                the q/k/v and gate/up input-gradient sums before reducing: 2 forward + 5
                backward = 7 per layer there. The cross-entropy's vocab reductions (max,
                sum of exponentials, target logit: b·s numbers each) are left out.
+    parallel.tensor = manual (parallel/tensor.py, with or without parallel.sequence): `manual_tensor_bytes`.
     """
     import numpy as np
 
     from jaxpar.model.counting import param_count
     from jaxpar.train.step import activation_dtype
 
+    if config.parallel.tensor == "manual":
+        return manual_tensor_bytes(config, model_cfg, sizes, platform)
     counts = param_count(model_cfg)
     psi, psi_layers = counts["total"], counts["blocks"]
     psi_other = psi - psi_layers
@@ -187,6 +190,8 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     F, D, T = sizes.get("fsdp", 1), sizes.get("data", 1), sizes.get("tensor", 1)
     m = config.train.microbatches
     b = config.train.batch_size // m // (D * F)
+    if sizes.get("pipe", 1) > 1:
+        return _pipeline_collective_bytes(config, model_cfg, sizes, platform)
     out = {}
     stage = config.parallel.data
     if stage != "auto":
@@ -210,6 +215,130 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
         per_layer = (7 if platform == "cpu" else 4) + (1 if config.train.remat == "full" else 0)
         count = (per_layer * model_cfg.layers + 2) * m
         out["tensor"] = count * 2 * (T - 1) / T * e * b * s * h
+    return out
+
+
+def manual_tensor_layer_units(remat: str, sequence: bool, regather: bool = True) -> int:
+    """Collective bytes of one layer, one microbatch, under parallel.tensor=manual, in units of
+    u = (T-1)/T·e·b·s·h (an all-reduce of b·s·h is 2u; an all-gather or reduce-scatter of it, u).
+    See `manual_tensor_bytes` for what each term is."""
+    recompute_row = remat in ("full", "dots")
+    if not sequence:
+        return 8 + (2 if recompute_row else 0)
+    return 8 + (2 if regather or remat != "none" else 0) + (1 if recompute_row else 0)
+
+
+def manual_tensor_bytes(config, model_cfg, sizes: dict[str, int], platform: str,
+                        regather: bool = True) -> dict[str, float]:
+    """Bytes each device sends per step under parallel.tensor=manual (parallel/tensor.py), by mesh axis.
+
+    u = (T-1)/T·e·b·s·h, e = bytes of the activation dtype on GPU (the psums are written in it); 4 on
+    CPU, where XLA runs bf16 collectives in fp32 (measured); b = rows per data shard per microbatch,
+    m microbatches.
+    tensor, TP: per layer 4 all-reduces of b·s·h = 8u (g after wo and w_down forward, f before q/k/v
+               and gate/up backward), +2u with remat full/dots (the attention g is recomputed: its output
+               is the MLP norm's input; the MLP's is the next layer's input, saved by the scan).
+               Outside the layers 4u: the embedding's g forward, the head's f backward.
+           SP: the same 8u as 4 all-gathers + 4 reduce-scatters, +2u for gathering each column-parallel
+               input again in the backward pass (`regather`, Megatron-LM's choice; also whenever a remat
+               policy does not save it), +1u with remat full/dots (the attention reduce-scatter).
+               Outside 4u: embedding reduce-scatter forward + all-gather backward, head all-gather
+               forward + reduce-scatter backward. Once per step: the norm weights' gradient sum
+               2(T-1)/T·4·(2L+1)·h.
+           Both, per microbatch: the cross-entropy's three fp32 reductions (max, sum of exponentials,
+               target logit) 3·2(T-1)/T·4·b·s; once per step: the grad-norm scalar 2(T-1)/T·4.
+    data:  DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(Ψ_split/T + Ψ_norms), plus
+           the loss 2(D-1)/D·4.
+    """
+    import numpy as np
+
+    from jaxpar.model.counting import param_count
+    from jaxpar.train.step import activation_dtype
+
+    T, D = sizes.get("tensor", 1), sizes.get("data", 1)
+    m, L, h, s = config.train.microbatches, model_cfg.layers, model_cfg.d_model, config.data.seq_len
+    b = config.train.batch_size // m // D
+    e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
+    norms = (2 * L + 1) * h
+    out = {}
+    if T > 1:
+        per_layer = manual_tensor_layer_units(config.train.remat, config.parallel.sequence, regather)
+        u = (T - 1) / T * e * b * s * h
+        ring = 2 * (T - 1) / T
+        out["tensor"] = (m * ((per_layer * L + 4) * u + ring * 4 * 3 * b * s) + ring * 4
+                         + (ring * 4 * norms if config.parallel.sequence else 0))
+    if D > 1:
+        psi = param_count(model_cfg)["total"]
+        out["data"] = 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1)
+    return out
+
+
+def _pipeline_collective_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
+    """Bytes per device per step of the pipeline trainers (parallel/pipeline.py, parallel/circular.py).
+
+    b = microbatch rows per data shard, a = b·s·h·e one microbatch's activation (e: compute dtype bytes on
+    GPU, 4 on CPU, where XLA moves bf16 as fp32).
+    hand-written schedules, the busiest stage, T ticks of the table:
+      pipe    2·T·a: every tick each stage sends one activation forward and one gradient backward
+              (lock-step SPMD: a buffer moves even in a bubble; the textbook 2(p-1)·m·a counts only the
+              useful ones, see measure/bubble.p2p_bytes), + the embedding/head gradients summed over
+              pipe, 2(p-1)/p·4·Ψ_o/T. With v > 1 XLA also re-deals the chunks (not predicted).
+      tensor  Megatron, 2(T-1)/T·a each: 2 per layer per F (g after wo, down), 2 per layer per B (f's
+              backward before q/k/v and gate/up; zb-h1's W has none), +1 per layer per B with remat
+              'full' (XLA recomputes the attention's g, not the MLP's), + 1 per embedding lookup (g) and
+              1 per head (f's backward); the cross-entropy's per-token reductions are left out.
+      data    the stage's gradients all-reduced once, 2(D-1)/D·4·(Ψ_L/p + Ψ_o)/T.
+      fsdp    the stage's fp32 weights all-gathered once and gradients reduce-scattered once,
+              2·(F-1)/F·4·(Ψ_L/p + Ψ_o)/T.
+    circular: v·m + p - 1 iterations, each rolling one activation forward and one gradient back: pipe 2·it·a.
+    """
+    import numpy as np
+
+    from jaxpar.model.counting import param_count
+    from jaxpar.parallel.pipeline import compile_program, part_ticks, pipe_microbatches, pipe_virtual
+    from jaxpar.parallel.schedules import build
+    from jaxpar.train.step import activation_dtype
+
+    p, D, F, T = sizes["pipe"], sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
+    m, v = pipe_microbatches(config, p), pipe_virtual(config)
+    e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
+    b = config.train.batch_size // (D * F) // m
+    a = b * config.data.seq_len * model_cfg.d_model * e
+    counts = param_count(model_cfg)
+    psi_layers, psi_other = counts["blocks"], counts["total"] - counts["blocks"]
+    stage_params = (psi_layers / p + psi_other) / T
+    out = {}
+    if config.parallel.pipe == "circular":
+        out["pipe"] = 2 * (v * m + p - 1) * a
+        return out
+    program = compile_program(build(config.parallel.pipe, p, m, v))
+    ticks = part_ticks(program)
+    out["pipe"] = 2 * program.ticks * a + 2 * (p - 1) / p * 4 * psi_other / T
+    if T > 1:
+        chunk = model_cfg.layers // (p * v)
+        per_backward = 2 + (1 if config.train.remat == "full" else 0)
+        reductions = (2 * ticks["F"] + per_backward * ticks["B"]) * chunk + ticks["embed"] + ticks["head"]
+        out["tensor"] = float(reductions.max()) * 2 * (T - 1) / T * a
+    if D > 1:
+        out["data"] = 2 * (D - 1) / D * 4 * stage_params
+    if F > 1:
+        out["fsdp"] = 2 * (F - 1) / F * 4 * stage_params
+    return out
+
+
+def pipeline_summary(trainer, compiled_peak: int) -> dict | None:
+    """A pipeline trainer's schedule, bubble (table and formula) and stash, for the dry-run report."""
+    from jaxpar.measure.bubble import bubble_fraction
+    schedule = getattr(trainer, "schedule", None)
+    name = trainer.config.parallel.pipe
+    if name == "auto":
+        return None
+    p, m, v = trainer.p, trainer.m, trainer.v
+    out = {"schedule": name, "stages": p, "microbatches": m, "virtual": v,
+           "bubble_formula": float(bubble_fraction(name, p, m, v)), "peak_per_stage": compiled_peak}
+    if schedule is not None:
+        out.update(bubble_table=float(schedule.bubble()), ticks=schedule.ticks, in_flight=max(schedule.in_flight()),
+                   stash_slots=trainer.program.slots["stash"])
     return out
 
 
@@ -277,6 +406,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     import jax
     import jax.numpy as jnp
 
+    from jaxpar.kernels.costs import kernel_flops
     from jaxpar.measure import hardware, hlo
     from jaxpar.measure.flops import compiled_flops, mfu, model_flops_per_step
     from jaxpar.measure.memory import (
@@ -289,6 +419,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     )
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.counting import param_count
+    from jaxpar.model.kernel_ops import resolve
     from jaxpar.model.transformer import ModelConfig
     from jaxpar.parallel.registry import make_trainer
     from jaxpar.train.step import activation_dtype
@@ -309,7 +440,10 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     start = time.perf_counter()
     trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
     tokens = trainer.abstract_batch()
-    lowered = trainer.lower_step()
+    with jax.set_mesh(mesh):   # traced once: the jaxpr gives the kernels' FLOPs, then it is lowered
+        traced = trainer.step_fn.trace(trainer.abstract_state, tokens)
+        lowered = traced.lower()
+    kernels = kernel_flops(traced.jaxpr)
     lowered_at = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = lowered.compile()
@@ -323,13 +457,18 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     formula = zero_formula(psi, shard_counts(config, sizes))
     batch_bytes = leaf_bytes_per_device(tokens)
     micro = B // config.train.microbatches // (sizes["data"] * sizes["fsdp"])
+    chosen = resolve(config, machine["platform"], activation_dtype(config.train.compute_dtype))
     acts = activation_estimate(layers=model_cfg.layers, seq_len=S, micro_batch=micro, d_model=model_cfg.d_model,
                                heads=model_cfg.heads, vocab_size=model_cfg.vocab_size, tensor=sizes["tensor"],
-                               compute_bytes=compute_bytes, remat=config.train.remat)
+                               compute_bytes=compute_bytes, remat=config.train.remat,
+                               flash=chosen["attention"] in ("pallas", "cudnn"),
+                               loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None,
+                               sequence_parallel=config.parallel.sequence)
     mem = compiled_memory(compiled, machine["platform"])
 
     # collectives
-    found = hlo.collectives(hlo_text, mesh)
+    # a pipeline step runs each tick's branches only on some ticks: its trainer counts what it executes
+    found = trainer.collectives(hlo_text) if hasattr(trainer, "collectives") else hlo.collectives(hlo_text, mesh)
     summary = hlo.summarize(found)
     predicted_bytes = predicted_collective_bytes(config, model_cfg, sizes, machine["platform"])
     links = _links(found, mesh, machine)
@@ -346,7 +485,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
         row["predicted_bytes"] = predicted_bytes.get(label)
 
     # flops and time
-    flops = compiled_flops(compiled, hlo_text)
+    flops = compiled_flops(compiled, hlo_text, kernel_flops=kernels.total)
     model_flops = model_flops_per_step(model_cfg, B, S)
     peak, peak_source = _peak_flops(config, machine, n)
     compute_s = flops["corrected"] / peak
@@ -363,10 +502,11 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
         "model": {"params": psi, "layers": model_cfg.layers, "d_model": model_cfg.d_model,
                   "vocab_size": model_cfg.vocab_size, "batch_size": B, "seq_len": S,
                   "microbatches": config.train.microbatches, "compute_dtype": config.train.compute_dtype,
-                  "remat": config.train.remat},
+                  "remat": config.train.remat, "kernels": chosen},
         "memory": {"compiled": mem.as_dict(), "state_from_shardings": state, "zero_formula": formula,
                    "shard_counts": shard_counts(config, sizes), "batch_bytes": batch_bytes,
                    "activations_estimate": acts, "device_hbm_bytes": hbm},
+        "pipeline": pipeline_summary(trainer, mem.peak),
         "collectives": {"by_axis": axes, "total_bytes": summary["total"]["bytes"],
                         "predicted_total_bytes": sum(predicted_bytes.values()),
                         "by_op": summary["by_op"]},
@@ -411,7 +551,8 @@ def markdown_report(r: dict) -> str:
         f"# Dry run: {r['config']} on {r['devices']} x {r['target']}{where} ({r['mesh_text']})",
         "",
         f"{m['params']:,} params ({m['params'] / 1e9:.2f} B), batch {m['batch_size']} x {m['seq_len']} tokens, "
-        f"{m['microbatches']} microbatch(es), compute {m['compute_dtype']}, remat {m['remat']}. "
+        f"{m['microbatches']} microbatch(es), compute {m['compute_dtype']}, remat {m['remat']}, "
+        f"attention {m['kernels']['attention']}, norm {m['kernels']['norm']}, loss {m['kernels']['loss']}. "
         f"jax {r['jax']}, {r['date']}. Lowered in {r['timing']['lower_s']:.1f} s, compiled in "
         f"{r['timing']['compile_s']:.1f} s; host peak RSS {r['timing']['host_peak_rss_bytes'] / GIB:.2f} GiB.",
         "",
@@ -442,6 +583,18 @@ def markdown_report(r: dict) -> str:
     if mem["device_hbm_bytes"]:
         fits = "fits" if cm["peak"] <= mem["device_hbm_bytes"] else "does NOT fit"
         lines.append(f"Peak {_gib(cm['peak'])} vs {mem['device_hbm_bytes'] / 1e9:.0f} GB of device memory: {fits}.")
+    pipe = r.get("pipeline")
+    if pipe:
+        table = f"{pipe['bubble_table']:.4f} (table, {pipe['ticks']} ticks)" if "bubble_table" in pipe else "-"
+        lines += ["", "## Pipeline", "",
+                  f"{pipe['schedule']}: p={pipe['stages']} stages, m={pipe['microbatches']} microbatches, "
+                  f"v={pipe['virtual']} chunks per stage. Predicted bubble {pipe['bubble_formula']:.4f} (formula, "
+                  f"measure/bubble.py), {table}. Every stage runs the same SPMD program: the compiled memory "
+                  f"above is each stage's ({_gib(pipe['peak_per_stage'])} peak)"
+                  + (f", with a stash of {pipe['stash_slots']} microbatches' activations "
+                     f"(at most {pipe['in_flight']} alive on the busiest stage)." if "stash_slots" in pipe else ".")
+                  + (" FLOPs below count every branch of a tick on every tick (an upper bound); the collectives "
+                     "count what the busiest stage runs." if "stash_slots" in pipe else "")]
     lines += [
         "",
         "## Collectives per step (bytes each device sends, ring model)",
@@ -468,6 +621,8 @@ def markdown_report(r: dict) -> str:
         f"| cost_analysis (loop bodies once) | "
         f"{'-' if fl['cost_analysis'] is None else format(fl['cost_analysis'], '.4g')} | "
         f"{_ratio(fl['cost_analysis'], fl['model_per_device'])} |",
+        f"| fused kernels (their cost estimates; {'added: custom calls' if fl['kernels_added'] else 'in the HLO count: interpreted'}) | "
+        f"{fl['kernels']:.4g} | {_ratio(fl['kernels'], fl['model_per_device'])} |",
         f"| compiled, loop-corrected ({fl['method']}) | {fl['corrected']:.4g} | "
         f"{_ratio(fl['corrected'], fl['model_per_device'])} |",
         "",

@@ -45,7 +45,8 @@ def test_mesh_fill_and_product():
     (["mesh.tensor=4"], "model.kv_heads"),               # kv_heads=2 cannot be split 4 ways
     (["train.batch_size=12"], "train.batch_size"),
     (["train.microbatches=3"], "train.microbatches"),
-    (["mesh.pipe=2"], "mesh.pipe"),
+    (["mesh.pipe=2"], "parallel.pipe"),                 # a pipe axis needs a schedule, not auto
+    (["mesh.expert=2"], "mesh.expert"),
     (["train.compute_dtype=float16"], "train.compute_dtype"),
     (["train.remat=some"], "train.remat"),
     (["data.seq_len=128"], "data.seq_len"),

@@ -81,3 +81,14 @@ def test_aux_outputs_reach_the_loss_and_the_metrics(monkeypatch):
     _, step_metrics = trainer.step(trainer.init_state(), jax.device_put(tokens, trainer.batch_sharding))
     assert set(step_metrics) == {"loss", "ce_loss", "probe_loss", "probe_stat", "grad_norm"}
     assert step_metrics["probe_stat"].shape == (cfg.layers, 3)
+
+
+def test_manual_tensor_parallelism_keeps_the_chunked_loss():
+    """model.loss=chunked under manual TP: the chunked kernel, told the vocabulary axis (not the full-logits loss)."""
+    from jaxpar.kernels.cross_entropy import chunked_cross_entropy
+    from jaxpar.parallel.megatron import sequence_parallel_ops, vocab_parallel_cross_entropy
+    chunked = Ops().replace(cross_entropy=partial(chunked_cross_entropy, chunk=16))
+    for build in (tensor_parallel_ops, sequence_parallel_ops):
+        loss_op = build(chunked).cross_entropy
+        assert loss_op.func is chunked_cross_entropy and loss_op.keywords == {"chunk": 16, "axis": "tensor"}
+        assert build(Ops()).cross_entropy.func is vocab_parallel_cross_entropy

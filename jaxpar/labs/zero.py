@@ -25,7 +25,6 @@ import dataclasses
 import json
 import re
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.labs.report import figure, fmt_bytes, json_default, max_rel_dev, md_table, ratio, standalone_main
 from jaxpar.parallel.zero import STAGE_NAMES
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_zero.py uses the same)
@@ -162,32 +162,6 @@ def _median_ms(times) -> float:
     return 1e3 * statistics.median(rest)
 
 
-def _rel_dev(got, want) -> float:
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    return float(np.max(np.abs(got - want) / np.abs(want)))
-
-
-def _b(x) -> str:
-    """Bytes, binary units."""
-    if x is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", MIB), ("KiB", 2**10)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3f} {unit}"
-    return f"{x:.0f} B"
-
-
-def _r(measured, predicted) -> str:
-    return f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
-
-
-def _table(header: list[str], rows: list[list], align: str | None = None) -> str:
-    align = align or "l" + "r" * (len(header) - 1)
-    sep = ["---:" if a == "r" else "---" for a in align]
-    return "\n".join(["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |",
-                      *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)])
-
-
 # ============================================================================ a. equivalence
 
 def equivalence(lab: Lab, steps: int) -> dict:
@@ -207,15 +181,15 @@ def equivalence(lab: Lab, steps: int) -> dict:
                                "compile_s": built.compile_s}
     oracle = runs["single"]
     for r in runs.values():
-        r["max_rel_dev"] = _rel_dev(r["losses"], oracle["losses"])
+        r["max_rel_dev"] = max_rel_dev(r["losses"], oracle["losses"])
         r["within_tolerance"] = r["max_rel_dev"] <= TOLERANCE
     rows = [[r["label"], f"{r['losses'][0]:.5f}", f"{r['losses'][-1]:.5f}", f"{r['max_rel_dev']:.2e}",
              "0 (fp32 rounding only)", f"{TOLERANCE:.0e}", "yes" if r["within_tolerance"] else "**NO**",
-             f"{r['step_ms']:.1f}", _r(r["step_ms"], oracle["step_ms"])] for r in runs.values()]
+             f"{r['step_ms']:.1f}", ratio(r["step_ms"], oracle["step_ms"])] for r in runs.values()]
     md = "\n".join([
         f"## a. Equivalence: {steps} steps, same batches, fp32",
         "",
-        _table(["strategy", "loss step 1", f"loss step {steps}", "max rel. deviation vs single device (measured)",
+        md_table(["strategy", "loss step 1", f"loss step {steps}", "max rel. deviation vs single device (measured)",
                 "predicted", "tolerance", "within", "step ms (median)", "vs single device"], rows),
         "",
         "Deviation = max over steps of |loss - oracle| / oracle. The strategies compute the same sums in a "
@@ -227,8 +201,14 @@ def equivalence(lab: Lab, steps: int) -> dict:
 # ============================================================================ b. memory
 
 def memory(lab: Lab) -> dict:
-    from jaxpar.measure.memory import (activation_estimate, compiled_memory, gradient_held, shard_counts,
-                                       state_bytes, zero_formula)
+    from jaxpar.measure.memory import (
+        activation_estimate,
+        compiled_memory,
+        gradient_held,
+        shard_counts,
+        state_bytes,
+        zero_formula,
+    )
 
     rows = {}
     for built in lab.strategies():
@@ -256,25 +236,25 @@ def memory(lab: Lab) -> dict:
         f, c, m = r["formula"], r["compiled_state"], r["compiled"]
         s = r["shards"]
         state_rows.append([r["label"], f"{s['params']} / {s['grads']} / {s['optimizer']}",
-                           _b(f["params"]), _b(c["params"]), _r(c["params"], f["params"]),
-                           _b(f["optimizer"]), _b(c["optimizer"]), _r(c["optimizer"], f["optimizer"]),
-                           _b(m["argument"]), "yes" if r["arguments_check"] else "**no**"])
-        temp_rows.append([r["label"], _b(f["grads"]), _b(r["activations_estimate"]), _b(r["temp_predicted"]),
-                          _b(m["temp"]), _r(m["temp"], r["temp_predicted"]), _b(m["peak"])])
+                           fmt_bytes(f["params"]), fmt_bytes(c["params"]), ratio(c["params"], f["params"]),
+                           fmt_bytes(f["optimizer"]), fmt_bytes(c["optimizer"]), ratio(c["optimizer"], f["optimizer"]),
+                           fmt_bytes(m["argument"]), "yes" if r["arguments_check"] else "**no**"])
+        temp_rows.append([r["label"], fmt_bytes(f["grads"]), fmt_bytes(r["activations_estimate"]), fmt_bytes(r["temp_predicted"]),
+                          fmt_bytes(m["temp"]), ratio(m["temp"], r["temp_predicted"]), fmt_bytes(m["peak"])])
     md = "\n".join([
         "## b. Memory per device",
         "",
         "Stored state: formula = `zero_formula` in jaxpar's dtypes (fp32 params 4Ψ, Adam mu + nu 8Ψ, each / its "
         "shard count); compiled = the executable's input shardings applied to the state's shapes.",
         "",
-        _table(["strategy", "shards p / g / opt", "params: formula", "params: compiled", "ratio",
+        md_table(["strategy", "shards p / g / opt", "params: formula", "params: compiled", "ratio",
                 "Adam mu+nu: formula", "Adam: compiled", "ratio", "arguments (memory_analysis)",
                 "= state + counters + batch"], state_rows),
         "",
         "Gradients are not arguments: they live in the step's temporaries, with the activations. Predicted "
         "temp = grads (4Ψ / grad shards) + activations (Korthikanti et al., adapted: an estimate, fp32).",
         "",
-        _table(["strategy", "grads: formula", "activations: estimate", "temp: predicted", "temp: compiled",
+        md_table(["strategy", "grads: formula", "activations: estimate", "temp: predicted", "temp: compiled",
                 "ratio", "peak (compiled)"], temp_rows),
         "",
         f"Peak: {rows['single']['compiled']['peak_method']}.",
@@ -297,18 +277,18 @@ def gradient_term(lab: Lab, gradient_held) -> dict:
     mem = {stage: compiled_memory(b.compiled, lab.platform) for stage, b in built.items()}
     held = {stage: gradient_held(stage, psi, psi_layers, layers, n) for stage in built}
     measured, predicted, full = mem["zero1"].temp - mem["zero2"].temp, held["zero1"] - held["zero2"], 4 * psi
-    rows = [[f"manual {STAGE_NAMES[s]}", _b(mem[s].argument), _b(mem[s].output), _b(mem[s].temp), _b(mem[s].peak),
-             _b(held[s])] for s in built]
+    rows = [[f"manual {STAGE_NAMES[s]}", fmt_bytes(mem[s].argument), fmt_bytes(mem[s].output), fmt_bytes(mem[s].temp), fmt_bytes(mem[s].peak),
+             fmt_bytes(held[s])] for s in built]
     md = "\n".join([
         f"### The gradient term: ZeRO-1 vs ZeRO-2 at {layers} layers (Ψ = {psi:,}, Ψ_L = {psi_layers:,}, N = {n})",
         "",
-        _table(["stage", "arguments", "outputs", "temp (compiled)", "peak (compiled)",
+        md_table(["stage", "arguments", "outputs", "temp (compiled)", "peak (compiled)",
                 "gradient held at peak (predicted)"], rows),
         "",
-        _table(["", "bytes", "/ full gradient 4Ψ"],
-               [["temp: ZeRO-1 − ZeRO-2, measured", _b(measured), f"{measured / full:.3f}"],
-                ["predicted 4Ψ_L·(1 − 1/N − 1/L)", _b(predicted), f"{predicted / full:.3f}"],
-                ["measured / predicted", _r(measured, predicted), ""]], "lrr"),
+        md_table(["", "bytes", "/ full gradient 4Ψ"],
+               [["temp: ZeRO-1 − ZeRO-2, measured", fmt_bytes(measured), f"{measured / full:.3f}"],
+                ["predicted 4Ψ_L·(1 − 1/N − 1/L)", fmt_bytes(predicted), f"{predicted / full:.3f}"],
+                ["measured / predicted", ratio(measured, predicted), ""]], "lrr"),
         "",
         "Both stages store the same state and send the same 2Ψ; ZeRO-1 finishes the backward pass holding the "
         "whole local gradient and reduce-scatters it once, ZeRO-2 reduce-scatters each layer's gradient inside the "
@@ -440,9 +420,9 @@ def communication(lab: Lab) -> dict:
     table = []
     for r in rows.values():
         ops = ", ".join(f"{op} x{o['runs']}" for op, o in sorted(r["by_op"].items())) or "none"
-        table.append([r["label"], ops, _b(r["compiled_bytes"]), f"{r['course']} = {_b(r['course_bytes'])}",
-                      _r(r["compiled_bytes"], r["course_bytes"]), f"{r['written']} = {_b(r['written_bytes'])}",
-                      _r(r["compiled_bytes"], r["written_bytes"])])
+        table.append([r["label"], ops, fmt_bytes(r["compiled_bytes"]), f"{r['course']} = {fmt_bytes(r['course_bytes'])}",
+                      ratio(r["compiled_bytes"], r["course_bytes"]), f"{r['written']} = {fmt_bytes(r['written_bytes'])}",
+                      ratio(r["compiled_bytes"], r["written_bytes"])])
     auto_fsdp = next(b for b in lab.strategies() if b.key == "auto-fsdp")
     xla = reduce_then_slice(auto_fsdp.hlo,
                             {c.name: c.runs_per_step for c in found_by["auto-fsdp"]})
@@ -450,11 +430,11 @@ def communication(lab: Lab) -> dict:
     side = []
     for op in sorted(set(auto) | set(hand)):
         a, h = auto.get(op), hand.get(op)
-        side.append([op, *(f"{x['instructions']} / {x['runs']} / {_b(x['bytes'])}" if x else "-" for x in (a, h))])
-    side.append(["**total**", _b(rows["auto-fsdp"]["compiled_bytes"]), _b(rows["zero3"]["compiled_bytes"])])
+        side.append([op, *(f"{x['instructions']} / {x['runs']} / {fmt_bytes(x['bytes'])}" if x else "-" for x in (a, h))])
+    side.append(["**total**", fmt_bytes(rows["auto-fsdp"]["compiled_bytes"]), fmt_bytes(rows["zero3"]["compiled_bytes"])])
     if xla["then_sliced"]:
         chose = (f"XLA's SPMD partitioner on {lab.platform} reduced {xla['all_reduced_buffers']} gradient-sized "
-                 f"buffers with all-reduce, and {xla['then_sliced']} of them ({_b(xla['sliced_bytes'])} per step) are "
+                 f"buffers with all-reduce, and {xla['then_sliced']} of them ({fmt_bytes(xla['sliced_bytes'])} per step) are "
                  "only sliced afterwards: each device sums the *whole* gradient of a weight and keeps its 1/N "
                  "(a dynamic-slice at an offset from partition-id, fused into the next op). That is a "
                  "reduce-scatter spelled all-reduce + slice, and it costs 2(N-1)/N instead of (N-1)/N of the "
@@ -475,13 +455,13 @@ def communication(lab: Lab) -> dict:
     md = "\n".join([
         f"## c. Communication per device per step (ring model, fp32 on the wire, N = {n})",
         "",
-        f"Ψ = {lab.psi:,} params = {_b(W)} in fp32; scanned layers Ψ_L = {lab.counts['blocks']:,}, "
+        f"Ψ = {lab.psi:,} params = {fmt_bytes(W)} in fp32; scanned layers Ψ_L = {lab.counts['blocks']:,}, "
         f"the rest (embedding, head, final norm) Ψ_o = {lab.psi - lab.counts['blocks']:,}. "
         "Course theory: DDP, ZeRO-1, ZeRO-2 ≈ 2Ψ, ZeRO-3 ≈ 3Ψ, times (N-1)/N x 4 bytes. "
         "'As written' is what jaxpar's code does (zero.py's docstring; the auto rows from "
         "`dryrun.predicted_collective_bytes`).",
         "",
-        _table(["strategy", "collectives (runs/step)", "compiled", "course theory", "ratio",
+        md_table(["strategy", "collectives (runs/step)", "compiled", "course theory", "ratio",
                 "jaxpar as written", "ratio"], table),
         "",
         "ZeRO-1 and ZeRO-2 send the same bytes (the paper's P_os and P_os+g); ZeRO-1 reduce-scatters once after "
@@ -491,7 +471,7 @@ def communication(lab: Lab) -> dict:
         "",
         "instructions / runs per step / bytes per device per step:",
         "",
-        _table(["op", f"auto fsdp={n}", "manual ZeRO-3"], side, "lrr"),
+        md_table(["op", f"auto fsdp={n}", "manual ZeRO-3"], side, "lrr"),
         "",
         chose,
         *excerpt,
@@ -536,15 +516,15 @@ def remat(lab: Lab, repeats: int) -> dict:
                         "flops": flops, "step_ms": 1e3 * statistics.median(times[policy]),
                         "times_ms": [1e3 * t for t in times[policy]]}
     base = rows["none"]
-    table = [[p, _b(r["temp"]), _r(r["temp"], base["temp"]), _b(r["activations_estimate"]),
-              _r(r["temp"] - base["temp"], r["activations_estimate"] - base["activations_estimate"])
+    table = [[p, fmt_bytes(r["temp"]), ratio(r["temp"], base["temp"]), fmt_bytes(r["activations_estimate"]),
+              ratio(r["temp"] - base["temp"], r["activations_estimate"] - base["activations_estimate"])
               if p == "full" else "-",
-              f"{r['flops']:.3g}", _r(r["flops"], base["flops"]), f"{r['step_ms']:.1f}",
-              _r(r["step_ms"], base["step_ms"])] for p, r in rows.items()]
+              f"{r['flops']:.3g}", ratio(r["flops"], base["flops"]), f"{r['step_ms']:.1f}",
+              ratio(r["step_ms"], base["step_ms"])] for p, r in rows.items()]
     md = "\n".join([
         f"## d. Activation checkpointing (auto fsdp={lab.n}, fp32, {repeats} interleaved steps per policy)",
         "",
-        _table(["remat", "temp (compiled)", "vs none", "activations: estimate",
+        md_table(["remat", "temp (compiled)", "vs none", "activations: estimate",
                 "Δtemp / Δestimate", "FLOPs/device (compiled, loop-corrected)", "predicted time ratio (FLOPs)",
                 "step ms (median, measured)", "measured time ratio"], table),
         "",
@@ -595,18 +575,18 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
     ref = runs.get("float32")
     tail = max(1, steps // 10)
     for dtype, r in runs.items():
-        dev = _rel_dev(r["losses"], ref["losses"]) if ref else None
+        dev = max_rel_dev(r["losses"], ref["losses"]) if ref else None
         r["max_rel_dev_vs_fp32"] = dev
         r["final_mean"] = float(np.mean(r["losses"][-tail:]))
         table.append([r["label"], f"{r['losses'][0]:.4f}", f"{r['final_mean']:.4f}",
                       "-" if dev is None else f"{dev:.2e}",
-                      _b(r["argument"]), _b(r["state_formula"]), _r(r["argument"], r["state_formula"]),
-                      _b(r["temp"]), _b(r["temp_predicted"]), _r(r["temp"], r["temp_predicted"]),
-                      f"{r['step_ms']:.1f}", _r(r["step_ms"], ref["step_ms"]) if ref else "-"])
+                      fmt_bytes(r["argument"]), fmt_bytes(r["state_formula"]), ratio(r["argument"], r["state_formula"]),
+                      fmt_bytes(r["temp"]), fmt_bytes(r["temp_predicted"]), ratio(r["temp"], r["temp_predicted"]),
+                      f"{r['step_ms']:.1f}", ratio(r["step_ms"], ref["step_ms"]) if ref else "-"])
     md = "\n".join([
         f"## e. Mixed precision (auto fsdp={lab.n}, {steps} steps, the same batches of the real corpus)",
         "",
-        _table(["compute dtype", "loss step 1", f"loss, mean of last {tail}", "max rel. deviation vs fp32",
+        md_table(["compute dtype", "loss step 1", f"loss, mean of last {tail}", "max rel. deviation vs fp32",
                 "arguments (compiled)", "predicted 12Ψ/N", "ratio", "temp (compiled)",
                 "predicted grads + activations", "ratio", "step ms (median)", "vs fp32"], table),
         "",
@@ -621,16 +601,8 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
 
 # ============================================================================ plots
 
-def _figure(width=7.5, height=4.5):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def plot_equivalence(result: dict, path: Path) -> None:
-    fig = _figure(11, 4.2)
+    fig = figure(11, 4.2)
     ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     oracle = np.asarray(result["runs"]["single"]["losses"])
     for i, r in enumerate(result["runs"].values()):
@@ -653,7 +625,7 @@ def plot_equivalence(result: dict, path: Path) -> None:
 
 def plot_memory(result: dict, path: Path) -> None:
     rows = list(result["rows"].values())
-    fig = _figure(10, 4.8)
+    fig = figure(10, 4.8)
     ax = fig.add_subplot()
     x = np.arange(len(rows))
     w = 0.38
@@ -675,7 +647,7 @@ def plot_memory(result: dict, path: Path) -> None:
 
 def plot_communication(result: dict, path: Path) -> None:
     rows = [r for r in result["rows"].values() if r["label"] != "single device"]
-    fig = _figure(10, 4.5)
+    fig = figure(10, 4.5)
     ax = fig.add_subplot()
     x = np.arange(len(rows))
     w = 0.27
@@ -695,7 +667,7 @@ def plot_communication(result: dict, path: Path) -> None:
 
 
 def plot_remat(result: dict, path: Path) -> None:
-    fig = _figure(6.5, 4.5)
+    fig = figure(6.5, 4.5)
     ax = fig.add_subplot()
     for policy, r in result["rows"].items():
         ax.scatter(r["step_ms"], r["temp"] / MIB, s=50)
@@ -708,7 +680,7 @@ def plot_remat(result: dict, path: Path) -> None:
 
 
 def plot_precision(result: dict, path: Path) -> None:
-    fig = _figure(7.5, 4.5)
+    fig = figure(7.5, 4.5)
     ax = fig.add_subplot()
     for r in result["runs"].values():
         ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], lw=1.2, label=r["label"])
@@ -779,18 +751,10 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision
                                      ("equivalence", "memory", "communication", "remat", "precision")) + ".")
     parts.append(footer)
     (out / "report.md").write_text("\n\n".join(parts) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
     log(footer)
     log(f"wrote {out / 'report.md'}, results.json and 5 plots")
     return results
-
-
-def _json(x):
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return str(x)
 
 
 # ============================================================================ command line
@@ -822,14 +786,5 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (experiments/02_zero/run.py): parse, set the CPU devices, run; bad input exits 2."""
-    from jaxpar.mesh import set_cpu_devices
-    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        set_cpu_devices(args.cpu_devices)
-        return run_from_args(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    """Standalone entry (experiments/*/run.py): parse, set the CPU devices, run; bad input exits 2."""
+    return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

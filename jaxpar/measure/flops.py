@@ -125,17 +125,27 @@ def cost_analysis_flops(compiled) -> float | None:
     return float(ca["flops"])
 
 
-def compiled_flops(compiled, hlo_text: str | None = None) -> dict:
-    """Per-device FLOPs per step of a compiled program, corrected for loop trip counts."""
-    counted = hlo_flops(hlo_text if hlo_text is not None else compiled.as_text())
+def compiled_flops(compiled, hlo_text: str | None = None, kernel_flops: float | None = None) -> dict:
+    """Per-device FLOPs per step of a compiled program, corrected for loop trip counts.
+
+    `kernel_flops`: the fused kernels' FLOPs per step (`jaxpar.kernels.costs.kernel_flops` of the
+    step's jaxpr). Added when the program runs them as custom calls (GPU), which count as zero;
+    on CPU the kernels run interpreted as XLA loops the HLO count already includes.
+    """
+    from jaxpar.kernels.costs import hlo_has_kernels
+    text = hlo_text if hlo_text is not None else compiled.as_text()
+    counted = hlo_flops(text)
     raw = cost_analysis_flops(compiled)
     if raw is None:
         corrected, method = counted.per_step, "HLO count (no cost_analysis on this backend)"
     else:
         corrected, method = raw + counted.per_step - counted.once, "cost_analysis + HLO loop correction"
+    added = kernel_flops if kernel_flops and hlo_has_kernels(text) else 0.0
+    if added:
+        corrected, method = corrected + added, method + " + kernel cost estimates (custom calls count zero)"
     return {"cost_analysis": raw, "hlo_once": counted.once, "hlo_per_step": counted.per_step,
-            "dot_per_step": counted.dot_per_step, "corrected": corrected, "method": method,
-            "trip_counts_known": counted.trip_counts_known}
+            "dot_per_step": counted.dot_per_step, "kernels": kernel_flops or 0.0, "kernels_added": added,
+            "corrected": corrected, "method": method, "trip_counts_known": counted.trip_counts_known}
 
 
 # ----------------------------------------------------------------------------- analytic and MFU

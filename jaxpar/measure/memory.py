@@ -164,33 +164,95 @@ def gradient_held(stage: str, psi: int, psi_layers: int, layers: int, n: int, gr
 
 # ----------------------------------------------------------------------------- activations
 
+def korthikanti_layer_bytes(*, seq_len: int, micro_batch: int, d_model: int, heads: int, tensor: int = 1,
+                            sequence_parallel: bool = False) -> dict:
+    """Korthikanti et al. 2022 (eq. 1-3, 5), one GPT layer's activations in bf16 bytes, per device:
+    34·s·b·h + 5·a·s²·b without parallelism; with tensor parallelism t the 24·s·b·h + 5·a·s²·b of the
+    attention and MLP are split and the 10·s·b·h of the layer norms, the inputs of the first linear
+    layers and the dropout masks are not; sequence parallelism splits those too: s·b·h·(34 + 5·a·s/h)/t."""
+    s, b, h, a, t = seq_len, micro_batch, d_model, heads, tensor
+    sequence_region = 10 * s * b * h / (t if sequence_parallel else 1)
+    tensor_region = (24 * s * b * h + 5 * a * s * s * b) / t
+    return {"sequence_region": sequence_region, "tensor_region": tensor_region,
+            "per_layer": sequence_region + tensor_region}
+
+
+def jaxpar_layer_bytes(*, seq_len: int, micro_batch: int, d_model: int, heads: int, kv_heads: int, head_dim: int,
+                       mlp_dim: int, tensor: int = 1, sequence_parallel: bool = False,
+                       gathered_kept: bool = False) -> dict:
+    """Korthikanti's count redone for jaxpar's fp32 block: the tensors JAX's autodiff keeps for the backward
+    pass of one layer (no remat), 4 bytes each, per device. Term by term (b·s tokens, t = tensor):
+
+      sequence region (replicated under TP, split by SP): per RMSNorm its input, x·rsqrt and its output
+        (the next matmul's input), 3·h, and two per-token scalars, 2: two norms, (6·h + 4) per token.
+        (Korthikanti, GPT: 10·h in bf16 = LN input and output, 2 + 2 each, and two 1-byte dropout masks.)
+      tensor region (split by TP): q and the attention output a·d_h each, k and v kv·d_h each (GQA);
+        SwiGLU gate, up, their product and three SiLU intermediates, 6·F (GPT: 4h GeLU MLP);
+        attention: two fp32 s x s tensors per head (exponentials and probabilities) + two per-row
+        scalars, a·(2s + 2) per token (GPT: softmax output, dropout mask and output, 5·a·s bytes).
+
+    `gathered_kept` (SP only): the two norms' outputs are kept as the gathered [b, s, h] inputs of the
+    column-parallel matmuls instead of their s/t shards (2·h per token not divided by t).
+
+    The number of SiLU intermediates and s x s tensors is what `jax.ad_checkpoint.print_saved_residuals`
+    lists for jaxpar's block; a different jax version may keep a different set."""
+    s, b, h, t = seq_len, micro_batch, d_model, tensor
+    tokens = b * s
+    if not sequence_parallel:
+        sequence_region = 4 * tokens * (6 * h + 4)
+    elif gathered_kept:
+        sequence_region = 4 * tokens * ((4 * h + 4) / t + 2 * h)
+    else:
+        sequence_region = 4 * tokens * (6 * h + 4) / t
+    attention_projections = 2 * heads * head_dim + 2 * kv_heads * head_dim
+    tensor_region = 4 * tokens * (attention_projections + 6 * mlp_dim + heads * (2 * s + 2)) / t
+    return {"sequence_region": sequence_region, "tensor_region": tensor_region,
+            "per_layer": sequence_region + tensor_region}
+
+
 def activation_estimate(*, layers: int, seq_len: int, micro_batch: int, d_model: int, heads: int,
-                        vocab_size: int, tensor: int = 1, compute_bytes: int = 2, remat: str = "none") -> dict:
+                        vocab_size: int, tensor: int = 1, compute_bytes: int = 2, remat: str = "none",
+                        flash: bool = False, loss_chunk: int | None = None,
+                        sequence_parallel: bool = False) -> dict:
     """Rough activation bytes per device for one microbatch (Korthikanti et al. 2022, "Reducing
     Activation Recomputation in Large Transformer Models"), adapted. Assumptions, stated:
 
     - Per layer, bf16, tensor parallel t without sequence parallelism:
-      s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes (= s·b·h·(34 + 5·a·s/h) at t=1). The constants
+      s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes (= s·b·h·(34 + 5·a·s/h) at t=1); with sequence
+      parallelism s·b·h·(34 + 5·a·s/h)/t (`korthikanti_layer_bytes`). The constants
       are GPT-3's (GeLU 4h MLP, dropout masks); jaxpar's block (SwiGLU, no dropout, fp32
-      softmax) differs, so treat this as +-30%, not exact.
+      softmax) differs, so treat this as +-30%, not exact (`jaxpar_layer_bytes` is its fp32 count).
     - Other compute dtypes: every term scaled by compute_bytes / 2 (fp32 doubles it).
     - remat 'none': all L layers' activations are kept.
       remat 'full' (nothing saveable): only each layer's input is kept (s·b·h·compute_bytes,
-      replicated over tensor), plus one layer's full activations while that layer is
+      replicated over tensor; split by sequence parallelism), plus one layer's full activations while that layer is
       recomputed and differentiated in the backward pass.
       remat 'dots'/'names': not modelled; reported as the 'none' figure (an upper bound).
     - Output layer (not in Korthikanti): fp32 logits and their gradient, 2·4·s·b·V/t.
+    - flash=True (flash attention: pallas, cudnn): the 5·a·s/h term (scores, softmax, its
+      dropout mask: the [S, S] arrays) disappears; the kernel keeps a fp32 log-sum-exp per
+      query and head instead, 4·a·s·b/t bytes.
+    - loss_chunk=c (chunked cross-entropy): one chunk's logits and their gradient,
+      2·4·c·b·V/t, plus the gradient of the head's input kept for the backward pass, s·b·h.
     """
     s, b, h, a, t = seq_len, micro_batch, d_model, heads, tensor
-    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * compute_bytes / 2
-    layer_inputs = layers * s * b * h * compute_bytes
+    k = korthikanti_layer_bytes(seq_len=s, micro_batch=b, d_model=h, heads=a, tensor=t,
+                                sequence_parallel=sequence_parallel)
+    if flash:   # no [S, S] arrays: a fp32 log-sum-exp per query and head instead
+        per_layer = (k["sequence_region"] + 24 * s * b * h / t) * compute_bytes / 2 + 4 * a * s * b / t
+    else:
+        per_layer = k["per_layer"] * compute_bytes / 2
+    layer_inputs = layers * s * b * h * compute_bytes / (t if sequence_parallel else 1)
     if remat == "full":
         layers_total, note = layer_inputs + per_layer, "remat full: L layer inputs + one layer recomputed"
     elif remat == "none":
         layers_total, note = layers * per_layer, "no remat: L x per-layer activations"
     else:
         layers_total, note = layers * per_layer, f"remat '{remat}' not modelled: no-remat upper bound"
-    logits = 2 * 4 * s * b * vocab_size / t
+    if loss_chunk:
+        logits = 2 * 4 * min(loss_chunk, s) * b * vocab_size / t + s * b * h * compute_bytes
+    else:
+        logits = 2 * 4 * s * b * vocab_size / t
     return {"per_layer": per_layer, "layers": layers_total, "logits": logits,
             "total": layers_total + logits, "note": note}
 

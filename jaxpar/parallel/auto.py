@@ -61,7 +61,7 @@ class AutoTrainer(Strategy):
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
         self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
         abstract = jax.eval_shape(self._init_state)
-        self.state_shardings = self._state_shardings(abstract)
+        self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=NamedSharding(mesh, P()))
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
         step = partial(auto_step, model_cfg=model_cfg, ops=self.ops, optimizer=self.optimizer, policy=self.policy,
                        microbatches=self.microbatches)
@@ -70,11 +70,3 @@ class AutoTrainer(Strategy):
                                out_shardings=(self.state_shardings, replicated), donate_argnums=self.donate_argnums)
         self.eval_fn = jax.jit(partial(cross_entropy_of, model_cfg=model_cfg, ops=self.ops),
                                in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
-
-    def _state_shardings(self, abstract):
-        """Optimizer moments follow their parameter's sharding (ZeRO-style under FSDP); scalars replicate."""
-        replicated = NamedSharding(self.mesh, P())
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, sharding: sharding, abstract["opt_state"], self.param_shardings,
-            transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, NamedSharding))
-        return {"params": self.param_shardings, "opt_state": opt_shardings, "step": replicated}

@@ -15,6 +15,20 @@ up only its own rows and sums with g; the vocabulary-parallel cross-entropy neve
 gathers the logits: it all-reduces the max, the sum of exponentials and the target's
 logit, three numbers per token.
 
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", sec. 4.2.2) replaces each all-reduce by its two halves. Between the
+tensor-parallel regions (norms, residual adds) the activations are split along the
+sequence, s/t tokens per device, instead of being replicated:
+
+  gather_sequence          forward: all-gather the sequence;    backward: reduce-scatter  (f under SP)
+  reduce_scatter_sequence  forward: reduce-scatter the sequence; backward: all-gather     (g under SP)
+
+An all-reduce is a reduce-scatter followed by an all-gather, so the bytes are TP's; what
+changes is that no device ever holds a replicated [b, s, h] outside the parallel regions.
+Megatron-LM also keeps only the s/t shard of a column-parallel layer's input for the
+backward pass and gathers it again there (`sequence_parallel_policy`): one more
+all-gather per column-parallel input, the price of dividing that activation by t too.
+
 These are written for `shard_map(..., check_vma=False)`: JAX then inserts no implicit
 collective, and every reduction in the step is one of the operators below.
 """
@@ -25,7 +39,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxpar.kernels.cross_entropy import chunked_cross_entropy
 from jaxpar.model.ops import Ops
+from jaxpar.train.step import never_saving, produced_by
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -67,12 +83,17 @@ def _local_range(rows: int, axis: str):
     return start, start + rows
 
 
-def vocab_parallel_embedding(tokens, table, axis: str):
-    """This device's vocabulary rows [V/t, D]: look up the tokens it owns, zeros elsewhere, then g."""
+def _owned_rows(tokens, table, axis: str):
+    """This device's vocabulary rows [V/t, D]: the rows of the tokens it owns, zeros for the others."""
     start, stop = _local_range(table.shape[0], axis)
     mine = (tokens >= start) & (tokens < stop)
     rows = jnp.take(table, jnp.where(mine, tokens - start, 0), axis=0)
-    return reduce_from_parallel(jnp.where(mine[..., None], rows, jnp.zeros_like(rows)), axis)
+    return jnp.where(mine[..., None], rows, jnp.zeros_like(rows))
+
+
+def vocab_parallel_embedding(tokens, table, axis: str):
+    """This device's vocabulary rows [V/t, D]: look up the tokens it owns, zeros elsewhere, then g."""
+    return reduce_from_parallel(_owned_rows(tokens, table, axis), axis)
 
 
 def vocab_parallel_cross_entropy(x, head, targets, ops: Ops, axis: str):
@@ -92,6 +113,15 @@ def vocab_parallel_cross_entropy(x, head, targets, ops: Ops, axis: str):
     return jnp.mean(jnp.log(sum_exp) - target)
 
 
+def vocab_parallel_loss(base: Ops, axis: str):
+    """The run's cross-entropy over a vocabulary split on `axis`: the chunked kernel takes the axis itself
+    (model.loss=chunked); any other loss becomes `vocab_parallel_cross_entropy`."""
+    loss = base.cross_entropy
+    if isinstance(loss, partial) and loss.func is chunked_cross_entropy:
+        return partial(loss, axis=axis)
+    return partial(vocab_parallel_cross_entropy, axis=axis)
+
+
 def tensor_parallel_ops(base: Ops, axis: str = "tensor") -> Ops:
     """`base` with Megatron's pieces over `axis`: f before column-parallel matmuls, g after row-parallel
     ones, the vocabulary-parallel embedding and cross-entropy. Attention needs nothing: it reads its
@@ -100,5 +130,73 @@ def tensor_parallel_ops(base: Ops, axis: str = "tensor") -> Ops:
         column_in=partial(copy_to_parallel, axis=axis),
         row_out=partial(reduce_from_parallel, axis=axis),
         embed=partial(vocab_parallel_embedding, axis=axis),
-        cross_entropy=partial(vocab_parallel_cross_entropy, axis=axis),
+        cross_entropy=vocab_parallel_loss(base, axis),
     )
+
+
+# ----------------------------------------------------------------------------- sequence parallelism
+
+SEQUENCE_DIM = 1   # activations are [batch, sequence, ...]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_sequence(x, axis):
+    """SP's f (Megatron-LM `gather_from_sequence_parallel_region`): all-gather the sequence
+    [b, s/t, h] -> [b, s, h] forward; reduce-scatter the gradient back to [b, s/t, h]."""
+    return jax.lax.all_gather(x, axis, axis=SEQUENCE_DIM, tiled=True)
+
+
+def _gather_fwd(x, axis):
+    return gather_sequence(x, axis), None
+
+
+def _gather_bwd(axis, _, g):
+    return (jax.lax.psum_scatter(g, axis, scatter_dimension=SEQUENCE_DIM, tiled=True),)
+
+
+gather_sequence.defvjp(_gather_fwd, _gather_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def reduce_scatter_sequence(x, axis):
+    """SP's g (Megatron-LM `reduce_scatter_to_sequence_parallel_region`): sum the devices' partial
+    [b, s, h] and keep this device's s/t tokens forward; all-gather the gradient backward."""
+    return jax.lax.psum_scatter(x, axis, scatter_dimension=SEQUENCE_DIM, tiled=True)
+
+
+def _scatter_fwd(x, axis):
+    return reduce_scatter_sequence(x, axis), None
+
+
+def _scatter_bwd(axis, _, g):
+    return (jax.lax.all_gather(g, axis, axis=SEQUENCE_DIM, tiled=True),)
+
+
+reduce_scatter_sequence.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+def sequence_parallel_embedding(tokens, table, axis: str):
+    """The vocabulary-parallel lookup, ending in SP's g: each device keeps its s/t tokens of the sum."""
+    return reduce_scatter_sequence(_owned_rows(tokens, table, axis), axis)
+
+
+def sequence_parallel_ops(base: Ops, axis: str = "tensor") -> Ops:
+    """`tensor_parallel_ops` with the sequence split between the parallel regions: the residual stream,
+    the norms and the final norm see [b, s/t, h]; all-gather before the column-parallel matmuls (and the
+    head), reduce-scatter after the row-parallel ones and after the embedding lookup. The head's
+    cross-entropy is TP's: every device gathers the full sequence and keeps its vocabulary columns."""
+    return base.replace(
+        column_in=partial(gather_sequence, axis=axis),
+        row_out=partial(reduce_scatter_sequence, axis=axis),
+        embed=partial(sequence_parallel_embedding, axis=axis),
+        cross_entropy=vocab_parallel_loss(base, axis),
+    )
+
+
+def sequence_parallel_policy(policy=None):
+    """Remat policy for a layer under SP: `policy` (None: save everything), except a gathered sequence.
+
+    The matmuls after `gather_sequence` need its full [b, s, h] output for their weight gradients;
+    this policy keeps the s/t input instead and gathers again in the backward pass, as Megatron-LM's
+    column-parallel linear does under sequence parallelism (so that activation is divided by t too)."""
+    return never_saving(produced_by(("all_gather",)), policy)

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.train.step import accumulate
+from jaxpar.train.step import accumulate, clip_to_norm, never_saving, produced_by
 from jaxpar.train.strategy import Strategy
 
 AXIS = "data"
@@ -124,25 +124,13 @@ def _copy_bwd(dim, _, full_grad):
 use_local_copy.defvjp(_copy_fwd, _copy_bwd)
 
 
-def _is_fetch(prim, params) -> bool:
-    """A weight fetch: an all-gather (ZeRO-3), a pvary (ZeRO-2's local copy), or a custom_vjp call whose
-    forward is one (partial evaluation sees the call, not what is inside)."""
-    if prim.name.startswith("all_gather") or prim.name == "pvary":
-        return True
-    jaxpr = params.get("call_jaxpr")
-    return jaxpr is not None and any(_is_fetch(e.primitive, e.params) for e in jaxpr.eqns)
-
-
 def refetch_policy(policy):
     """The remat policy of ZeRO-2/3's layer body: `policy` (None: save everything), but never a fetched
     weight. ZeRO-3's backward pass therefore gathers each layer again; ZeRO-2's re-reads its local copy
     (saving it would stack a copy of every layer's weights). Broadcasts are never saved either: they are
     free to recompute and bigger than their input (the norm scales' [B, S, D] broadcasts)."""
-    def saveable(prim, *args, **params):
-        if _is_fetch(prim, params) or prim.name == "broadcast_in_dim":
-            return False
-        return True if policy is None else policy(prim, *args, **params)
-    return saveable
+    fetched = produced_by(("all_gather", "pvary"))
+    return never_saving(lambda prim, params: fetched(prim, params) or prim.name == "broadcast_in_dim", policy)
 
 
 # ============================================================================ the split rule
@@ -217,10 +205,7 @@ class ZeroTrainer(Strategy):
             sliced = jax.tree.map(lambda leaf, dim: P(*[AXIS if d == dim else None for d in range(leaf.ndim)]),
                                   params, self.dims)
         param_specs = sliced if self.stage == "zero3" else jax.tree.map(lambda _: P(), params)
-        opt_specs = optax.tree_map_params(                 # m, v follow `sliced`; step counts replicate
-            self.optimizer, lambda _, spec: spec, abstract["opt_state"], sliced,
-            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
-        return {"params": param_specs, "opt_state": opt_specs, "step": P()}
+        return self._state_layout(abstract, param_specs, sliced, replicated=P())   # m, v always sliced
 
     def _dims(self, name: str):
         """Split dims of one top-level entry; a layer inside the scan has lost its leading `layers` axis."""
@@ -285,10 +270,8 @@ class ZeroTrainer(Strategy):
         return jnp.sqrt(jax.lax.psum(local, AXIS))
 
     def apply_optimizer(self, grads, norm, opt_state, params):
-        """Clip by the true global norm (optax's formula), then the unchanged optimizer on what this device
-        holds; the chain's own clip then sees a norm <= grad_clip and passes the slice through."""
-        clip = self.config.train.grad_clip
-        grads = jax.tree.map(lambda g: jax.lax.select(norm < clip, g, g / norm.astype(g.dtype) * clip), grads)
+        """Clip by the true global norm, then the unchanged optimizer on what this device holds."""
+        grads = clip_to_norm(grads, norm, self.config.train.grad_clip)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 

@@ -12,8 +12,11 @@ from jax.experimental import multihost_utils
 
 from jaxpar.config import ConfigError, config_from_dict, to_json
 
-# Fields a resumed run may not change: they change array shapes or the data order.
+# Fields a resumed run may not change: they change array shapes or the data order. Which kernel computes
+# attention, the norm or the loss changes neither, so those may change.
 RESUME_LOCKED = ("model", "data", "train.batch_size", "seed")
+RESUME_FREE = ("model.attention", "model.norm", "model.loss", "model.attention_block_q", "model.attention_block_kv",
+               "model.loss_chunk")
 
 
 def default_run_dir(name: str) -> Path:
@@ -42,8 +45,19 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
                           "or --overwrite to replace it")
 
 
+def _without_free(values: dict) -> dict:
+    values = json.loads(json.dumps(values))
+    for field in RESUME_FREE:
+        section, name = field.split(".")
+        values.get(section, {}).pop(name, None)
+    return values
+
+
 def check_resume_config(config, saved: dict) -> None:
-    new = json.loads(to_json(config))
+    """Refuse a resume that changes a locked field; `saved` is the run's config.json (fields added to jaxpar
+    since then take their defaults)."""
+    new = _without_free(json.loads(to_json(config)))
+    saved = _without_free(json.loads(to_json(config_from_dict(saved))))
     for field in RESUME_LOCKED:
         old_value, new_value = saved, new
         for part in field.split("."):

@@ -100,6 +100,7 @@ def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=
     for axis in MESH_AXES:
         config.mesh[axis] = 1          # decode on one device, whatever mesh trained the run
         config.parallel[axis] = "auto"  # checkpoints of every strategy share one layout
+    config.parallel.sequence = False   # a one-device decode has no sequence to split
     model_cfg = ModelConfig.from_config(config.model, model_vocab_size(config, tokenizer.get_vocab_size(), 1))
     trainer = make_trainer(config, model_cfg, make_mesh(config, jax.devices()[:1]))
     step, state = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints).restore(trainer.abstract_state)

@@ -27,6 +27,27 @@ def remat_policy(train_cfg):
     }[train_cfg.remat]
 
 
+def produced_by(primitives: tuple[str, ...]):
+    """A predicate on (primitive, params): one of `primitives` (by name prefix), or a custom_vjp call whose
+    forward contains one (a remat policy sees the call, not what is inside it)."""
+    def test(prim, params) -> bool:
+        if prim.name.startswith(primitives):
+            return True
+        jaxpr = params.get("call_jaxpr")
+        return jaxpr is not None and any(test(e.primitive, e.params) for e in jaxpr.eqns)
+    return test
+
+
+def never_saving(recompute, policy=None):
+    """The remat policy `policy` (None: save everything) except values `recompute(prim, params)` picks,
+    which the backward pass computes again: a gathered weight (ZeRO-3), a gathered sequence (SP)."""
+    def saveable(prim, *args, **params):
+        if recompute(prim, params):
+            return False
+        return True if policy is None else policy(prim, *args, **params)
+    return saveable
+
+
 def learning_rate(train_cfg) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=train_cfg.lr, warmup_steps=train_cfg.warmup_steps,
@@ -41,6 +62,13 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
         optax.adamw(learning_rate(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
                     weight_decay=train_cfg.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)),
     )
+
+
+def clip_to_norm(grads, norm, max_norm: float):
+    """optax.clip_by_global_norm's formula with the global `norm` given: a shard_map program computes it
+    over every device's part (optax inside it would see only this device's). The optimizer chain's own
+    clip then sees a norm <= max_norm and leaves the gradient alone."""
+    return jax.tree.map(lambda g: jax.lax.select(norm < max_norm, g, g / norm.astype(g.dtype) * max_norm), grads)
 
 
 def donate_state(mesh, donate: bool | None) -> tuple[int, ...]:

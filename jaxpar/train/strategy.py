@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxpar.model.axes import named_arrays
+from jaxpar.model.kernel_ops import kernel_ops, platform_of
 from jaxpar.model.ops import make_ops
 from jaxpar.model.transformer import ModelConfig, init_params
 from jaxpar.parallel.rules import AxisRules
@@ -40,7 +42,7 @@ class Strategy:
         self.optimizer = make_optimizer(config.train)
         self.rules = AxisRules.from_config(config)
         self.rules.check(named_arrays(model_cfg.tie_embeddings), dict(mesh.shape))
-        self.ops = make_ops(config.train.compute_dtype, self.rules)
+        self.ops = kernel_ops(make_ops(config.train.compute_dtype, self.rules), config, platform_of(mesh), self.rules)
         self.policy = remat_policy(config.train)
         self.microbatches = config.train.microbatches
         self.donate_argnums = donate_state(mesh, donate)
@@ -53,6 +55,15 @@ class Strategy:
     def _init_state(self):
         params = init_params(self.model_cfg, self.config.seed)
         return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def _state_layout(self, abstract, params_layout, moments_layout=None, *, replicated):
+        """The whole state's layout (PartitionSpecs or NamedShardings) from the params': Adam's moments
+        follow `moments_layout` (default: their parameter's), counters and the step are `replicated`."""
+        moments = optax.tree_map_params(
+            self.optimizer, lambda _, layout: layout, abstract["opt_state"],
+            params_layout if moments_layout is None else moments_layout,
+            transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, type(replicated)))
+        return {"params": params_layout, "opt_state": moments, "step": replicated}
 
     def _with_shardings(self, abstract, shardings):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)

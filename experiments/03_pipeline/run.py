@@ -1,0 +1,7 @@
+"""Lab 03 (pipeline): `python experiments/03_pipeline/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/pipeline.py."""
+import sys
+
+from jaxpar.labs.pipeline import main
+
+if __name__ == "__main__":
+    sys.exit(main())

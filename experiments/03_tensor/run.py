@@ -1,0 +1,7 @@
+"""Lab 03, tensor half: `python experiments/03_tensor/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/tensor.py."""
+import sys
+
+from jaxpar.labs.tensor import main
+
+if __name__ == "__main__":
+    sys.exit(main())

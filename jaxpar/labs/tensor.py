@@ -1,0 +1,548 @@
+"""Lab 03, tensor half (course module 3): Megatron tensor and sequence parallelism by hand, against one
+device, against the formulas, and beside what XLA's partitioner chooses.
+
+One run, three parts, every number beside its prediction (experiments/03_tensor/README.md is the sheet):
+
+a. equivalence   losses over the same batches (fp32) of the single device, auto TP, manual TP, manual
+                 TP+SP and manual TP+SP keeping gathered inputs; and the gradient of one batch of each
+                 manual variant against the single device's: max relative deviations.
+b. communication every collective of each compiled step (`measure.hlo`), per layer and per step, by op,
+                 against `dryrun.manual_tensor_bytes` (auto: `predicted_collective_bytes`).
+c. memory        activation bytes per layer: the compiled gradient program's temp bytes with the layer
+                 count doubled (temp(2L) - temp(L)) / L; the tensors autodiff saves, split into the
+                 sequence region (norms, residual stream) and the tensor region (attention, MLP);
+                 Korthikanti's formula (bf16, GPT) and jaxpar's own count (`measure.memory`).
+
+The mesh is data x tensor (tensor 4 by default, data = devices / tensor). Every part runs in float32.
+Every program is compiled once (`lower().compile()`) and that executable is run and read.
+Files in the run directory: report.md, results.json, config.json, equivalence.png, communication.png,
+memory.png.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.labs.report import figure, fmt_bytes, json_default, max_rel_dev, md_table, ratio, standalone_main
+
+TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_tensor.py uses the same)
+KIB = 2**10
+
+# variant key -> (label, config overrides, TensorTrainer keyword arguments)
+VARIANTS = {
+    "single": ("single device", ["mesh.data=1", "mesh.tensor=1"], None),
+    "auto": ("auto TP", [], None),
+    "auto-sp": ("auto TP, rules length=tensor", ["parallel.rules=length=tensor"], None),
+    "tp": ("manual TP", ["parallel.tensor=manual"], {}),
+    "sp": ("manual TP+SP", ["parallel.tensor=manual", "parallel.sequence=true"], {}),
+    "sp-keep": ("manual TP+SP, gathered inputs kept", ["parallel.tensor=manual", "parallel.sequence=true"],
+                {"regather": False}),
+}
+MANUAL = ("tp", "sp", "sp-keep")
+
+
+# ============================================================================ saved activations
+
+def saved_residuals(trainer) -> list[jax.ShapeDtypeStruct]:
+    """The per-device tensors JAX's autodiff keeps for the backward pass of `trainer`'s loss (a manual
+    trainer: its ops, remat policy and shard_map layout), traced on abstract inputs, nothing run."""
+    from jaxpar.model.transformer import loss
+    found = []
+
+    def body(params, tokens):
+        objective = lambda p: loss(p, tokens, trainer.model_cfg, trainer.ops, trainer.policy)[0]
+        _, backward = jax.vjp(objective, params)
+        found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(backward))
+        return jnp.zeros(())
+
+    program = jax.shard_map(body, mesh=trainer.mesh, in_specs=(trainer.param_specs, P("data", None)),
+                            out_specs=P(), check_vma=False)
+    with jax.set_mesh(trainer.mesh):
+        jax.eval_shape(program, trainer.abstract_state["params"], trainer.abstract_batch())
+    return found
+
+
+def layer_activations(trainer) -> dict:
+    """Saved activations of the stacked layers per layer, per device, by region.
+
+    A layer's activations are the residuals stacked by the layer scan: shape [L, b, ...] (b = rows per
+    device), weights excluded. The sequence region is what SP splits: [L, b, s or s/t, h] and the
+    per-token scalars [L, b, s or s/t, 1] (norm inputs and outputs, the residual stream); the rest
+    (heads, MLP hidden units, attention scores: split by TP) is the tensor region."""
+    cfg, c = trainer.model_cfg, trainer.config
+    L, b, s, h, t = cfg.layers, c.train.batch_size // trainer.d, c.data.seq_len, cfg.d_model, trainer.t
+    weights = {leaf.sharding.shard_shape(leaf.shape) for leaf in jax.tree.leaves(trainer.abstract_state["params"])}
+    out = {"sequence_region": 0, "tensor_region": 0, "sequence_shapes": []}
+    for r in saved_residuals(trainer):
+        if len(r.shape) < 3 or r.shape[:2] != (L, b) or r.shape in weights:
+            continue
+        size = int(np.prod(r.shape)) * r.dtype.itemsize // L
+        if len(r.shape) == 4 and r.shape[2] in (s, s // t) and r.shape[3] in (h, 1):
+            out["sequence_region"] += size
+            out["sequence_shapes"].append(list(r.shape[1:]))
+        else:
+            out["tensor_region"] += size
+    out["per_layer"] = out["sequence_region"] + out["tensor_region"]
+    return out
+
+
+# ============================================================================ building
+
+@dataclasses.dataclass
+class Built:
+    key: str
+    label: str
+    config: object
+    trainer: object
+    compiled: object
+    compile_s: float
+
+
+class Lab:
+    def __init__(self, config, devices, tensor: int, log=print):
+        from jaxpar.data.pipeline import build_token_data, train_dataset
+        from jaxpar.model.transformer import ModelConfig
+
+        self.base, self.devices, self.t, self.log = config, devices, tensor, log
+        self.d = len(devices) // tensor
+        self.data = build_token_data(config.data)
+        vocab = model_vocab_size(config, self.data.stats["vocab_size"], tensor)
+        if vocab % tensor:
+            raise ConfigError("model.vocab_size", f"{vocab} is not divisible by --tensor {tensor}")
+        self.model_cfg = ModelConfig.from_config(config.model, vocab)
+        B = config.train.batch_size
+        self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
+        self._batches: list[np.ndarray] = []
+        self._cache: dict[tuple, Built] = {}
+        self._initial = None
+
+    def batches(self, count: int) -> list[np.ndarray]:
+        while len(self._batches) < count:
+            self._batches.append(np.asarray(next(self._stream)))
+        return self._batches[:count]
+
+    def config_of(self, key: str, layers: int | None = None):
+        config = copy.deepcopy(self.base)
+        overrides = [f"mesh.data={self.d}", f"mesh.tensor={self.t}", "mesh.fsdp=1", "mesh.pipe=1", "mesh.expert=1",
+                     "train.compute_dtype=float32",
+                     "train.microbatches=1", "train.remat=none", "parallel.tensor=auto", "parallel.sequence=false",
+                     "parallel.data=auto", "parallel.rules=", *VARIANTS[key][1]]
+        if layers:
+            overrides.append(f"model.layers={layers}")
+        apply_overrides(config, overrides)
+        return config
+
+    def trainer(self, key: str, layers: int | None = None):
+        from jaxpar.mesh import make_mesh
+        from jaxpar.model.transformer import ModelConfig
+        from jaxpar.parallel.registry import make_trainer, select
+        from jaxpar.parallel.tensor import TensorTrainer
+
+        config = self.config_of(key, layers)
+        mesh = make_mesh(config, self.devices[:1] if key == "single" else self.devices)
+        model_cfg = ModelConfig.from_config(config.model, self.model_cfg.vocab_size)
+        options = VARIANTS[key][2]
+        if options is None:
+            return config, make_trainer(config, model_cfg, mesh)
+        select(config, dict(mesh.shape))
+        return config, TensorTrainer(config, model_cfg, mesh, **options)
+
+    def step(self, key: str) -> Built:
+        """The variant's train step, compiled once (cached)."""
+        if ("step", key) not in self._cache:
+            config, trainer = self.trainer(key)
+            start = time.perf_counter()
+            with jax.set_mesh(trainer.mesh):
+                compiled = trainer.lower_step().compile()
+            self._cache[("step", key)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
+                                               time.perf_counter() - start)
+            self.log(f"  compiled the step of {VARIANTS[key][0]} in {time.perf_counter() - start:.1f} s")
+        return self._cache[("step", key)]
+
+    def gradient(self, key: str, layers: int | None = None) -> Built:
+        """The variant's gradient program (loss and mean gradient, no optimizer), compiled once (cached)."""
+        layers = layers or self.model_cfg.layers
+        if ("grad", key, layers) not in self._cache:
+            config, trainer = self.trainer(key, layers)
+            start = time.perf_counter()
+            with jax.set_mesh(trainer.mesh):
+                if key == "single":
+                    compiled = jax.jit(_single_device_gradient(trainer)).lower(
+                        trainer.abstract_state["params"], trainer.abstract_batch()).compile()
+                else:
+                    compiled = trainer.grad_fn.lower(trainer.abstract_state["params"], trainer.abstract_batch()).compile()
+            self._cache[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
+                                                       time.perf_counter() - start)
+            self.log(f"  compiled the gradient of {VARIANTS[key][0]} ({layers} layers) in "
+                     f"{time.perf_counter() - start:.1f} s")
+        return self._cache[("grad", key, layers)]
+
+    def initial_params(self, built: Built):
+        if self._initial is None:
+            self._initial = jax.device_get(built.trainer.init_state())
+        return self._initial
+
+    def run(self, built: Built, batches) -> list[float]:
+        state = jax.device_put(self.initial_params(built), built.trainer.state_shardings)
+        losses = []
+        with jax.set_mesh(built.trainer.mesh):
+            for batch in batches:
+                state, metrics = built.compiled(state, jax.device_put(batch, built.trainer.batch_sharding))
+                losses.append(float(metrics["loss"]))
+        return losses
+
+    def grads(self, built: Built, batch):
+        trainer = built.trainer
+        params = jax.device_put(self.initial_params(built)["params"], trainer.param_shardings)
+        with jax.set_mesh(trainer.mesh):
+            metrics, grads = built.compiled(params, jax.device_put(batch, trainer.batch_sharding))
+        return float(metrics["loss"]), jax.device_get(grads)
+
+
+def _single_device_gradient(trainer):
+    from jaxpar.model.transformer import loss
+
+    def value_and_grad(params, tokens):
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tokens, trainer.model_cfg, trainer.ops,
+                                                                     trainer.policy)
+        return metrics, grads        # the manual trainers' `grad_fn` layout
+    return value_and_grad
+
+
+# ============================================================================ a. equivalence
+
+def equivalence(lab: Lab, steps: int) -> dict:
+    batches = lab.batches(steps)
+    runs = {}
+    for key in ("single", "auto", *MANUAL):
+        built = lab.step(key)
+        runs[key] = {"label": built.label, "losses": lab.run(built, batches), "compile_s": built.compile_s}
+    oracle = runs["single"]["losses"]
+    want_loss, want = lab.grads(lab.gradient("single"), batches[0])
+    for key, r in runs.items():
+        r["max_rel_dev"] = max_rel_dev(r["losses"], oracle)
+        r["within_tolerance"] = r["max_rel_dev"] <= TOLERANCE
+        if key in MANUAL:
+            loss, got = lab.grads(lab.gradient(key), batches[0])
+            scale = max(float(np.max(np.abs(w))) for w in jax.tree.leaves(want))
+            r["grad_max_abs_dev"] = max(float(np.max(np.abs(g - w))) for g, w in
+                                        zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+            r["grad_max_abs_dev_rel_to_max_grad"] = r["grad_max_abs_dev"] / scale
+            r["grad_batch_loss_rel_dev"] = abs(loss - want_loss) / want_loss
+    rows = [[r["label"], f"{r['losses'][0]:.5f}", f"{r['losses'][-1]:.5f}", f"{r['max_rel_dev']:.2e}",
+             f"{TOLERANCE:.0e}", "yes" if r["within_tolerance"] else "**NO**",
+             f"{r['grad_max_abs_dev_rel_to_max_grad']:.2e}" if "grad_max_abs_dev" in r else "-"]
+            for r in runs.values()]
+    md = "\n".join([
+        f"## a. Equivalence: {steps} steps, same batches, fp32, mesh data={lab.d} x tensor={lab.t}",
+        "",
+        md_table(["strategy", "loss step 1", f"loss step {steps}", "max rel. loss deviation (measured)", "tolerance",
+                "within", "gradient of batch 1: max abs. deviation / max abs. gradient (measured)"], rows),
+        "",
+        "Predicted deviation: 0 up to fp32 rounding (the devices sum the same products in another order). "
+        "Gradients: every parameter's gradient from the manual trainer's `grad_fn` (mean over `data`, SP's "
+        "norm-weight sums included) against `jax.grad` on one device.",
+    ])
+    return {"steps": steps, "tolerance": TOLERANCE, "runs": runs, "markdown": md}
+
+
+# ============================================================================ b. communication
+
+def communication(lab: Lab) -> dict:
+    from jaxpar.dryrun import manual_tensor_bytes, manual_tensor_layer_units, predicted_collective_bytes
+    from jaxpar.measure.hlo import collectives
+
+    cfg = lab.model_cfg
+    L = cfg.layers
+    b, s, h, t = lab.base.train.batch_size // lab.d, lab.base.data.seq_len, cfg.d_model, lab.t
+    u = (t - 1) / t * 4 * b * s * h          # an all-gather / reduce-scatter of b·s·h fp32; an all-reduce is 2u
+    rows = {}
+    for key in ("auto", "auto-sp", *MANUAL):
+        built = lab.step(key)
+        found = collectives(built.compiled.as_text(), built.trainer.mesh)
+        layer, total = defaultdict(float), defaultdict(float)
+        for c in found:
+            total[f"{c.op} ({c.axis_label})"] += c.bytes_per_step
+            if c.runs_per_step == L and c.axes == ("tensor",):
+                layer[c.op] += c.bytes_per_run
+        sizes = dict(built.trainer.mesh.shape)
+        if key in MANUAL:
+            regather = VARIANTS[key][2].get("regather", True)
+            predicted = manual_tensor_bytes(built.config, built.trainer.model_cfg, sizes, "cpu", regather)
+            layer_units = manual_tensor_layer_units("none", built.config.parallel.sequence, regather)
+        elif key == "auto":
+            predicted = predicted_collective_bytes(built.config, built.trainer.model_cfg, sizes, "cpu")
+            layer_units = 2 * 7        # dryrun: 2 forward + 5 backward all-reduces per layer on XLA:CPU
+        else:
+            predicted, layer_units = {}, None
+        rows[key] = {"label": built.label, "layer_by_op": dict(layer), "layer_bytes": sum(layer.values()),
+                     "layer_predicted": layer_units * u if layer_units else None,
+                     "step_by_op": dict(total), "step_bytes": sum(total.values()),
+                     "step_predicted": sum(predicted.values()) if predicted else None,
+                     "instructions": len(found)}
+    tp = rows["tp"]["layer_bytes"]
+    layer_rows = [[r["label"], ", ".join(f"{op} {fmt_bytes(v)}" for op, v in sorted(r["layer_by_op"].items())),
+                   fmt_bytes(r["layer_bytes"]), fmt_bytes(r["layer_predicted"]), ratio(r["layer_bytes"], r["layer_predicted"]),
+                   f"{r['layer_bytes'] / tp:.3f}"] for r in rows.values()]
+    step_rows = [[r["label"], r["instructions"], fmt_bytes(r["step_bytes"]), fmt_bytes(r["step_predicted"]),
+                  ratio(r["step_bytes"], r["step_predicted"])] for r in rows.values()]
+    md = "\n".join([
+        "## b. Communication: compiled collectives vs the formulas",
+        "",
+        f"One layer (collectives inside the layer loops, {L} runs per step, over `tensor`), bytes each device "
+        f"sends under a ring model; u = (t-1)/t·4·b·s·h = {fmt_bytes(u)} (b = {b} rows per device, s = {s}, h = {h}, "
+        f"t = {t}, fp32).",
+        "",
+        md_table(["strategy", "compiled, by op", "compiled per layer", "predicted", "ratio", "vs manual TP"],
+               layer_rows),
+        "",
+        "Predicted per layer: manual TP 8u (4 all-reduces of b·s·h: g after wo and w_down forward, f before "
+        "q/k/v and gate/up backward); manual TP+SP 10u: the same 8u as 4 all-gathers + 4 reduce-scatters, + "
+        "2u gathering each column-parallel input again in the backward pass (Megatron-LM keeps only the s/t "
+        "shard); SP keeping the gathered inputs 8u, TP's bytes exactly; auto TP 14u (`dryrun`: XLA:CPU sums "
+        "the q/k/v and gate/up input gradients in separate all-reduces, 2 forward + 5 backward). The rules "
+        "variant is XLA's own sequence parallelism (no formula: read what it chose).",
+        "",
+        "Whole step, every axis (data: DDP's gradient all-reduce, 2(D-1)/D·4·Ψ_local):",
+        "",
+        md_table(["strategy", "collective instructions", "compiled per step", "predicted", "ratio"], step_rows),
+    ])
+    return {"u": u, "rows": rows, "markdown": md}
+
+
+# ============================================================================ c. memory
+
+def memory(lab: Lab) -> dict:
+    from jaxpar.measure.memory import compiled_memory, jaxpar_layer_bytes, korthikanti_layer_bytes
+
+    cfg = lab.model_cfg
+    L = cfg.layers
+    b, s, h, t = lab.base.train.batch_size // lab.d, lab.base.data.seq_len, cfg.d_model, lab.t
+    rows = {}
+    for key in MANUAL:
+        small, big = lab.gradient(key, L), lab.gradient(key, 2 * L)
+        temps = [compiled_memory(x.compiled, "cpu").temp for x in (small, big)]
+        sp = small.config.parallel.sequence
+        saved = layer_activations(small.trainer)
+        saved_big = layer_activations(big.trainer)
+        korthikanti = korthikanti_layer_bytes(seq_len=s, micro_batch=b, d_model=h, heads=cfg.heads, tensor=t,
+                                              sequence_parallel=sp)
+        ours = jaxpar_layer_bytes(seq_len=s, micro_batch=b, d_model=h, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                                  head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, tensor=t, sequence_parallel=sp,
+                                  gathered_kept=VARIANTS[key][2].get("regather") is False)
+        rows[key] = {"label": small.label, "temp": temps, "layers": [L, 2 * L],
+                     "compiled_per_layer": (temps[1] - temps[0]) / L, "saved": saved,
+                     "saved_consistent": saved_big["per_layer"] == saved["per_layer"],
+                     "korthikanti_bf16": korthikanti, "jaxpar_formula": ours}
+    tensor_region = rows["tp"]["saved"]["tensor_region"]
+    for r in rows.values():
+        # the tensor region is the same tensors in every variant, so what the compiled bytes hold beyond it
+        # is the sequence region
+        r["compiled_sequence_region"] = r["compiled_per_layer"] - tensor_region
+    tp = rows["tp"]
+    for r in rows.values():
+        r["sequence_ratio_saved"] = r["saved"]["sequence_region"] / tp["saved"]["sequence_region"]
+        r["sequence_ratio_compiled"] = r["compiled_sequence_region"] / tp["compiled_sequence_region"]
+    for r in rows.values():   # 1/t for SP; the count's own ratio when the gathered inputs are kept
+        r["sequence_ratio_predicted"] = r["jaxpar_formula"]["sequence_region"] / tp["jaxpar_formula"]["sequence_region"]
+    per_layer_rows = [[r["label"], fmt_bytes(r["compiled_per_layer"]), fmt_bytes(r["saved"]["per_layer"]),
+                       ratio(r["compiled_per_layer"], r["saved"]["per_layer"]),
+                       fmt_bytes(r["jaxpar_formula"]["per_layer"]), ratio(r["compiled_per_layer"], r["jaxpar_formula"]["per_layer"]),
+                       fmt_bytes(r["korthikanti_bf16"]["per_layer"]), fmt_bytes(2 * r["korthikanti_bf16"]["per_layer"]),
+                       ratio(r["compiled_per_layer"], 2 * r["korthikanti_bf16"]["per_layer"])] for r in rows.values()]
+    region_rows = [[r["label"], fmt_bytes(r["saved"]["sequence_region"]), fmt_bytes(r["compiled_sequence_region"]),
+                    fmt_bytes(r["jaxpar_formula"]["sequence_region"]), f"{r['sequence_ratio_saved']:.4f}",
+                    f"{r['sequence_ratio_compiled']:.4f}",
+                    f"{r['sequence_ratio_predicted']:.4f}", fmt_bytes(r["saved"]["tensor_region"]),
+                    fmt_bytes(r["jaxpar_formula"]["tensor_region"])] for r in rows.values()]
+    md = "\n".join([
+        "## c. Activation memory per layer",
+        "",
+        f"Compiled: temp bytes of the gradient program (forward + backward, no optimizer; gradients are its "
+        f"outputs) at {L} and {2 * L} layers, (temp({2 * L}) - temp({L})) / {L}. Saved: the tensors autodiff keeps "
+        f"for the backward pass, per layer per device (`saved_residuals`). Korthikanti: s·b·h·(10 + 24/t + "
+        f"5·a·s/(h·t)) bf16 bytes for TP, s·b·h·(34 + 5·a·s/h)/t with SP (GPT layer: LayerNorm, GeLU 4h MLP, "
+        f"dropout); x2 for fp32 elements. jaxpar's count: the same accounting for its fp32 block (RMSNorm as "
+        f"JAX differentiates it: 3 tensors per norm, SwiGLU: 6·F, GQA, two fp32 s x s tensors per head, no "
+        f"dropout; `measure.memory.jaxpar_layer_bytes`). b = {b}, s = {s}, h = {h}, a = {cfg.heads}, t = {t}.",
+        "",
+        md_table(["strategy", "compiled per layer", "saved per layer", "compiled / saved", "jaxpar's count",
+                "compiled / count", "Korthikanti (bf16)", "Korthikanti x2 (fp32)", "compiled / (x2)"],
+               per_layer_rows),
+        "",
+        "The sequence region (what SP splits: the two norms' inputs, normalised values and outputs, and "
+        "per-token scalars) against TP's. Compiled: the compiled per-layer bytes minus the tensor region "
+        "(identical tensors in every variant). Predicted ratio: jaxpar's count over TP's, 1/t with SP.",
+        "",
+        md_table(["strategy", "sequence region: saved", "compiled", "jaxpar's count", "SP / TP: saved",
+                "SP / TP: compiled", "predicted", "tensor region: saved", "jaxpar's count"], region_rows),
+        "",
+        "Keeping the gathered inputs (`regather=False`) stores the full [b, s, h] input of the q/k/v and gate/up "
+        "matmuls: that part of the sequence region is not divided by t, which is why Megatron-LM gathers it "
+        "again in the backward pass (part b: +2u per layer).",
+    ])
+    return {"rows": rows, "predicted_ratio": 1 / t, "markdown": md}
+
+
+# ============================================================================ plots
+
+def plot_equivalence(result: dict, path: Path) -> None:
+    fig = figure(11, 4.2)
+    ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    oracle = np.asarray(result["runs"]["single"]["losses"])
+    for key, r in result["runs"].items():
+        steps = np.arange(1, len(r["losses"]) + 1)
+        ax.plot(steps, r["losses"], marker="o", ms=3, lw=1, label=r["label"], linestyle="-" if key == "single" else "--")
+        if key != "single":
+            d = np.abs(np.asarray(r["losses"]) - oracle) / oracle
+            dev.plot(steps, np.maximum(d, 1e-10), marker="o", ms=3, lw=1, label=r["label"])
+    dev.axhline(result["tolerance"], color="k", ls=":", label="tolerance")
+    dev.set_yscale("log")
+    ax.set(xlabel="step", ylabel="loss", title="loss: every strategy")
+    dev.set(xlabel="step", ylabel="|loss - oracle| / oracle (0 drawn at 1e-10)", title="deviation from one device")
+    ax.legend(fontsize=7)
+    dev.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_communication(result: dict, path: Path) -> None:
+    rows = list(result["rows"].values())
+    fig = figure(10, 4.5)
+    ax = fig.add_subplot()
+    x = np.arange(len(rows))
+    w = 0.38
+    bottom = np.zeros(len(rows))
+    for op in sorted({op for r in rows for op in r["layer_by_op"]}):
+        vals = np.array([r["layer_by_op"].get(op, 0.0) for r in rows]) / KIB
+        ax.bar(x - w / 2, vals, w, bottom=bottom, label=f"compiled: {op}")
+        bottom += vals
+    ax.bar(x + w / 2, [(r["layer_predicted"] or 0) / KIB for r in rows], w, color="0.55", label="predicted")
+    ax.set_xticks(x, [r["label"].replace(", ", ",\n") for r in rows], fontsize=7)
+    ax.set(ylabel="KiB sent per device per layer", title="tensor-axis collectives of one layer: compiled vs formula")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_memory(result: dict, path: Path) -> None:
+    rows = list(result["rows"].values())
+    fig = figure(10, 4.8)
+    ax = fig.add_subplot()
+    x = np.arange(len(rows))
+    w = 0.27
+    for offset, (name, seq, ten) in zip((-w, 0, w), (
+            ("saved (autodiff)", [r["saved"]["sequence_region"] for r in rows], [r["saved"]["tensor_region"] for r in rows]),
+            ("jaxpar's count", [r["jaxpar_formula"]["sequence_region"] for r in rows],
+             [r["jaxpar_formula"]["tensor_region"] for r in rows]),
+            ("Korthikanti x2", [2 * r["korthikanti_bf16"]["sequence_region"] for r in rows],
+             [2 * r["korthikanti_bf16"]["tensor_region"] for r in rows]))):
+        ax.bar(x + offset, np.array(seq) / KIB, w, label=f"{name}: sequence region", alpha=0.9)
+        ax.bar(x + offset, np.array(ten) / KIB, w, bottom=np.array(seq) / KIB, label=f"{name}: tensor region", alpha=0.5)
+    ax.scatter(x - w, np.array([r["compiled_per_layer"] for r in rows]) / KIB, color="k", marker="_", s=400, zorder=3,
+               label="compiled (temp slope)")
+    ax.set_xticks(x, [r["label"].replace(", ", ",\n") for r in rows], fontsize=8)
+    ax.set(ylabel="KiB per layer per device", title="activation memory per layer")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ============================================================================ the whole lab
+
+def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: int = 4, log=print) -> dict:
+    """Run parts a-c on every local device; write the run directory; return every number."""
+    start = time.perf_counter()
+    if steps < 1:
+        raise ConfigError("--steps", f"is {steps}; must be at least 1")
+    devices = jax.devices()
+    if tensor < 2 or len(devices) % tensor:
+        raise ConfigError("--tensor", f"is {tensor}; must be at least 2 and divide the {len(devices)} devices "
+                          "(on CPU pass --cpu-devices 8)")
+    probe = copy.deepcopy(config)   # every check of the config before anything is built or written
+    apply_overrides(probe, [f"mesh.data={len(devices) // tensor}", f"mesh.tensor={tensor}", "parallel.tensor=manual",
+                            "parallel.sequence=true", "parallel.data=auto", "parallel.rules=",
+                            "mesh.fsdp=1", "mesh.pipe=1", "mesh.expert=1"])
+    from jaxpar.config import validate
+    validate(probe, len(devices))
+    out = Path(out or f"runs/lab-tensor-{time.strftime('%Y%m%d-%H%M%S')}")
+    log(f"lab tensor: {len(devices)} x {devices[0].platform} devices, run directory {out}")
+    lab = Lab(config, devices, tensor, log)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(to_json(config))
+    m = lab.model_cfg
+    header = "\n".join([
+        f"# Lab 03 (tensor): Megatron TP and sequence parallelism: config {config.name}, {len(devices)} x "
+        f"{devices[0].platform}",
+        "",
+        f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: d_model {m.d_model}, {m.layers} layers, "
+        f"{m.heads} heads ({m.kv_heads} kv), mlp {m.mlp_dim}, vocab {m.vocab_size}; batch {config.train.batch_size} x "
+        f"{config.data.seq_len} tokens of '{config.data.corpus}'; mesh data={lab.d} x tensor={tensor}. Measured "
+        "values come from the compiled program or the run; predicted ones from the formulas named beside them.",
+    ])
+    results = {"config": config.name, "devices": len(devices), "platform": devices[0].platform,
+               "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "tensor": tensor, "data": lab.d}
+    parts = [header]
+    log(header + "\n")
+    for name, fn in (("equivalence", lambda: equivalence(lab, steps)), ("communication", lambda: communication(lab)),
+                     ("memory", lambda: memory(lab))):
+        t0 = time.perf_counter()
+        log(f"[{name}]")
+        result = fn()
+        result["seconds"] = time.perf_counter() - t0
+        results[name] = result
+        parts.append(result["markdown"])
+        log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
+    for name, plot in (("equivalence", plot_equivalence), ("communication", plot_communication),
+                       ("memory", plot_memory)):
+        plot(results[name], out / f"{name}.png")
+    total = time.perf_counter() - start
+    results["total_seconds"] = total
+    compile_s = sum(b.compile_s for b in lab._cache.values())
+    footer = (f"Total lab time {total:.1f} s ({len(lab._cache)} compiles, {compile_s:.1f} s of them), parts: "
+              + ", ".join(f"{k} {results[k]['seconds']:.1f} s" for k in ("equivalence", "communication", "memory"))
+              + ".")
+    parts.append(footer)
+    (out / "report.md").write_text("\n\n".join(parts) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
+    log(footer)
+    log(f"wrote {out / 'report.md'}, results.json and 3 plots")
+    return results
+
+
+# ============================================================================ command line
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="config file (default: the embedded default; configs/test.py with --set model.kv_heads=4: "
+                        "the tiny test model)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set model.layers=4 (repeatable)")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-tensor-<time>)")
+    p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
+    p.add_argument("--tensor", type=int, default=4, help="mesh.tensor (default 4); mesh.data takes the other devices")
+
+
+def run_from_args(args) -> int:
+    """`jaxpar lab tensor` and run.py: the CPU device count must already be set (before JAX started)."""
+    config = load_config(args.config)
+    apply_overrides(config, args.overrides)
+    run_lab(config, args.out, steps=args.steps, tensor=args.tensor)
+    return 0
+
+
+def main(argv=None) -> int:
+    """Standalone entry (experiments/*/run.py): parse, set the CPU devices, run; bad input exits 2."""
+    return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

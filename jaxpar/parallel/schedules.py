@@ -1,0 +1,251 @@
+"""Pipeline schedules as data: a table of ticks x stages, each cell F, B, W or idle.
+
+A schedule is built the way torch.distributed.pipelining writes one: each stage (a
+device on the `pipe` axis) gets an ordered list of actions, and a lock-step run of
+those lists gives the table. At every tick each stage runs its next action if what
+it needs was produced at an earlier tick (an activation or gradient sent at tick t
+arrives at tick t+1), else it idles. Every action takes one tick.
+
+  F(i, c)  forward of microbatch i through the stage's chunk c
+  B(i, c)  backward: the input gradient (and, unless the schedule splits the backward,
+           the weight gradient too)
+  W(i, c)  zero-bubble only: the weight gradient of a B done earlier
+
+Stage s holds chunks c = 0..v-1; chunk c of stage s is model stage c*p + s (Megatron's
+interleaved assignment; v = 1 is the plain pipeline). `validate` checks a table before
+anything compiles: every action present exactly once on the stage that holds it, every
+dependency met at an earlier tick, and at most `in_flight_bound` chunk-microbatches
+alive on any stage (an F done whose B, or W when split, is not).
+"""
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import NamedTuple
+
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+class Action(NamedTuple):
+    kind: str          # "F", "B" or "W"
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self):
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class ScheduleError(ValueError):
+    """A table that breaks a dependency, misses an action or exceeds its in-flight bound."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    name: str
+    stages: int                    # p
+    microbatches: int              # m
+    virtual: int                   # v: chunks per stage
+    split_backward: bool           # B is the input gradient only, W the weight gradient
+    in_flight_bound: int           # claimed: chunk-microbatches alive per stage, at most
+    grid: tuple                    # grid[tick][stage] -> Action | None
+
+    @property
+    def ticks(self) -> int:
+        return len(self.grid)
+
+    @property
+    def model_stages(self) -> int:
+        return self.stages * self.virtual
+
+    def model_stage(self, stage: int, chunk: int) -> int:
+        return chunk * self.stages + stage
+
+    def bubble(self) -> Fraction:
+        """Idle cells / all cells of the table (every action one tick)."""
+        idle = sum(cell is None for row in self.grid for cell in row)
+        return Fraction(idle, self.ticks * self.stages)
+
+    def in_flight(self) -> list[int]:
+        """Per stage: the most chunk-microbatches alive at once (F done, last backward action not yet)."""
+        last = "W" if self.split_backward else "B"
+        peaks = []
+        for s in range(self.stages):
+            alive = peak = 0
+            for row in self.grid:
+                cell = row[s]
+                if cell is not None:
+                    alive += (cell.kind == "F") - (cell.kind == last)
+                    peak = max(peak, alive)
+            peaks.append(peak)
+        return peaks
+
+    def picture(self) -> str:
+        """The familiar schedule picture as text: one line per stage, one column per tick."""
+        width = max(len(str(c)) for row in self.grid for c in row if c is not None)
+        lines = []
+        for s in range(self.stages):
+            cells = [(str(row[s]) if row[s] is not None else ".").ljust(width) for row in self.grid]
+            lines.append(f"stage {s}: " + " ".join(cells))
+        return "\n".join(lines)
+
+
+# ============================================================================ running per-stage orders
+
+def _needs(action: Action, stage: int, p: int, v: int, split: bool) -> list[tuple[Action, int]]:
+    """(action, stage) pairs that must be done at an earlier tick before `action` runs on `stage`."""
+    k = action.chunk * p + stage                     # model stage
+    i = action.microbatch
+    where = lambda k: (k % p, k // p)                # model stage -> (stage, chunk)
+    if action.kind == "F":
+        if k == 0:
+            return []
+        s, c = where(k - 1)
+        return [(Action("F", i, c), s)]
+    if action.kind == "B":
+        out = [(Action("F", i, action.chunk), stage)]
+        if k < p * v - 1:
+            s, c = where(k + 1)
+            out.append((Action("B", i, c), s))
+        return out
+    return [(Action("B", i, action.chunk), stage)]   # W after its own B
+
+
+def run_orders(orders: list[list[Action]], v: int, split: bool) -> tuple:
+    """Lock-step list scheduling: each stage runs its next action as soon as its inputs exist."""
+    p = len(orders)
+    done: dict[tuple[Action, int], int] = {}
+    position = [0] * p
+    grid = []
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        tick = len(grid)
+        row = []
+        for s in range(p):
+            action = orders[s][position[s]] if position[s] < len(orders[s]) else None
+            if action is not None and all(done.get(need, tick) < tick for need in _needs(action, s, p, v, split)):
+                row.append(action)
+            else:
+                row.append(None)
+        for s, action in enumerate(row):
+            if action is not None:
+                done[(action, s)] = tick
+                position[s] += 1
+        grid.append(tuple(row))
+        if tick > 4 * sum(map(len, orders)) + 4 * p:
+            raise ScheduleError("per-stage orders deadlock: some action waits for one that never runs")
+    return tuple(grid)
+
+
+# ============================================================================ the schedules
+
+def gpipe(p: int, m: int) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward; all m microbatches stay alive."""
+    orders = [[Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)] for _ in range(p)]
+    return Schedule("gpipe", p, m, 1, False, m, run_orders(orders, 1, False))
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B / PipeDream-Flush (Narayanan et al. 2019): stage s runs p-s-1 warm-up forwards, then
+    alternates one forward and one backward, then drains; stage 0 holds at most p microbatches."""
+    orders = []
+    for s in range(p):
+        warm = min(p - s - 1, m)
+        order = [Action("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [Action("F", warm + i), Action("B", i)]
+        order += [Action("B", i) for i in range(m - warm, m)]
+        orders.append(order)
+    return Schedule("1f1b", p, m, 1, False, p, run_orders(orders, 1, False))
+
+
+def interleaved(p: int, v: int, m: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron's virtual stages): each stage holds v chunks,
+    so a microbatch loops over the stages v times. Forwards go in groups of p microbatches per chunk
+    (chunk 0 for microbatches 0..p-1, chunk 1 for the same ones, ...), backwards mirror them with the
+    chunks reversed; stage s warms up with 2(p-s-1) + (v-1)p forwards. Needs m divisible by p."""
+    def forward(k):   # the k-th forward on a stage -> (microbatch, chunk)
+        group, within = divmod(k, p * v)
+        return group * p + within % p, within // p
+
+    total = m * v
+    orders = []
+    for s in range(p):
+        warm = min(2 * (p - s - 1) + (v - 1) * p, total)
+        fwd = [Action("F", *forward(k)) for k in range(total)]
+        bwd = [Action("B", i, v - 1 - c) for i, c in (forward(k) for k in range(total))]
+        order = fwd[:warm]
+        for k in range(total - warm):
+            order += [fwd[warm + k], bwd[k]]
+        order += bwd[total - warm:]
+        orders.append(order)
+    bound = v * p + p - 1   # stage 0: warm-up 2(p-1) + (v-1)p, plus the one in flight
+    return Schedule("interleaved", p, m, v, False, bound, run_orders(orders, v, False))
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024, zero bubble with 1F1B's memory): the backward is split into B (input
+    gradient, on the critical path) and W (weight gradient, needed by nobody else). Stage s runs p-s
+    warm-up forwards, then B, W, F in turn with its W's running s microbatches late, then drains the
+    last s W's: the downstream stages hurry their B's and the W's fill what were 1F1B's bubbles.
+    At most p microbatches alive per stage (a microbatch is alive until its W)."""
+    orders = []
+    for s in range(p):
+        warm = min(p - s, m)
+        order = [Action("F", i) for i in range(warm)]
+        for i in range(m):
+            order.append(Action("B", i))
+            if i >= s:
+                order.append(Action("W", i - s))
+            if warm + i < m:
+                order.append(Action("F", warm + i))
+        order += [Action("W", i) for i in range(max(m - s, 0), m)]
+        orders.append(order)
+    return Schedule("zb-h1", p, m, 1, True, p, run_orders(orders, 1, True))
+
+
+def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The named schedule for p stages, m microbatches (v chunks per stage for `interleaved`)."""
+    if name == "gpipe":
+        return gpipe(p, m)
+    if name == "1f1b":
+        return one_f_one_b(p, m)
+    if name == "interleaved":
+        return interleaved(p, v, m)
+    if name == "zb-h1":
+        return zb_h1(p, m)
+    raise ScheduleError(f"unknown schedule '{name}'; valid: {', '.join(NAMES)}")
+
+
+# ============================================================================ validation
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every action runs once, after what it needs, within the bound."""
+    p, v, m, split = schedule.stages, schedule.virtual, schedule.microbatches, schedule.split_backward
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    when: dict[tuple[Action, int], int] = {}
+    for tick, row in enumerate(schedule.grid):
+        if len(row) != p:
+            raise ScheduleError(f"tick {tick} has {len(row)} cells for {p} stages")
+        for s, action in enumerate(row):
+            if action is None:
+                continue
+            if action.kind not in kinds or not (0 <= action.microbatch < m and 0 <= action.chunk < v):
+                raise ScheduleError(f"tick {tick} stage {s}: {action} is not an action of this schedule")
+            if (action, s) in when:
+                raise ScheduleError(f"{action} runs twice on stage {s} (ticks {when[(action, s)]} and {tick})")
+            when[(action, s)] = tick
+    for s in range(p):
+        for c in range(v):
+            for i in range(m):
+                for kind in kinds:
+                    if (Action(kind, i, c), s) not in when:
+                        raise ScheduleError(f"{Action(kind, i, c)} never runs on stage {s}")
+    for (action, s), tick in when.items():
+        for need in _needs(action, s, p, v, split):
+            if when[need] >= tick:
+                raise ScheduleError(f"{action} on stage {s} at tick {tick} needs {need[0]} of stage {need[1]}, "
+                                    f"which runs at tick {when[need]}")
+    peaks = schedule.in_flight()
+    if max(peaks) > schedule.in_flight_bound:
+        worst = peaks.index(max(peaks))
+        raise ScheduleError(f"stage {worst} holds {max(peaks)} chunk-microbatches at once; "
+                            f"{schedule.name} claims at most {schedule.in_flight_bound}")

@@ -1,0 +1,316 @@
+"""Pipeline parallelism: schedule tables against their formulas, every schedule and 3D against one device,
+1F1B's bounded memory, the split backward, one checkpoint layout, bad input, and 2 processes."""
+import io
+import json
+import os
+from fractions import Fraction
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from synthetic import counting_batches
+
+from jaxpar.cli import main
+from jaxpar.config import apply_overrides, load_config
+from jaxpar.launch import launch
+from jaxpar.measure.bubble import bubble_fraction
+from jaxpar.measure.flops import compiled_flops
+from jaxpar.measure.memory import compiled_memory
+from jaxpar.mesh import make_mesh
+from jaxpar.model.transformer import ModelConfig, init_params, run_blocks
+from jaxpar.parallel import deferred
+from jaxpar.parallel.pipeline import compile_program
+from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.schedules import NAMES, Action, ScheduleError, build, validate
+
+STEPS, VOCAB = 5, 512
+BASE = ["train.warmup_steps=1", "model.layers=4"]
+TESTS_DIR = str(Path(__file__).parent)
+FAST = {"xla_backend_optimization_level": 0}   # LLVM's -O0: compiles ~2.5x faster; the same HLO, same numbers
+CASES = {
+    "gpipe p=4 m=8": (["mesh.data=1", "mesh.pipe=4", "parallel.pipe=gpipe", "parallel.pipe_microbatches=8"], 4),
+    "1f1b p=4 m=8": (["mesh.data=1", "mesh.pipe=4", "parallel.pipe=1f1b", "parallel.pipe_microbatches=8"], 4),
+    "interleaved p=2 v=2 m=4": (["mesh.data=1", "mesh.pipe=2", "parallel.pipe=interleaved", "parallel.pipe_virtual=2",
+                                 "parallel.pipe_microbatches=4"], 2),
+    "zb-h1 p=4 m=8": (["mesh.data=1", "mesh.pipe=4", "parallel.pipe=zb-h1", "parallel.pipe_microbatches=8"], 4),
+    "circular p=4 m=8": (["mesh.data=1", "mesh.pipe=4", "parallel.pipe=circular", "parallel.pipe_microbatches=8"], 4),
+    "3d data=2 pipe=2 tensor=2": (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b",
+                                   "parallel.pipe_microbatches=4"], 8),
+}
+
+
+def make(overrides, devices: int):
+    config = load_config("configs/test.py")
+    apply_overrides(config, BASE + overrides)
+    return make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:devices]))
+
+
+class Compiled:
+    """A trainer with its step compiled once (run and inspected), from one shared initial state."""
+
+    def __init__(self, trainer, initial):
+        self.trainer = trainer
+        with jax.set_mesh(trainer.mesh):
+            self.step = trainer.lower_step().compile(compiler_options=FAST)
+        self.initial = jax.device_put(initial, trainer.state_shardings)
+
+    def run(self, state=None, steps=STEPS):
+        state = self.initial if state is None else state
+        losses, norms = [], []
+        for batch in counting_batches(self.trainer.config, steps, VOCAB)[:steps]:
+            with jax.set_mesh(self.trainer.mesh):
+                state, metrics = self.step(state, jax.device_put(batch, self.trainer.batch_sharding))
+            losses.append(float(metrics["loss"]))
+            norms.append(float(metrics["grad_norm"]))
+        return np.array(losses), np.array(norms), state
+
+
+@pytest.fixture(scope="module")
+def initial():
+    """The initial state every trainer starts from (same seed, same values: made once, on the host)."""
+    return jax.device_get(make(["mesh.data=1"], 1).init_state())
+
+
+@pytest.fixture(scope="module")
+def built(initial):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            overrides, devices = CASES.get(name, (["mesh.data=1"], 1))
+            cache[name] = Compiled(make(overrides, devices), initial)
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def runs(built):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = built(name).run()
+        return cache[name]
+    return get
+
+
+# ---------------------------------------------------------------------------- schedules as data
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_table_bubble_equals_its_formula(name):
+    for p in (2, 3, 4, 8):
+        for m in (p, p + 1, 2 * p, 4 * p):
+            for v in ((2, 3) if name == "interleaved" else (1,)):
+                if name == "interleaved" and m % p:
+                    continue
+                schedule = build(name, p, m, v)
+                validate(schedule)
+                assert schedule.bubble() == bubble_fraction(name, p, m, v), (name, p, m, v)
+
+
+def test_in_flight_bounds_gpipe_m_1f1b_and_zb_p():
+    assert max(build("gpipe", 4, 16).in_flight()) == 16
+    assert build("1f1b", 4, 16).in_flight() == [4, 3, 2, 1]
+    assert max(build("zb-h1", 4, 16).in_flight()) == 4
+    assert compile_program(build("1f1b", 4, 16)).slots["stash"] == 4
+    assert compile_program(build("gpipe", 4, 16)).slots["stash"] == 16
+    assert build("interleaved", 4, 8, 2).bubble() == Fraction(3, 19)
+
+
+def test_validation_rejects_broken_tables():
+    good = build("1f1b", 3, 4)
+    grid = [list(row) for row in good.grid]
+
+    def broken(cells):
+        return good.__class__(**{**good.__dict__, "grid": tuple(tuple(r) for r in cells)})
+
+    # a forward one tick early: before its input arrives
+    early = [row[:] for row in grid]
+    t = next(t for t, row in enumerate(early) if row[1] == Action("F", 0))
+    early[t - 1][1], early[t][1] = early[t][1], early[t - 1][1]
+    with pytest.raises(ScheduleError, match="needs F0"):
+        validate(broken(early))
+    # a backward dropped
+    dropped = [[None if c == Action("B", 2) else c for c in row] for row in grid]
+    with pytest.raises(ScheduleError, match="B2 never runs"):
+        validate(broken(dropped))
+    # GPipe's table sold as bounded by p
+    gpipe = build("gpipe", 3, 6)
+    with pytest.raises(ScheduleError, match="holds 6"):
+        validate(gpipe.__class__(**{**gpipe.__dict__, "in_flight_bound": 3}))
+    validate(good)
+
+
+# ---------------------------------------------------------------------------- equivalence
+
+@pytest.fixture(scope="module")
+def oracle(runs):
+    losses, norms, state = runs("single device")
+    assert losses[-1] < losses[0]
+    return losses, norms, state
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_single_device(name, runs, oracle):
+    losses, norms, state = runs(name)
+    np.testing.assert_allclose(losses, oracle[0], rtol=1e-4)
+    np.testing.assert_allclose(norms, oracle[1], rtol=1e-4)          # gradients: their global norm every step
+    for got, want in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(oracle[2]["params"])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
+
+
+def test_evaluation_runs_the_forward_schedule(built, runs, oracle):
+    _, _, state = runs("interleaved p=2 v=2 m=4")
+    trainer = built("interleaved p=2 v=2 m=4").trainer
+    single = built("single device").trainer
+    batch = counting_batches(trainer.config, 1, VOCAB, seed=7)[0]
+
+    def evaluate(t, params):
+        tokens = jax.device_put(batch, t.batch_sharding)
+        with jax.set_mesh(t.mesh):
+            return float(t.eval_fn.lower(params, tokens).compile(compiler_options=FAST)(params, tokens))
+    got, want = evaluate(trainer, state["params"]), evaluate(single, oracle[2]["params"])
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- memory and the split backward
+
+def test_1f1b_stash_is_bounded_by_p_gpipe_keeps_all_m(built):
+    """Same p=4, m=8, same microbatch: GPipe keeps 8 microbatches' activations, 1F1B 4 (compiled temp)."""
+    gpipe, one = (compiled_memory(built(n).step, "cpu").temp for n in ("gpipe p=4 m=8", "1f1b p=4 m=8"))
+    slots = {n: built(n).trainer.program.slots["stash"] for n in ("gpipe p=4 m=8", "1f1b p=4 m=8")}
+    assert slots == {"gpipe p=4 m=8": 8, "1f1b p=4 m=8": 4}
+    assert gpipe > 1.6 * one
+
+
+def test_split_backward_defers_only_the_weight_matmuls():
+    """zb-h1's B (input gradient + taps) and W (weight gradients from the taps) add up to the full backward's
+    gradients and FLOPs: W recomputes no part of the input-gradient chain."""
+    config = load_config("configs/test.py")
+    cfg = ModelConfig.from_config(config.model, VOCAB)
+    rng = np.random.default_rng(0)
+    normal = lambda shape: jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    weights = jax.tree.map(lambda s: 0.1 * normal(s.shape), jax.eval_shape(lambda: init_params(cfg, 0)["blocks"]))
+    x, dy = normal((4, 32, cfg.d_model)), normal((4, 32, cfg.d_model))
+    run = lambda ops: (lambda w, x, taps=None: run_blocks(w if taps is None else {**w, "taps": taps}, x, cfg, ops)[0])
+    from jaxpar.model.ops import Ops
+    sites = {}
+    split_ops = deferred.deferred_ops(Ops(), sites)
+    run(split_ops)(weights, x, deferred.recording_taps(deferred.deferred_names(weights)))
+    taps0 = deferred.zero_taps(sites, cfg.layers)
+
+    def full(w, x, dy):
+        return jax.vjp(run(Ops()), w, x)[1](dy)
+
+    def b_step(w, x, dy):
+        dw, taps, dx = jax.vjp(lambda w, t, x: run(split_ops)(w, x, t), w, taps0, x)[1](dy)
+        return {k: g for k, g in dw.items() if k not in taps}, taps, dx
+
+    def w_step(w, taps):
+        return deferred.weight_grads(Ops().matmul, sites, w, taps)
+
+    compiled = lambda fn, *args: jax.jit(fn).lower(*args).compile(compiler_options=FAST)
+    full_c, b_c = compiled(full, weights, x, dy), compiled(b_step, weights, x, dy)
+    want_dw, want_dx = full_c(weights, x, dy)
+    norms_dw, taps, dx = b_c(weights, x, dy)
+    w_c = compiled(w_step, weights, taps)
+    dw = {**norms_dw, **w_c(weights, taps)}
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(want_dx), rtol=1e-5, atol=1e-6)
+    for name in want_dw:
+        np.testing.assert_allclose(np.asarray(dw[name]), np.asarray(want_dw[name]), rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+    whole, b, w = (compiled_flops(c)["corrected"] for c in (full_c, b_c, w_c))
+    assert b + w == pytest.approx(whole, rel=0.1)
+    assert w > 0.25 * whole and b < 0.75 * whole
+
+
+def test_executed_collectives_match_the_dry_run_formulas(built):
+    """data x pipe x tensor: the bytes the busiest stage sends per axis (the tick's branches counted on the ticks
+    that run them) against dryrun.predicted_collective_bytes: lock-step permutes, Megatron's 4 all-reduces per
+    layer per microbatch, the gradients' all-reduce."""
+    from collections import defaultdict
+
+    from jaxpar.dryrun import predicted_collective_bytes
+    c = built("3d data=2 pipe=2 tensor=2")
+    sent = defaultdict(float)
+    for collective in c.trainer.collectives(c.step.as_text()):
+        sent[collective.axis_label] += collective.bytes_per_step
+    sizes = {axis: int(n) for axis, n in c.trainer.mesh.shape.items()}
+    predicted = predicted_collective_bytes(c.trainer.config, c.trainer.model_cfg, sizes, "cpu")
+    assert set(predicted) == {"pipe", "tensor", "data"}
+    for axis, want in predicted.items():
+        assert sent[axis] == pytest.approx(want, rel=0.01), axis
+
+
+# ---------------------------------------------------------------------------- one checkpoint layout
+
+def test_interleaved_checkpoint_restores_on_one_device_and_on_1f1b(tmp_path, built, runs):
+    _, _, state = runs("interleaved p=2 v=2 m=4")
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, state)
+    single, one_f = built("single device"), built("1f1b p=4 m=8")
+    for target in (single, one_f):
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path, target.trainer.abstract_state)
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))   # layer order: the model's
+        target.restored = restored
+    # and both continue alike from it
+    a = single.run(single.restored, steps=1)[0]
+    b = one_f.run(one_f.restored, steps=1)[0]
+    np.testing.assert_allclose(b, a, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------- bad input
+
+def _cli(capsys, tmp_path, *sets):
+    argv = ["train", "--config", "configs/test.py", "--run-dir", str(tmp_path / "run")]
+    for item in sets:
+        argv += ["--set", item]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("sets, field", [
+    (["mesh.pipe=4", "parallel.pipe=1f1b"], "model.layers"),                                  # 2 layers, 4 stages
+    (["model.layers=4", "mesh.pipe=4", "parallel.pipe=1f1b", "parallel.pipe_microbatches=2"],
+     "parallel.pipe_microbatches"),                                                          # m < p
+    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=2f2b"], "parallel.pipe"),               # no such schedule
+    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=interleaved", "parallel.pipe_virtual=3"],
+     "parallel.pipe_virtual"),                                                               # v does not divide
+    (["model.layers=4", "mesh.pipe=2"], "parallel.pipe"),                                     # auto: not a pipeline
+    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=2"], "train.microbatches"),
+])
+def test_bad_pipeline_input_exits_2_with_one_line(capsys, tmp_path, sets, field):
+    code, err = _cli(capsys, tmp_path, *sets)
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith(f"error: {field}: "), err
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------- two processes
+
+@pytest.mark.slow
+def test_1f1b_and_3d_on_two_processes_match_one_device(monkeypatch, runs, oracle):
+    """1F1B with pipe=4 x tensor=2 (the pipe axis crosses the processes) and data=2 x pipe=2 x tensor=2."""
+    from pipeline_worker import CASES as WORKER_CASES
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("XLA_FLAGS", " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                           "--xla_backend_optimization_level=0"])))
+    out = io.StringIO()
+    assert launch(2, 4, ["all"], module="pipeline_worker", out=out, timeout=600) == 0, out.getvalue()[-3000:]
+    found = {}
+    for line in out.getvalue().splitlines():
+        if line.startswith("[p0] LOSSES "):
+            _, _, name, values = line.split(" ", 3)
+            found[name] = np.array(json.loads(values))
+    assert set(found) == set(WORKER_CASES)
+    for name, losses in found.items():
+        np.testing.assert_allclose(losses, oracle[0], rtol=1e-4, err_msg=name)
