@@ -44,7 +44,7 @@ from jaxpar.plan.comm import Flow, flows, rows_per_microbatch
 from jaxpar.plan.shape import ModelShape
 from jaxpar.plan.space import Candidate
 
-COMPUTE_EFFICIENCY = 0.535
+COMPUTE_EFFICIENCY = 0.600
 FP8_EFFICIENCY = 0.7
 OVERLAP = 0.6
 MEMORY_EFFICIENCY = 0.8
