@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     group.add_argument("--overwrite", action="store_true", help="delete an existing --run-dir and start afresh")
+    group.add_argument("--auto-resume", action="store_true",
+                       help="resume --run-dir when it holds a checkpoint, else start it (restarts, requeued jobs)")
     p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
 
     p = sub.add_parser("sample", help="generate text from a trained run")
     p.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by `jaxpar train`")
@@ -99,12 +103,19 @@ def load(args):
     return config
 
 
-def cmd_train(args) -> int:
+def train_config(args):
+    """The config a `train` command runs: --config/--set, or a resumed run's saved config (+ --set)."""
     from pathlib import Path
 
     from jaxpar.config import apply_overrides
-    from jaxpar.train.loop import train
     from jaxpar.train.rundir import resume_config
+    if args.auto_resume:
+        if not args.run_dir:
+            raise ConfigError("--auto-resume", "needs --run-dir DIR (the run to start or continue)")
+        checkpoints = Path(args.run_dir) / "checkpoints"
+        args.resume = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise ConfigError("--metrics-port", f"must be in 1..65535, got {args.metrics_port}")
     if args.resume:
         if not args.run_dir:
             raise ConfigError("--resume", "needs --run-dir DIR naming the run to continue")
@@ -116,7 +127,13 @@ def cmd_train(args) -> int:
             apply_overrides(config, args.overrides)
     else:
         config = load(args)
-    train(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile)
+    return config
+
+
+def cmd_train(args) -> int:
+    from jaxpar.train.loop import train
+    train(args.config_loaded, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
+          metrics_port=args.metrics_port)
     return 0
 
 
@@ -162,6 +179,8 @@ def cmd_lab(args) -> int:
     return {"zero": zero.run_from_args}[args.lab](args)
 
 
+LOCAL_COMMANDS = ("launch",)   # commands that never start JAX in this process
+
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
             "dryrun": cmd_dryrun, "memory": cmd_memory, "lab": cmd_lab}
 
@@ -169,15 +188,19 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.subcommand != "launch":
+        if args.subcommand not in LOCAL_COMMANDS:
             from jaxpar.mesh import init_distributed, set_cpu_devices
             set_cpu_devices(getattr(args, "cpu_devices", None))
-            init_distributed()
+            args.config_loaded = train_config(args) if args.subcommand == "train" else None
+            init_distributed(args.config_loaded.distributed if args.config_loaded else None)
         return COMMANDS[args.subcommand](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return _exit(EXIT_BAD_INPUT)
-    except BaseException:
+    except BaseException as err:
+        if isinstance(getattr(err, "exit_code", None), int):   # Preempted, NonFiniteError: one line, own status
+            print(err, file=sys.stderr)
+            return _exit(err.exit_code)
         if _multi_process():
             traceback.print_exc()
             _exit(1)

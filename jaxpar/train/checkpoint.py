@@ -1,51 +1,89 @@
-"""Orbax checkpoints of the train state and the Grain iterator, with fallback on a bad step.
+"""Orbax checkpoints of the train state and the global data position, verified on restore.
 
 Saves are asynchronous: the step loop continues while the previous state is
-written. A crash mid-save leaves a temporary directory that Orbax ignores; a
-step that fails to restore (truncated or corrupted) is skipped in favour of
-the one before it, since Orbax has no automatic fallback.
+written. A crash mid-save leaves a temporary directory that Orbax ignores.
+
+Every save also records a checksum of every array (jaxpar/train/checksum.py) and the
+data position (step, sample index, global batch). A restore recomputes the
+checksums; a step whose bytes changed, whose files are truncated or missing, or
+that fails to read in any other way is reported in one line and the step before
+it is tried. Orbax has no such fallback, and a damaged array file otherwise
+restores silently (the run then trains on garbage) or raises a bare TensorStore
+`Exception`.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-import grain
+import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from jaxpar.train.checksum import checksums, mismatches
 
 
 class Checkpoints:
-    def __init__(self, directory: Path, keep: int):
+    def __init__(self, directory: Path, keep: int, notice=print):
+        self.directory = Path(directory).absolute()
+        self.notice = notice
         self.manager = ocp.CheckpointManager(
-            Path(directory).absolute(),
-            item_handlers={"state": ocp.StandardCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()},
+            self.directory,
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                  cleanup_tmp_directories=True, create=True),
         )
+        self.meta: dict | None = None   # the restored step's metadata
 
-    def save(self, step: int, state, data_iterator) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator)))
+    def save(self, step: int, state, global_batch: int) -> None:
+        """Save `state` after `step` steps; the data position is `step` global batches of `global_batch`."""
+        meta = {"step": step, "sample_index": step * global_batch, "global_batch": global_batch,
+                "checksums": checksums(state)}
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)))
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
-    def restore(self, abstract_state, data_iterator=None):
-        """Restore the newest readable step onto `abstract_state`'s shardings; returns (step, state).
+    def restore(self, abstract_state):
+        """Restore the newest intact step onto `abstract_state`'s shardings; returns (step, state).
 
-        With `data_iterator`, its position is restored in place too. Returns
-        (None, None) when no step can be read.
+        Newer steps that fail are moved to `<run>/damaged-checkpoints/` once an older one
+        restores, so the run can save those step numbers again. Returns (None, None) when no
+        step is intact (nothing is moved then).
         """
+        damaged = []
         for step in reversed(self.steps()):
-            items = {"state": ocp.args.StandardRestore(abstract_state)}
-            if data_iterator is not None:
-                items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-            except (FileNotFoundError, ValueError, KeyError) as err:
-                print(f"checkpoint step {step} is unreadable ({type(err).__name__}); trying an older one")
-                continue
-            return step, restored["state"]
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                bad = mismatches(restored["state"], restored["meta"].get("checksums", {}))
+            except Exception as err:  # noqa: BLE001 - TensorStore raises bare Exception on truncated files
+                reason = f"unreadable ({type(err).__name__}: {_first_line(err)})"
+            else:
+                if not bad:
+                    self._set_aside(damaged)
+                    self.meta = restored["meta"]
+                    return step, restored["state"]
+                reason = f"damaged (checksum mismatch in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
+            damaged.append(step)
+            self.notice(f"checkpoint step {step} is {reason}; trying an older one")
         return None, None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        if not steps:
+            return
+        aside = self.directory.parent / "damaged-checkpoints"
+        if jax.process_index() == 0:
+            aside.mkdir(exist_ok=True)
+            for step in steps:
+                target = aside / str(step)
+                if target.exists():
+                    shutil.rmtree(target)
+                shutil.move(str(self.directory / str(step)), target)
+        multihost_utils.sync_global_devices("jaxpar-damaged-checkpoints-moved")
+        self.manager.reload()
+        self.notice(f"moved damaged step(s) {', '.join(map(str, steps))} to {aside}")
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -53,3 +91,8 @@ class Checkpoints:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:160] if text else ""
