@@ -69,7 +69,11 @@ class Goodput:
         for key, value in last["seconds"].items():
             committed[key] = committed.get(key, 0.0) + value
         committed["productive"] -= last["seconds"]["productive"] - kept
-        committed["restart"] += last["seconds"]["productive"] - kept + max(0.0, self.start - last["updated"])
+        gap = max(0.0, self.start - last["updated"])
+        if last.get("finished"):   # a finished run continued later (more steps): the pause is not lost time
+            self.job_start += gap
+            gap = 0.0
+        committed["restart"] += last["seconds"]["productive"] - kept + gap
         self.committed = committed
         self.redone_steps = previous.get("redone_steps", 0) + max(0, last["step"] - resume_step)
 
@@ -94,8 +98,11 @@ class Goodput:
                 "badput_s": {k: seconds[k] for k in BADPUT}, "restarts": self.restarts,
                 "redone_steps": self.redone_steps}
 
-    def flush(self) -> dict:
-        """Write the ledger (process 0) and return the totals; called at every log interval and save."""
+    def flush(self, finished: bool = False) -> dict:
+        """Write the ledger (process 0) and return the totals; called at every log interval and save.
+
+        `finished`: the run reached its last step (a later resume is a continuation, not a restart).
+        """
         totals = self.totals()
         self.timeline.append([round(self.now() - self.job_start, 3), self.step, round(totals["productive_s"], 3),
                               self.restarts])
@@ -103,7 +110,7 @@ class Goodput:
             ledger = {"job_start": self.job_start, "committed": self.committed,
                       "redone_steps": self.redone_steps, "timeline": self.timeline,
                       "attempt": {"start": self.start, "updated": self.now(), "step": self.step,
-                                  "seconds": self.seconds,
+                                  "seconds": self.seconds, "finished": finished,
                                   "productive_at": {str(k): v for k, v in self.productive_at.items()}}}
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps(ledger))

@@ -94,5 +94,5 @@ class Checkpoints:
 
 
 def _first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:160] if text else ""
+    text = str(err).split(". See full")[0].strip().splitlines()   # TensorStore appends a bound-method repr
+    return text[0][:120] if text else ""

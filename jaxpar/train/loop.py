@@ -271,7 +271,7 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
         sample_text = sample_from_state(state["params"], model_cfg, data.tokenizer, t.sample_prompt,
                                         t.sample_tokens, config.data.seq_len)
         say(f"sample: {t.sample_prompt}{sample_text}")
-    totals = goodput.flush()
+    totals = goodput.flush(finished=True)
     badput = ", ".join(f"{k} {v:.1f} s" for k, v in totals["badput_s"].items())
     say(f"goodput {totals['goodput']:.1%} of {totals['wall_s']:.1f} s wall ({totals['restarts']} restarts, "
         f"{totals['redone_steps']} re-done steps); badput: {badput}")

@@ -1,0 +1,116 @@
+"""Damaged checkpoints, as an operator's disk damages them, and bad numbers.
+
+A reference run saves steps 4 and 8. Each test damages a copy of it and resumes:
+the run falls back to step 4 with one line and then reproduces the reference's
+losses exactly, or, when no step is intact, exits 2 with one line. A run whose loss
+turns non-finite exits non-zero and keeps its good checkpoints.
+"""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.train.guard import EXIT_NON_FINITE
+
+TINY = ["--config", "configs/test.py", "--set", "train.sample_tokens=0"]
+
+
+def losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def array_files(run_dir, step):
+    """The data files holding a step's arrays, largest first."""
+    files = [p for p in (run_dir / "checkpoints" / str(step) / "state").rglob("*")
+             if p.is_file() and p.parent.name == "d"]
+    return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("integrity") / "reference"
+    assert main(["train", *TINY, "--run-dir", str(run_dir)]) == 0
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 8]
+    return run_dir
+
+
+def damaged_copy(reference, tmp_path, damage, steps=(8,)):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    for step in steps:
+        damage(array_files(run_dir, step)[0])
+    return run_dir
+
+
+def overwrite(path):
+    """2,000 bytes overwritten in place (size unchanged): the file still decodes, its values are wrong."""
+    with open(path, "r+b") as f:
+        f.seek(int(path.stat().st_size * 0.9))
+        f.write(struct.pack("<f", 0.5) * 500)
+
+
+def truncate(path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def delete(path):
+    path.unlink()
+
+
+@pytest.mark.parametrize("damage, reason", [(overwrite, "checksum mismatch"), (truncate, "unreadable"),
+                                            (delete, "unreadable")], ids=["overwritten", "truncated", "deleted"])
+def test_a_damaged_step_falls_back_to_the_last_good_one(reference, tmp_path, capsys, damage, reason):
+    run_dir = damaged_copy(reference, tmp_path, damage)
+    if damage is delete:   # as a user runs it: Orbax's background threads must not print at exit either
+        result = subprocess.run([sys.executable, "-m", "jaxpar.cli", "train", "--run-dir", str(run_dir), "--resume",
+                                 "--cpu-devices", "8"], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        out = result.stdout
+        for text in ("Traceback", "Event loop is closed", "cannot schedule new futures"):
+            assert text not in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
+    else:
+        assert main(["train", "--run-dir", str(run_dir), "--resume"]) == 0
+        out = capsys.readouterr().out
+    notices = [line for line in out.splitlines() if line.startswith("checkpoint step 8 is")]
+    assert len(notices) == 1 and reason in notices[0], out
+    assert "resumed from step 4" in out
+    assert (run_dir / "damaged-checkpoints" / "8").is_dir()      # kept for inspection, out of the way
+    resumed, expected = losses(run_dir), losses(reference)
+    assert [resumed[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]   # exactly
+
+
+def test_every_step_damaged_is_one_line_and_exit_2(reference, tmp_path):
+    run_dir = damaged_copy(reference, tmp_path, truncate, steps=(4, 8))
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    result = subprocess.run([sys.executable, "-m", "jaxpar.cli", "train", "--run-dir", str(run_dir), "--resume",
+                             "--cpu-devices", "8"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: --resume: no intact checkpoint in '{run_dir / 'checkpoints'}' (every step is damaged or "
+        "unreadable); start a new run"], result.stderr[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stdout.count(" is unreadable (") == 2
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before   # nothing moved or deleted
+
+
+def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_good_checkpoints(reference, tmp_path, capsys):
+    run_dir = damaged_copy(reference, tmp_path, lambda path: None, steps=())
+    # A huge learning rate blows the parameters up after step 9; with keep_checkpoints=2 a saved
+    # non-finite step 12 and 16 would rotate the good steps 4 and 8 away.
+    code = main(["train", "--run-dir", str(run_dir), "--resume", "--set", "train.steps=16",
+                 "--set", "train.lr=1e30", "--set", "train.keep_checkpoints=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_NON_FINITE
+    assert len(err) == 1 and err[0].startswith("train: ") and "stopped without saving" in err[0], err
+    assert " nan at step " in err[0] or " inf at step " in err[0], err
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 8]
+    assert max(losses(run_dir)) < 12                                 # stopped before the next save
+    assert main(["train", "--run-dir", str(run_dir), "--resume", "--set", "train.lr=0.01",   # step 8 is intact
+                 "--set", "train.steps=10"]) == 0
+    assert "resumed from step 8" in capsys.readouterr().out
