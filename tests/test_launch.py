@@ -142,7 +142,7 @@ def test_bad_arguments_are_config_errors(kwargs, field):
 def test_cli_arguments_strip_the_separator(monkeypatch):
     seen = {}
 
-    def fake_launch(nproc, cpu_devices, command, *, port=None, timeout=None):
+    def fake_launch(nproc, cpu_devices, command, *, port=None, timeout=None, max_restarts=0, preempt_grace=300.0):
         seen.update(nproc=nproc, cpu_devices=cpu_devices, command=command, port=port, timeout=timeout)
         return 0
 

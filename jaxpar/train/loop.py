@@ -252,8 +252,8 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
                 pending, interval_start, interval_steps, excluded = [], time.perf_counter(), 0, 0.0
             if fault_here and step == t.fault_at_step:  # a crash between checkpoints: later steps are lost
                 checkpoints.wait()
-                console.print(f"fault injection: killing process {jax.process_index()} after step {step}")
-                os.kill(os.getpid(), signal.SIGKILL)
+                console.print(f"fault injection: {t.fault_signal} to process {jax.process_index()} after step {step}")
+                os.kill(os.getpid(), getattr(signal, t.fault_signal))
             if preempted:
                 break
     guard.flush()
