@@ -15,14 +15,12 @@ import sys
 import pytest
 
 from jaxpar.cli import main
+from ops_helpers import children_share_a_compilation_cache, losses  # noqa: F401 (fixture)
 from jaxpar.train.guard import EXIT_NON_FINITE
 
 TINY = ["--config", "configs/test.py", "--set", "train.sample_tokens=0"]
 
 
-def losses(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def array_files(run_dir, step):

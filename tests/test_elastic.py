@@ -17,15 +17,13 @@ import numpy as np
 import pytest
 
 from jaxpar.cli import main
+from ops_helpers import children_share_a_compilation_cache, losses  # noqa: F401 (fixture)
 from jaxpar.launch import launch, restart_command
 from jaxpar.train.preemption import EXIT_PREEMPTED
 
 TINY = ["--config", "configs/test.py", "--set", "train.sample_tokens=0"]
 
 
-def losses(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def assert_same_losses(run_dir, reference, steps, rtol=1e-4):

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from jaxpar.cli import main
+from ops_helpers import children_share_a_compilation_cache, losses  # noqa: F401 (fixture)
 from jaxpar.cluster.slurm import render
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,9 +45,6 @@ def slurm(tmp_path_factory):
     subprocess.run(["bash", str(CLUSTER), "stop", str(state)], timeout=30)
 
 
-def losses(run_dir):
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def submit(env, tmp_path, name, extra=()):
