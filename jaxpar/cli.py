@@ -57,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpar.launch import add_launch_arguments
     add_launch_arguments(p)
 
+    p = sub.add_parser("slurm", help="render an sbatch script for N nodes x G GPUs (preemption, requeue, restarts)",
+                       description="jaxpar slurm --nodes 4 --gpus-per-node 8 --out train.sbatch -- --config FILE")
+    from jaxpar.cluster.slurm import add_arguments as add_slurm_arguments
+    add_slurm_arguments(p)
+
+    p = sub.add_parser("k8s", help="render Kubernetes manifests (JobSet, or Indexed Job + headless Service)",
+                       description="jaxpar k8s --hosts 4 --gpus-per-host 8 --image IMAGE -- --config FILE")
+    from jaxpar.cluster.k8s import add_arguments as add_k8s_arguments
+    add_k8s_arguments(p)
+
     p = sub.add_parser("bench", help="microbenchmarks")
     bench = p.add_subparsers(dest="bench", required=True, parser_class=Parser)
     p = bench.add_parser("collectives", help="bandwidth and latency of collectives vs theory")
@@ -92,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Lab 02 (experiments/02_zero): same losses, different memory, different bytes.")
     from jaxpar.labs.zero import add_arguments as add_lab_zero_arguments
     add_lab_zero_arguments(p)
+    p = labs.add_parser("ops", help="module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
+                        description="Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, resharding.")
+    from jaxpar.labs.ops import add_arguments as add_lab_ops_arguments
+    add_lab_ops_arguments(p)
     return parser
 
 
@@ -175,14 +189,27 @@ def cmd_memory(args) -> int:
 
 
 def cmd_lab(args) -> int:
+    if args.lab == "ops":
+        from jaxpar.labs import ops
+        return ops.run_from_args(args)
     from jaxpar.labs import zero
     return {"zero": zero.run_from_args}[args.lab](args)
 
 
-LOCAL_COMMANDS = ("launch",)   # commands that never start JAX in this process
+def cmd_slurm(args) -> int:
+    from jaxpar.cluster.slurm import run_from_args
+    return run_from_args(args)
+
+
+def cmd_k8s(args) -> int:
+    from jaxpar.cluster.k8s import run_from_args
+    return run_from_args(args)
+
+
+LOCAL_COMMANDS = ("launch", "slurm", "k8s")   # commands that never start JAX in this process
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
-            "dryrun": cmd_dryrun, "memory": cmd_memory, "lab": cmd_lab}
+            "dryrun": cmd_dryrun, "memory": cmd_memory, "lab": cmd_lab, "slurm": cmd_slurm, "k8s": cmd_k8s}
 
 
 def main(argv=None) -> int:
