@@ -6,6 +6,7 @@ know: its own fields are checked against the JobSet v1alpha2 API, and the Job
 template inside it against the client's V1JobTemplateSpec.
 """
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -29,12 +30,12 @@ JOBSET_FIELDS = {"spec": {"replicatedJobs", "network", "successPolicy", "failure
 
 def validate(value, type_name: str, path: str = "$") -> None:
     """Raise AssertionError where `value` does not fit the client model `type_name` (unknown field, wrong type)."""
-    if type_name.startswith("list["):
+    if type_name.startswith(("list[", "List[")):
         assert isinstance(value, list), f"{path}: expected a list"
         for i, item in enumerate(value):
             validate(item, type_name[5:-1], f"{path}[{i}]")
         return
-    if type_name.startswith("dict("):
+    if type_name.startswith(("dict(", "Dict[")):
         assert isinstance(value, dict), f"{path}: expected a map"
         inner = type_name[5:-1].split(", ", 1)[1]
         for key, item in value.items():
@@ -68,7 +69,7 @@ def test_indexed_job_and_headless_service_validate(hosts, gpus):
     assert spec["completionMode"] == "Indexed" and spec["parallelism"] == spec["completions"] == hosts
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == service["metadata"]["name"] and pod["restartPolicy"] == "Never"
-    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "jaxpar-checkpoints"
 
 
@@ -120,3 +121,9 @@ def test_cli_prints_yaml_and_refuses_bad_input(capsys):
     with pytest.raises(ConfigError, match="--hosts"):
         render(hosts=0)
     assert yaml.safe_load(to_yaml(render())) == render()[0]
+
+
+@pytest.mark.parametrize("kind, file", [("jobset", "jobset.yaml"), ("indexed-job", "indexed-job.yaml")])
+def test_the_shipped_manifests_are_the_rendered_ones(kind, file):
+    shipped = list(yaml.safe_load_all((Path(__file__).resolve().parent.parent / "scripts" / "k8s" / file).read_text()))
+    assert shipped == render(kind=kind, hosts=2, train_args=["--config", "configs/llama_1b.py"])

@@ -28,9 +28,20 @@ CLUSTER = ROOT / "scripts" / "slurm" / "local-cluster.sh"
 TRAIN = ["--config", "configs/test.py", "--set", "train.sample_tokens=0"]
 MISSING = [b for b in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(b) is None]
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(bool(MISSING), reason=f"Slurm is not installed here (no {', '.join(MISSING)}); "
-                                 "`scripts/slurm/local-cluster.sh install` installs it (apt, root)")]
+needs_slurm = pytest.mark.skipif(bool(MISSING), reason=f"Slurm is not installed here (no {', '.join(MISSING)}); "
+                                 "`scripts/slurm/local-cluster.sh install` installs it (apt, root)")
+
+
+def test_the_shipped_script_is_the_rendered_one(capsys):
+    assert main(["slurm", "--nodes", "2", "--gpus-per-node", "8", "--", "--config", "configs/llama_1b.py"]) == 0
+    text = capsys.readouterr().out
+    assert text == (ROOT / "scripts" / "slurm" / "train.sbatch").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --signal=B:USR1@90", "#SBATCH --requeue", "srun --kill-on-bad-exit=1"):
+        assert line in text
+    per_gpu = render(nodes=2, gpus_per_node=8, tasks_per="gpu")
+    assert "#SBATCH --ntasks-per-node=8" in per_gpu and "#SBATCH --gpus-per-task=1" in per_gpu
+    assert main(["slurm", "--nodes", "0"]) == 2
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +128,8 @@ def uninterrupted(slurm, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
+@needs_slurm
 def test_two_task_job_matches_the_single_process_run(uninterrupted, tmp_path):
     reference = tmp_path / "single"
     assert main(["train", *TRAIN, "--run-dir", str(reference)]) == 0      # 1 process x 8 devices
@@ -125,6 +138,8 @@ def test_two_task_job_matches_the_single_process_run(uninterrupted, tmp_path):
     np.testing.assert_allclose([two[s] for s in range(1, 9)], [one[s] for s in range(1, 9)], rtol=1e-4)
 
 
+@pytest.mark.slow
+@needs_slurm
 def test_preemption_saves_requeues_and_resumes_exactly(slurm, uninterrupted, tmp_path):
     job, run_dir = submit(slurm, tmp_path, "preempted")
     assert wait_until(lambda: reached_step(run_dir, 2), 300), job_log(tmp_path, "preempted")[-3000:]
@@ -144,6 +159,8 @@ def test_preemption_saves_requeues_and_resumes_exactly(slurm, uninterrupted, tmp
     assert goodput["restarts"] == 1
 
 
+@pytest.mark.slow
+@needs_slurm
 def test_a_killed_task_ends_the_job_quickly(slurm, uninterrupted, tmp_path, record_property):
     job, run_dir = submit(slurm, tmp_path, "killed", extra=["--set", "train.steps=400"])
     assert wait_until(lambda: reached_step(run_dir, 2), 300), job_log(tmp_path, "killed")[-3000:]

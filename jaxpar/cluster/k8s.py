@@ -45,7 +45,7 @@ def _container(name, image, hosts, gpus, coordinator, train_args, run_dir, cpu_d
         "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}],
     }
     if gpus:
-        container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+        container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}   # a Quantity
     return container
 
 
