@@ -91,6 +91,18 @@ def test_a_crashing_process_takes_the_job_down(worker_path):
 
 
 @pytest.mark.slow
+def test_an_uncaught_exception_ends_its_process_at_once(worker_path):
+    out = Recorder()
+    t0 = time.monotonic()
+    rc = launch(2, 4, ["raise"], module=WORKER, out=out, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert rc == 1, out.text
+    assert "[p1] RuntimeError: a bug in process 1" in out.text
+    # Not distributed.shutdown_timeout_s (30 s) in JAX's exit barrier: the excepthook exits at once.
+    assert elapsed < 25, elapsed
+
+
+@pytest.mark.slow
 def test_timeout_stops_everything(worker_path):
     out = Recorder()
     t0 = time.monotonic()
