@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -121,3 +122,33 @@ def test_sigterm_saves_and_exits_preempted_then_resumes_exactly(reference, tmp_p
     assert "resumed from step 6" in capsys.readouterr().out
     got, want = losses(run_dir), losses(reference)
     assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]   # exactly
+
+
+@pytest.mark.slow
+def test_launcher_passes_a_preemption_signal_on_and_waits_for_the_save(tmp_path):
+    """SIGUSR1 to `jaxpar launch`: every process stops at the same step, saves, exits 75; nobody is killed."""
+    run_dir = tmp_path / "run"
+    log = tmp_path / "launch.log"
+
+    def preempt_when_training():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if max(losses(run_dir), default=0) >= 2:
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                    return
+            except (FileNotFoundError, ValueError):
+                pass
+            time.sleep(0.1)
+
+    threading.Thread(target=preempt_when_training, daemon=True).start()
+    with open(log, "w") as out:
+        code = launch(2, 4, ["train", *TINY, "--run-dir", str(run_dir), "--set", "train.steps=400",
+                             "--set", "train.checkpoint_every=100"], timeout=400, out=out)
+    text = log.read_text()
+    assert code == EXIT_PREEMPTED, text[-3000:]
+    assert "jaxpar launch: preemption signal" in text
+    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and 2 <= saved[0] < 100, saved
+    for i in range(2):
+        assert f"[p{i}] preempted: saved a checkpoint at step {saved[0]} of 400" in text, text[-3000:]

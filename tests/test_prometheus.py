@@ -21,6 +21,27 @@ ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "scripts" / "monitoring"
 
 
+try:
+    import tensorboardX  # noqa: F401
+    TENSORBOARD = True
+except ImportError:   # the `ops` extra
+    TENSORBOARD = False
+
+
+def tensorboard_tags(directory: Path) -> set[str]:
+    """Scalar tags in TensorBoard event files (TFRecord framing: length, crc, Event proto, crc)."""
+    from tensorboardX.proto.event_pb2 import Event
+    tags = set()
+    for file in directory.glob("events.out.tfevents.*"):
+        data, offset = file.read_bytes(), 0
+        while offset < len(data):
+            length = int.from_bytes(data[offset:offset + 8], "little")
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            tags |= {value.tag for value in event.summary.value}
+            offset += 12 + length + 4
+    return tags
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,7 +86,8 @@ def test_every_dashboard_query_returns_data_from_a_scraped_run(tmp_path):
         start = time.time()
         assert main(["train", "--config", "configs/test.py", "--run-dir", str(tmp_path / "run"),
                      "--metrics-port", str(metrics_port), "--set", "train.steps=30", "--set", "train.eval_every=10",
-                     "--set", "train.checkpoint_every=10", "--set", "train.sample_tokens=0"]) == 0
+                     "--set", "train.checkpoint_every=10", "--set", "train.sample_tokens=0",
+                     "--set", f"train.tensorboard={TENSORBOARD}"]) == 0
         end = time.time()
         summary = json.loads((tmp_path / "run" / "summary.json").read_text())["goodput"]
         assert 0 < summary["goodput"] < 1 and set(summary["badput_s"]) == {
@@ -79,8 +101,16 @@ def test_every_dashboard_query_returns_data_from_a_scraped_run(tmp_path):
             if not values:
                 empty.append(expr)
         assert not empty, f"queries without data: {empty}"
-        loss = api(base, "/api/v1/query_range", query="jaxpar_loss", start=start, end=end + 2, step="1s")
-        assert max(float(v) for _, v in loss["data"]["result"][0]["values"]) > 0
+        def peak(expr):
+            result = api(base, "/api/v1/query_range", query=expr, start=start, end=end + 2, step="1s")
+            return max(float(v) for series in result["data"]["result"] for _, v in series["values"])
+
+        assert peak("jaxpar_step") == 30                     # the series carry the run's values, not only zeros
+        assert peak("jaxpar_loss") > 0 and peak("jaxpar_tokens_per_second") > 0
+        assert 0 < peak("jaxpar_goodput_ratio") < 1 and peak("jaxpar_checkpoint_save_seconds_count") >= 1
+        if TENSORBOARD:   # the optional sink wrote the same run as TensorBoard events
+            tags = tensorboard_tags(tmp_path / "run" / "tensorboard")
+            assert {"train/loss", "train/val_loss", "goodput/ratio", "badput_seconds/checkpoint"} <= tags, tags
     finally:
         server.terminate()
         server.wait(timeout=30)
