@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
+    p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
+                   help="keep serving the final metrics this long after training (so the last scrape sees them)")
 
     p = sub.add_parser("sample", help="generate text from a trained run")
     p.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by `jaxpar train`")
@@ -147,7 +149,7 @@ def train_config(args):
 def cmd_train(args) -> int:
     from jaxpar.train.loop import train
     train(args.config_loaded, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
-          metrics_port=args.metrics_port)
+          metrics_port=args.metrics_port, metrics_linger_s=args.metrics_linger)
     return 0
 
 

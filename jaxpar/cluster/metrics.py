@@ -8,6 +8,7 @@ the `ops` extra).
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from jaxpar.config import ConfigError
@@ -130,7 +131,9 @@ class Sinks:
         if self.tensorboard:
             self.tensorboard.goodput_totals(step, totals)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        if self.prometheus and linger_s > 0:
+            time.sleep(linger_s)
         for sink in (self.prometheus, self.tensorboard):
             if sink:
                 sink.close()

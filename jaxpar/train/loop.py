@@ -72,11 +72,12 @@ class MetricsLog:
 
 
 def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrite: bool = False,
-          profile: str | None = None, metrics_port: int | None = None) -> dict:
+          profile: str | None = None, metrics_port: int | None = None, metrics_linger_s: float = 0.0) -> dict:
     """Train per `config`; returns a summary (losses, timings, goodput, run directory).
 
     `profile`: "START:END" traces those steps with jax.profiler into the run directory.
-    `metrics_port`: serve Prometheus metrics on this port + the process index.
+    `metrics_port`: serve Prometheus metrics on this port + the process index (`metrics_linger_s` more
+    seconds after the end, so that the last scrape sees the final values).
     Raises `Preempted` after saving on SIGTERM/SIGUSR1 and `NonFiniteError` on bad numbers.
     """
     window = parse_window(profile, config.train.steps)
@@ -139,7 +140,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
                     metrics_log, goodput, sinks, guard, preemption, window, counts)
     finally:
         preemption.close()
-        sinks.close()
+        sinks.close(metrics_linger_s)
 
 
 def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, validation, checkpoints,
