@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpar.labs.zero import add_arguments as add_lab_zero_arguments
     add_lab_zero_arguments(p)
     p = labs.add_parser("ops", help="module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
-                        description="Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, resharding.")
+                        description="Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, "
+                                    "resharding.")
     from jaxpar.labs.ops import add_arguments as add_lab_ops_arguments
     add_lab_ops_arguments(p)
     return parser

@@ -93,7 +93,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 4
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 3
-    c.train.fault_at_step = 0           # fault injection: SIGKILL after that step, once earlier saves are durable (0: off);
+    c.train.fault_at_step = 0           # fault injection: a signal after that step, once earlier saves are durable
+                                        # (0: off);
                                         # first attempt only, so a restarted job gets past it
     c.train.fault_process = -1          # which process the fault hits (-1: every process)
     c.train.fault_signal = "SIGKILL"    # SIGKILL: a crash; SIGTERM or SIGUSR1: a preemption notice (save, exit 75)

@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     print(f"process={jax.process_index()}/{jax.process_count()} "
           f"devices={jax.device_count()} local={jax.local_device_count()}", flush=True)

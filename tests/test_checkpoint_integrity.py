@@ -5,7 +5,6 @@ the run falls back to step 4 with one line and then reproduces the reference's
 losses exactly, or, when no step is intact, exits 2 with one line. A run whose loss
 turns non-finite exits non-zero and keeps its good checkpoints.
 """
-import json
 import os
 import shutil
 import struct
@@ -13,14 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from ops_helpers import children_share_a_compilation_cache, losses, reference  # noqa: F401 (fixtures)
 
 from jaxpar.cli import main
-from ops_helpers import children_share_a_compilation_cache, losses  # noqa: F401 (fixture)
 from jaxpar.train.guard import EXIT_NON_FINITE
-
-TINY = ["--config", "configs/test.py", "--set", "train.sample_tokens=0"]
-
-
 
 
 def array_files(run_dir, step):
@@ -28,14 +23,6 @@ def array_files(run_dir, step):
     files = [p for p in (run_dir / "checkpoints" / str(step) / "state").rglob("*")
              if p.is_file() and p.parent.name == "d"]
     return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("integrity") / "reference"
-    assert main(["train", *TINY, "--run-dir", str(run_dir)]) == 0
-    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 8]
-    return run_dir
 
 
 def damaged_copy(reference, tmp_path, damage, steps=(8,)):

@@ -79,7 +79,8 @@ def test_jobset_validates():
     validate(jobset["metadata"], "V1ObjectMeta")
     spec = jobset["spec"]
     assert set(spec) <= JOBSET_FIELDS["spec"]
-    assert set(spec["network"]) <= JOBSET_FIELDS["network"] and set(spec["failurePolicy"]) <= JOBSET_FIELDS["failurePolicy"]
+    assert set(spec["network"]) <= JOBSET_FIELDS["network"]
+    assert set(spec["failurePolicy"]) <= JOBSET_FIELDS["failurePolicy"]
     assert spec["failurePolicy"]["maxRestarts"] == 5
     for replicated in spec["replicatedJobs"]:
         assert set(replicated) <= JOBSET_FIELDS["replicatedJob"]

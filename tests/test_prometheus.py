@@ -85,7 +85,8 @@ def test_every_dashboard_query_returns_data_from_a_scraped_run(tmp_path):
                 time.sleep(0.2)
         start = time.time()
         assert main(["train", "--config", "configs/test.py", "--run-dir", str(tmp_path / "run"),
-                     "--metrics-port", str(metrics_port), "--metrics-linger", "2", "--set", "train.steps=30", "--set", "train.eval_every=10",
+                     "--metrics-port", str(metrics_port), "--metrics-linger", "2",
+                     "--set", "train.steps=30", "--set", "train.eval_every=10",
                      "--set", "train.checkpoint_every=10", "--set", "train.sample_tokens=0",
                      "--set", f"train.tensorboard={TENSORBOARD}"]) == 0
         end = time.time()

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ops_helpers import TINY, children_share_a_compilation_cache, losses, reference  # noqa: F401 (fixtures)
 
 from jaxpar.cli import main
-from ops_helpers import children_share_a_compilation_cache, losses  # noqa: F401 (fixture)
 from jaxpar.cluster.slurm import render
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ROOT / "scripts" / "slurm" / "local-cluster.sh"
-TRAIN = ["--config", "configs/test.py", "--set", "train.sample_tokens=0"]
+TRAIN = TINY
 MISSING = [b for b in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(b) is None]
 
 needs_slurm = pytest.mark.skipif(bool(MISSING), reason=f"Slurm is not installed here (no {', '.join(MISSING)}); "
@@ -130,10 +130,8 @@ def uninterrupted(slurm, tmp_path_factory):
 
 @pytest.mark.slow
 @needs_slurm
-def test_two_task_job_matches_the_single_process_run(uninterrupted, tmp_path):
-    reference = tmp_path / "single"
-    assert main(["train", *TRAIN, "--run-dir", str(reference)]) == 0      # 1 process x 8 devices
-    two, one = losses(uninterrupted), losses(reference)
+def test_two_task_job_matches_the_single_process_run(uninterrupted, reference):
+    two, one = losses(uninterrupted), losses(reference)                  # reference: 1 process x 8 devices
     assert sorted(two) == list(range(1, 9))
     np.testing.assert_allclose([two[s] for s in range(1, 9)], [one[s] for s in range(1, 9)], rtol=1e-4)
 
@@ -174,6 +172,7 @@ def test_a_killed_task_ends_the_job_quickly(slurm, uninterrupted, tmp_path, reco
     job_end_s = time.monotonic() - killed_at
     state, code, _ = job_state(slurm, job)
     assert state == "FAILED" and code != "0:0", (state, code)
-    print(f"\nkill -9 of task 1: every task gone after {all_gone_s:.1f} s, job {state} ({code}) after {job_end_s:.1f} s")
+    print(f"\nkill -9 of task 1: every task gone after {all_gone_s:.1f} s, "
+          f"job {state} ({code}) after {job_end_s:.1f} s")
     record_property("all_tasks_gone_s", all_gone_s)
     assert job_end_s <= 30

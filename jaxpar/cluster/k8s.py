@@ -34,7 +34,8 @@ def _container(name, image, hosts, gpus, coordinator, train_args, run_dir, cpu_d
     if cpu_devices:
         command += ["--cpu-devices", str(cpu_devices)]
     env = [
-        {"name": ENV_PROCESS_ID, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
+        {"name": ENV_PROCESS_ID,
+         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
         {"name": ENV_NUM_PROCESSES, "value": str(hosts)},
         {"name": ENV_COORDINATOR, "value": f"{coordinator}:{COORDINATOR_PORT}"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},

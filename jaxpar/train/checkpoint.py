@@ -89,8 +89,11 @@ class Checkpoints:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the last save and stop Orbax's threads (idempotent: also called when training fails)."""
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+            self.manager.close()
+            self.manager = None
 
 
 def _first_line(err: Exception) -> str:

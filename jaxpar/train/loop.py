@@ -140,6 +140,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
                     metrics_log, goodput, sinks, guard, preemption, window, counts)
     finally:
         preemption.close()
+        checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
         sinks.close(metrics_linger_s)
 
 
