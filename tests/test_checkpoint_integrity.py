@@ -11,6 +11,9 @@ import struct
 import subprocess
 import sys
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from ops_helpers import children_share_a_compilation_cache, losses, reference  # noqa: F401 (fixtures)
 
@@ -33,11 +36,58 @@ def damaged_copy(reference, tmp_path, damage, steps=(8,)):
     return run_dir
 
 
-def overwrite(path):
-    """2,000 bytes overwritten in place (size unchanged): the file still decodes, its values are wrong."""
+def overwrite_at(path, fraction):
     with open(path, "r+b") as f:
-        f.seek(int(path.stat().st_size * 0.9))
+        f.seek(int(path.stat().st_size * fraction))
         f.write(struct.pack("<f", 0.5) * 500)
+
+
+def plain_restore(checkpoint, abstract):
+    """The state as Orbax alone restores it (no checksums); raises where the files do not decode."""
+    manager = ocp.CheckpointManager(checkpoint.parent, item_names=("state", "meta"))
+    try:
+        restored = manager.restore(int(checkpoint.name),
+                                   args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        return [np.asarray(x) for x in jax.tree.leaves(restored["state"])]
+    finally:
+        manager.close()
+
+
+def overwrite(path):
+    """2,000 bytes overwritten in place (size unchanged) where Orbax still restores, with wrong values, silently.
+
+    Where the bytes land depends on how TensorStore laid the arrays out (it varies from run to run):
+    some places break the file's framing (then it is `truncate`'s case), some hold no live data. Each
+    place is tried on a scratch copy with a plain Orbax restore, compared with the undamaged values.
+    """
+    checkpoint = next(p for p in path.parents if p.parent.name == "checkpoints")   # <run>/checkpoints/<step>
+    abstract = abstract_state(checkpoint.parent.parent)
+    intact = plain_restore(checkpoint, abstract)
+    scratch = checkpoint.parent.parent.parent / "scratch" / "checkpoints" / checkpoint.name
+    for fraction in np.linspace(0.95, 0.05, 19):
+        shutil.rmtree(scratch.parent, ignore_errors=True)
+        shutil.copytree(checkpoint, scratch)
+        overwrite_at(scratch / path.relative_to(checkpoint), fraction)
+        try:
+            damaged = plain_restore(scratch, abstract)
+        except Exception:  # noqa: BLE001 - this place breaks the framing: try another
+            continue
+        finally:
+            shutil.rmtree(scratch.parent, ignore_errors=True)
+        if any(not np.array_equal(a, b) for a, b in zip(intact, damaged)):
+            overwrite_at(path, fraction)
+            return
+    pytest.fail("no place found where overwritten bytes still restore")
+
+
+def abstract_state(run_dir):
+    from jaxpar.mesh import make_mesh
+    from jaxpar.model.transformer import ModelConfig
+    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.train.rundir import resume_config
+    config = resume_config(run_dir)
+    model_cfg = ModelConfig.from_config(config.model, 512)   # configs/test.py's 512-token BPE vocabulary
+    return make_trainer(config, model_cfg, make_mesh(config, jax.devices())).abstract_state
 
 
 def truncate(path):

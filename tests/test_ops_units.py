@@ -52,10 +52,9 @@ def test_guard_stops_at_the_first_bad_step_or_skips_up_to_the_limit():
 
 def test_goodput_ledger_turns_lost_work_into_restart_time(tmp_path, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setenv("JAXPAR_ATTEMPT_START", "1000")
     monkeypatch.setenv("JAXPAR_RESTART_COUNT", "0")
     ledger = tmp_path / "goodput.json"
-    first = Goodput(ledger, None, write=True, now=lambda: clock[0])
+    first = Goodput(ledger, None, write=True, now=lambda: clock[0], start=1000.0)
     first.add("startup_compile", 10)
     first.add("productive", 40)                # steps 1..4
     first.stepped(4)
@@ -64,10 +63,9 @@ def test_goodput_ledger_turns_lost_work_into_restart_time(tmp_path, monkeypatch)
     first.stepped(7)
     clock[0] = 1085.0
     first.flush()
-    monkeypatch.setenv("JAXPAR_ATTEMPT_START", "1100")   # restarted 15 s after the last flush
     monkeypatch.setenv("JAXPAR_RESTART_COUNT", "1")
     clock[0] = 1110.0
-    second = Goodput(ledger, 4, write=True, now=lambda: clock[0])
+    second = Goodput(ledger, 4, write=True, now=lambda: clock[0], start=1100.0)   # 15 s after the last flush
     second.add("startup_compile", 10)
     totals = second.flush()
     assert totals["wall_s"] == 110 and totals["restarts"] == 1 and totals["redone_steps"] == 3

@@ -31,11 +31,19 @@ def restart_count(environ=os.environ) -> int:
     return max(int(environ.get(ENV_RESTARTS) or 0), int(environ.get("SLURM_RESTART_COUNT") or 0))
 
 
-def attempt_start(environ=os.environ) -> float:
-    """When this attempt's processes started: from the launcher, else this process's start time."""
+_process_started_a_run = False
+
+
+def attempt_start(entered: float, environ=os.environ) -> float:
+    """When this attempt started: the launcher's start of the processes, else this process's start time;
+    for a second run in one process (tests, notebooks), `entered` (when `train` was called)."""
+    global _process_started_a_run
+    first, _process_started_a_run = not _process_started_a_run, True
+    if not first:
+        return entered
     if environ.get(ENV_ATTEMPT_START):
         return float(environ[ENV_ATTEMPT_START])
-    try:   # Linux: /proc/self is created with the process
+    try:   # Linux: /proc/<pid> is created with the process
         return os.stat(f"/proc/{os.getpid()}").st_ctime
     except OSError:
         return time.time()
@@ -44,9 +52,10 @@ def attempt_start(environ=os.environ) -> float:
 class Goodput:
     """Time accounting for one attempt, on top of what earlier attempts left in the ledger."""
 
-    def __init__(self, ledger: Path | None, resume_step: int | None, *, write: bool, now=time.time):
+    def __init__(self, ledger: Path | None, resume_step: int | None, *, write: bool, now=time.time,
+                 entered: float | None = None, start: float | None = None):
         self.path, self.write, self.now = ledger, write, now
-        self.start = attempt_start()
+        self.start = start if start is not None else attempt_start(entered if entered is not None else now())
         self.restarts = restart_count()
         self.seconds = {"productive": 0.0, **{k: 0.0 for k in BADPUT}}
         self.step = resume_step or 0

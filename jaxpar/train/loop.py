@@ -80,6 +80,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     seconds after the end, so that the last scrape sees the final values).
     Raises `Preempted` after saving on SIGTERM/SIGUSR1 and `NonFiniteError` on bad numbers.
     """
+    entered = time.time()
     window = parse_window(profile, config.train.steps)
     run_dir = Path(run_dir) if run_dir else default_run_dir(config.name)
     check_run_dir(run_dir, resume, overwrite)
@@ -129,7 +130,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     # The data position is global: the run continues at global batch `start`, whatever the process count.
     iterator = iter(train_dataset(data.train, config.train.batch_size, config.data.shuffle_seed, rows, start))
     metrics_log = MetricsLog(run_dir / "metrics.jsonl", start if resume else None)
-    goodput = Goodput(run_dir / "goodput.json", start if resume else None, write=is_main())
+    goodput = Goodput(run_dir / "goodput.json", start if resume else None, write=is_main(), entered=entered)
     sinks = Sinks(metrics_port, run_dir / "tensorboard" if config.train.tensorboard and is_main() else None,
                   jax.process_index())
     guard = NonFiniteGuard(config.train.max_bad_steps)
