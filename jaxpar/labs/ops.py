@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.config import ConfigError
-from jaxpar.launch import KILL_GRACE_S
 
 LAB_DEFAULTS = ["train.steps=40", "train.checkpoint_every=10", "train.eval_every=20", "train.log_every=1",
                 "train.sample_tokens=0"]
@@ -76,10 +75,11 @@ def _check(code: int, log: Path, what: str) -> None:
 
 
 def predicted_loss(fault_step: int, checkpoint_every: int, step_time_s: float, restart_s: float,
-                   stop_s: float = KILL_GRACE_S) -> dict:
+                   stop_s: float = 0.0) -> dict:
     """What a failure after `fault_step` costs: the steps since the last checkpoint again, the time to stop
-    the survivor (it is blocked in a collective, and JAX turns SIGTERM into a preemption notice, so it goes
-    only at the launcher's SIGKILL, `stop_s` later), and one more start-up and compile."""
+    the survivor, and one more start-up and compile. The survivor is blocked in a collective whose peer
+    is gone: gloo fails it as soon as the peer's sockets close, so `stop_s` is ~0 (the launcher's SIGKILL,
+    KILL_GRACE_S after SIGTERM, which JAX turns into a preemption notice, is only the upper bound)."""
     redone = fault_step - (fault_step // checkpoint_every) * checkpoint_every
     return {"redone_steps": redone, "redone_and_stop_s": redone * step_time_s + stop_s,
             "lost_s": redone * step_time_s + stop_s + restart_s}
