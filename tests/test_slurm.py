@@ -159,7 +159,7 @@ def test_preemption_saves_requeues_and_resumes_exactly(slurm, uninterrupted, tmp
 
 @pytest.mark.slow
 @needs_slurm
-def test_a_killed_task_ends_the_job_quickly(slurm, uninterrupted, tmp_path, record_property):
+def test_a_killed_task_ends_the_job_quickly(slurm, tmp_path, record_property):
     job, run_dir = submit(slurm, tmp_path, "killed", extra=["--set", "train.steps=400"])
     assert wait_until(lambda: reached_step(run_dir, 2), 300), job_log(tmp_path, "killed")[-3000:]
     pids = task_pids(job)
