@@ -202,7 +202,7 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", default=None,
-                   help="config file (default: the embedded default; configs/test.py is ~3x faster)")
+                   help="config file (default: the embedded default; configs/test.py: the tiny test model, faster)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help=f"override a config field (on top of {' '.join(LAB_DEFAULTS)})")
     p.add_argument("--out", metavar="DIR", help="output directory (default: runs/lab-ops-<time>)")
