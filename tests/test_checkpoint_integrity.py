@@ -120,7 +120,7 @@ def test_a_damaged_step_falls_back_to_the_last_good_one(reference, tmp_path, cap
     assert [resumed[s] for s in range(5, 9)] == [expected[s] for s in range(5, 9)]   # exactly
 
 
-def test_every_step_damaged_is_one_line_and_exit_2(reference, tmp_path):
+def test_every_step_damaged_is_one_line_and_exit_2(reference, tmp_path, capsys):
     run_dir = damaged_copy(reference, tmp_path, truncate, steps=(4, 8))
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     result = subprocess.run([sys.executable, "-m", "jaxpar.cli", "train", "--run-dir", str(run_dir), "--resume",
@@ -132,6 +132,9 @@ def test_every_step_damaged_is_one_line_and_exit_2(reference, tmp_path):
     assert "Traceback" not in result.stdout + result.stderr
     assert result.stdout.count(" is unreadable (") == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before   # nothing moved or deleted
+    assert main(["sample", "--run-dir", str(run_dir)]) == 2                          # `jaxpar sample` too
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --run-dir: no readable checkpoint in '{run_dir / 'checkpoints'}'"]
 
 
 def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_good_checkpoints(reference, tmp_path, capsys):

@@ -34,6 +34,7 @@ class Checkpoints:
                                                  cleanup_tmp_directories=True, create=True),
         )
         self.meta: dict | None = None   # the restored step's metadata
+        self.damaged: list[int] = []    # newer steps that failed to restore
 
     def save(self, step: int, state, global_batch: int) -> None:
         """Save `state` after `step` steps; the data position is `step` global batches of `global_batch`."""
@@ -48,9 +49,8 @@ class Checkpoints:
     def restore(self, abstract_state):
         """Restore the newest intact step onto `abstract_state`'s shardings; returns (step, state).
 
-        Newer steps that fail are moved to `<run>/damaged-checkpoints/` once an older one
-        restores, so the run can save those step numbers again. Returns (None, None) when no
-        step is intact (nothing is moved then).
+        Newer steps that fail are listed in `self.damaged` (training moves them aside with
+        `set_aside_damaged`). Returns (None, None) when no step is intact. Changes no file.
         """
         damaged = []
         for step in reversed(self.steps()):
@@ -62,7 +62,7 @@ class Checkpoints:
                 reason = f"unreadable ({type(err).__name__}: {_first_line(err)})"
             else:
                 if not bad:
-                    self._set_aside(damaged)
+                    self.damaged = damaged
                     self.meta = restored["meta"]
                     return step, restored["state"]
                 reason = f"damaged (checksum mismatch in {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''})"
@@ -70,7 +70,10 @@ class Checkpoints:
             self.notice(f"checkpoint step {step} is {reason}; trying an older one")
         return None, None
 
-    def _set_aside(self, steps: list[int]) -> None:
+    def set_aside_damaged(self) -> None:
+        """Move the damaged steps to `<run>/damaged-checkpoints/` (kept for inspection), so that the
+        resumed run can save those step numbers again."""
+        steps, self.damaged = self.damaged, []
         if not steps:
             return
         aside = self.directory.parent / "damaged-checkpoints"

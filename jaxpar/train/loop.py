@@ -123,6 +123,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
         if start is None:
             raise ConfigError("--resume", f"no intact checkpoint in '{run_dir / 'checkpoints'}' "
                               "(every step is damaged or unreadable); start a new run")
+        checkpoints.set_aside_damaged()
         say(f"resumed from step {start} (global sample {checkpoints.meta['sample_index']:,}) on "
             f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
     else:
