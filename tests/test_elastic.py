@@ -93,9 +93,11 @@ def test_what_cannot_change_is_refused_in_one_line(reference, tmp_path, capsys, 
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_preempted_then_resumes_exactly(reference, tmp_path, capsys):
+def test_sigterm_saves_and_exits_preempted(tmp_path, capsys):
+    """One process: a real SIGTERM (sent by the process to itself after step 5, `train.fault_signal`, as a batch
+    system would) stops it after the next step with a checkpoint and exit 75. Resuming from such a checkpoint
+    with identical losses is tests/test_slurm.py's preemption test (2 processes, requeued by Slurm)."""
     run_dir = tmp_path / "run"
-    # A real SIGTERM, sent by the process to itself after step 5 (train.fault_signal), as a batch system would.
     assert main(["train", *TINY, "--run-dir", str(run_dir), "--set", "train.fault_at_step=5",
                  "--set", "train.fault_signal=SIGTERM"]) == EXIT_PREEMPTED
     out, err = capsys.readouterr()
@@ -104,10 +106,7 @@ def test_sigterm_saves_and_exits_preempted_then_resumes_exactly(reference, tmp_p
     assert saved == [4, 6], saved                       # the signal arrived during step 5: step 6 saved, then out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("preempted: saved a checkpoint at step 6 of 8"), err
-    assert main(["train", "--run-dir", str(run_dir), "--auto-resume", "--set", "train.fault_at_step=0"]) == 0
-    assert "resumed from step 6" in capsys.readouterr().out
-    got, want = losses(run_dir), losses(reference)
-    assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]   # exactly
+    assert max(losses(run_dir)) == 6
 
 
 @pytest.mark.slow
