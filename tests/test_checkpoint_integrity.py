@@ -20,6 +20,9 @@ from ops_helpers import children_share_a_compilation_cache, losses, reference  #
 from jaxpar.cli import main
 from jaxpar.train.guard import EXIT_NON_FINITE
 
+# Orbax's abandoned reads of a failed restore must not surface after the one-line report.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+
 
 def array_files(run_dir, step):
     """The data files holding a step's arrays, largest first."""
@@ -132,7 +135,7 @@ def test_every_step_damaged_is_one_line_and_exit_2(reference, tmp_path, capsys):
     assert "Traceback" not in result.stdout + result.stderr
     assert result.stdout.count(" is unreadable (") == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before   # nothing moved or deleted
-    assert main(["sample", "--run-dir", str(run_dir)]) == 2                          # `jaxpar sample` too
+    assert main(["sample", "--run-dir", str(run_dir), "--max-tokens", "8"]) == 2     # `jaxpar sample` too
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: --run-dir: no readable checkpoint in '{run_dir / 'checkpoints'}'"]
 

@@ -13,7 +13,10 @@ restores silently (the run then trains on garbage) or raises a bare TensorStore
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -55,8 +58,9 @@ class Checkpoints:
         damaged = []
         for step in reversed(self.steps()):
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                with _quiet_leftovers_of_a_failed_read():
+                    restored = self.manager.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
                 bad = mismatches(restored["state"], restored["meta"].get("checksums", {}))
             except Exception as err:  # noqa: BLE001 - TensorStore raises bare Exception on truncated files
                 reason = f"unreadable ({type(err).__name__}: {_first_line(err)})"
@@ -97,6 +101,29 @@ class Checkpoints:
             self.manager.wait_until_finished()
             self.manager.close()
             self.manager = None
+
+
+@contextlib.contextmanager
+def _quiet_leftovers_of_a_failed_read():
+    """When one array of a restore fails, Orbax abandons the reads of the others; their coroutines,
+    collected later, print "Exception ignored in ..." tracebacks after jaxpar's one-line report. Collect
+    them here, and drop what they raise; anything not from Orbax goes to the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        tb, frames = unraisable.exc_traceback, []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        if not any("/orbax/" in name for name in frames):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        gc.collect()
+        sys.unraisablehook = previous
 
 
 def _first_line(err: Exception) -> str:
