@@ -155,3 +155,36 @@ def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_good_checkpoints(refe
     assert main(["train", "--run-dir", str(run_dir), "--resume", "--set", "train.lr=0.01",   # step 8 is intact
                  "--set", "train.steps=10"]) == 0
     assert "resumed from step 8" in capsys.readouterr().out
+
+
+def test_bad_steps_are_skipped_up_to_max_bad_steps(tmp_path, capsys, monkeypatch):
+    """Step 3 of the run turns every float of the state (and the loss) into NaN; with max_bad_steps=1 the
+    loop undoes that step and trains on from the state before it, finite to the end."""
+    import jax.numpy as jnp
+
+    import jaxpar.train.loop as loop
+    build = loop.make_trainer
+
+    def poisoned(*args, **kwargs):
+        trainer = build(*args, **kwargs)
+        step, calls = trainer.step, []
+
+        def step_going_bad_once(state, batch):
+            calls.append(1)
+            state, metrics = step(state, batch)
+            if len(calls) == 3:
+                state = jax.tree.map(lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+                metrics = {**metrics, "loss": metrics["loss"] * jnp.nan}
+            return state, metrics
+
+        trainer.step = step_going_bad_once
+        return trainer
+
+    monkeypatch.setattr(loop, "make_trainer", poisoned)
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", "configs/test.py", "--set", "train.sample_tokens=0", "--run-dir", str(run_dir),
+                 "--set", "train.max_bad_steps=1"]) == 0
+    assert "step 3: non-finite loss or gradient norm; update skipped (1/1 allowed)" in capsys.readouterr().out
+    trained = losses(run_dir)
+    assert np.isnan(trained[3]) and all(np.isfinite(trained[s]) for s in trained if s != 3)
+    assert trained[8] < trained[1]
