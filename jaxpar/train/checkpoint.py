@@ -57,10 +57,14 @@ class Checkpoints:
         """
         damaged = []
         for step in reversed(self.steps()):
+            # Checkpoints written before checksums existed have no `meta` item: their state restores unchecked.
+            items = {"state": ocp.args.StandardRestore(abstract_state)}
+            if (self.directory / str(step) / "meta").is_dir():
+                items["meta"] = ocp.args.JsonRestore()
             try:
                 with _quiet_leftovers_of_a_failed_read():
-                    restored = self.manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+                    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+                restored = {"meta": {"step": step}, **dict(restored.items())}
                 bad = mismatches(restored["state"], restored["meta"].get("checksums", {}))
             except Exception as err:  # noqa: BLE001 - TensorStore raises bare Exception on truncated files
                 reason = f"unreadable ({type(err).__name__}: {_first_line(err)})"

@@ -124,7 +124,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
             raise ConfigError("--resume", f"no intact checkpoint in '{run_dir / 'checkpoints'}' "
                               "(every step is damaged or unreadable); start a new run")
         checkpoints.set_aside_damaged()
-        say(f"resumed from step {start} (global sample {checkpoints.meta['sample_index']:,}) on "
+        say(f"resumed from step {start} (global sample {start * config.train.batch_size:,}) on "
             f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
     else:
         state = trainer.init_state()
