@@ -17,6 +17,7 @@ import ml_collections
 MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float8")
 REMAT_POLICIES = ("none", "full", "dots", "names")
+FAULT_SIGNALS = ("SIGKILL", "SIGTERM", "SIGUSR1")
 
 
 class ConfigError(ValueError):
@@ -102,9 +103,20 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 4
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 3
-    c.train.fault_at_step = 0           # fault injection: SIGKILL after that step, once earlier saves are durable (0: off)
+    c.train.fault_at_step = 0           # fault injection: a signal after that step, once earlier saves are durable
+                                        # (0: off);
+                                        # first attempt only, so a restarted job gets past it
+    c.train.fault_process = -1          # which process the fault hits (-1: every process)
+    c.train.fault_signal = "SIGKILL"    # SIGKILL: a crash; SIGTERM or SIGUSR1: a preemption notice (save, exit 75)
+    c.train.max_bad_steps = 0           # steps with a non-finite loss or gradient norm whose update is skipped before
+                                        # the run stops (0: stop at the first); never saved, never rotated away
+    c.train.tensorboard = False         # also write TensorBoard events to <run_dir>/tensorboard (needs tensorboardX)
     c.train.sample_prompt = "بِسْمِ ٱللَّهِ"
     c.train.sample_tokens = 48
+
+    c.distributed = ml_collections.ConfigDict()   # multi-process failure detection (jaxpar/mesh.py)
+    c.distributed.heartbeat_timeout_s = 10   # a peer silent this long is dead: the survivors abort (JAX default 100)
+    c.distributed.shutdown_timeout_s = 30    # the exit barrier waits this long for the others (JAX default 300)
     return c
 
 
@@ -304,6 +316,13 @@ def validate(config, num_devices: int) -> dict[str, int]:
                   "eval_batches", "checkpoint_every", "keep_checkpoints"):
         if t[field] <= 0:
             raise ConfigError(f"train.{field}", f"is {t[field]}; must be positive")
+    if t.fault_signal not in FAULT_SIGNALS:
+        raise ConfigError("train.fault_signal", f"is '{t.fault_signal}'; valid: {', '.join(FAULT_SIGNALS)}")
+    if t.max_bad_steps < 0:
+        raise ConfigError("train.max_bad_steps", f"is {t.max_bad_steps}; must be 0 (stop at once) or positive")
+    for field in ("heartbeat_timeout_s", "shutdown_timeout_s"):
+        if config.distributed[field] < 1:
+            raise ConfigError(f"distributed.{field}", f"is {config.distributed[field]}; must be at least 1 second")
     if t.lr <= 0:
         raise ConfigError("train.lr", f"is {t.lr}; must be positive")
 
