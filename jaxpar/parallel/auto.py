@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.model.axes import ACTIVATION_AXES
 from jaxpar.model.ops import gather_embedding
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.train.step import accumulate
+from jaxpar.train.step import accumulate, apply_outside_gradient
 from jaxpar.train.strategy import Strategy
 
 
@@ -28,6 +28,7 @@ def auto_step(state, tokens, *, model_cfg, ops, optimizer, policy, microbatches)
     (_, metrics), grads = accumulate(value_and_grad, state["params"], tokens, microbatches, split=split)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    params = apply_outside_gradient(state["params"], params, metrics, model_cfg)
     metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
@@ -57,7 +58,7 @@ class AutoTrainer(Strategy):
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
-        self.ops = self.ops.replace(embed=rules_embedding(self.rules))
+        self.ops = self.with_ops(self.ops.replace(embed=rules_embedding(self.rules)))
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
         self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
         abstract = jax.eval_shape(self._init_state)
@@ -70,6 +71,10 @@ class AutoTrainer(Strategy):
                                out_shardings=(self.state_shardings, replicated), donate_argnums=self.donate_argnums)
         self.eval_fn = jax.jit(partial(cross_entropy_of, model_cfg=model_cfg, ops=self.ops),
                                in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
+
+    def with_ops(self, ops):
+        """The ops the step and evaluation run with: a subclass swaps pieces here (parallel/expert.py)."""
+        return ops
 
     def _state_shardings(self, abstract):
         """Optimizer moments follow their parameter's sharding (ZeRO-style under FSDP); scalars replicate."""

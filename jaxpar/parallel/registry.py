@@ -15,6 +15,7 @@ from jaxpar.config import MESH_AXES, ConfigError
 AUTO = "jaxpar.parallel.auto:AutoTrainer"
 STRATEGIES = (
     "jaxpar.parallel.zero:ZeroTrainer",        # data: ddp | zero1 | zero2 | zero3
+    "jaxpar.parallel.expert:ExpertTrainer",    # expert: manual (all_to_all in shard_map)
 )
 
 
