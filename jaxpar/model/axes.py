@@ -54,6 +54,12 @@ ACTIVATION_AXES = {
     # keep the batch split except over `expert`, which now splits the experts (the all_to_all).
     "expert_slots": ("experts", "expert_batch", None, "act_embed"),
     "expert_mlp": ("experts", "expert_batch", None, "mlp"),
+    # MoE weights as a layer uses them: `embed` whole. FSDP's weight all-gather made explicit: left to
+    # itself, XLA keeps the weights split and reshards the tokens instead (measured: every device then
+    # routes its whole fsdp group's tokens).
+    "router_in_use": (None, None),
+    "experts_in_use": ("experts", None, "mlp"),        # expert_gate, expert_up [E, D, F]
+    "experts_out_use": ("experts", "mlp", None),       # expert_down [E, F, D]
 }
 
 

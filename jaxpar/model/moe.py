@@ -170,6 +170,13 @@ def bias_update(routed, rate: float):
 
 # ============================================================================ the experts
 
+def weights_in_use(w, ops: Ops) -> dict:
+    """The router and expert weights pinned whole along `embed` (gathered, under FSDP) before use."""
+    roles = {"router": "router_in_use", "router_noise": "router_in_use", "expert_gate": "experts_in_use",
+             "expert_up": "experts_in_use", "expert_down": "experts_out_use"}
+    return {**w, **{name: ops.constrain(w[name], ACT[role]) for name, role in roles.items() if name in w}}
+
+
 def expert_weights(w) -> dict:
     return {name: w[name] for name in ("expert_gate", "expert_up", "expert_down")}
 
@@ -293,6 +300,7 @@ def moe_feed_forward(x, w, cfg: MoEConfig, ops: Ops, noise=None):
     The router sees x itself; the experts see ops.column_in(x) and their combined output goes
     through ops.row_out, like the dense MLP's column- and row-parallel matmuls.
     """
+    w = weights_in_use(w, ops)
     logits, probs, ids, gates = route(x, w, cfg, noise)
     dispatch = ops.routed_experts if isinstance(ops, MoEOps) else routed_experts
     y, kept = dispatch(ops.column_in(x), ids, gates, expert_weights(w), cfg, ops)

@@ -39,18 +39,28 @@ def cross_entropy_of(params, tokens, *, model_cfg, ops):
 
 
 def rules_embedding(rules):
-    """The embedding lookup as a gather, with one hint for the partitioner: a table split both by vocab
-    (over `tensor`) and by embed (over `fsdp`) is gathered over its embed split first. XLA lowers a
-    lookup from a vocab-split table as Megatron's masked lookup + all-reduce, and from an embed-split
-    one by moving activations (all-to-all); from a table split both ways it replicates (measured)."""
+    """The embedding lookup as a gather, with one hint for the partitioner: a table split by embed (over
+    `fsdp`) and also by vocab (over `tensor`), or whose tokens are split over more than its embed axes
+    (data x fsdp, expert x fsdp), is gathered over its embed split first. XLA lowers a lookup from a
+    vocab-split table as Megatron's masked lookup + all-reduce, and from an embed-split one whose tokens
+    are split the same way by moving activations (all-to-all); in the other cases it replicates the
+    activations' gradient in the backward pass (measured: "involuntary full rematerialization")."""
     def embed(tokens, table):
         mesh = jax.sharding.get_abstract_mesh()
         live = () if mesh.empty else tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-        vocab_split, embed_split = (axes is not None for axes in rules.spec(("vocab", "embed"), live))
-        if vocab_split and embed_split:
+        if embed_lookup_gathers(rules, live):
             table = rules.constrain(table, ("vocab", None))
         return gather_embedding(tokens, table)
     return embed
+
+
+def embed_lookup_gathers(rules, live_axes) -> bool:
+    """Whether `rules_embedding` gathers the table over its embed split (see there); live_axes: mesh axes > 1."""
+    def axes(name):
+        entry = rules.spec((name,), live_axes)[0]
+        return set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
+    embed = axes("embed")
+    return bool(embed) and bool(axes("vocab") or axes("batch") - embed)
 
 
 class AutoTrainer(Strategy):
