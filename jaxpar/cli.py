@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Lab 02 (experiments/02_zero): same losses, different memory, different bytes.")
     from jaxpar.labs.zero import add_arguments as add_lab_zero_arguments
     add_lab_zero_arguments(p)
+    p = labs.add_parser("moe", help="module 4: MoE routing, expert parallelism, all_to_all bytes, load balance",
+                        description="Lab 04 (experiments/04_moe): expert parallelism by hand and by XLA, the same "
+                                    "losses; all_to_all bytes vs formula; balancing methods; capacity; MoE vs dense.")
+    from jaxpar.labs.moe import add_arguments as add_lab_moe_arguments
+    add_lab_moe_arguments(p)
     return parser
 
 
@@ -158,8 +163,8 @@ def cmd_memory(args) -> int:
 
 
 def cmd_lab(args) -> int:
-    from jaxpar.labs import zero
-    return {"zero": zero.run_from_args}[args.lab](args)
+    from jaxpar.labs import moe, zero
+    return {"zero": zero.run_from_args, "moe": moe.run_from_args}[args.lab](args)
 
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,

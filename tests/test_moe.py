@@ -47,14 +47,18 @@ def per_token_reference(x, ids, gates, w):
 def routed_inputs(cfg, params, tokens_shape=(4, 16), seed=0):
     w = layer(params)
     x = jax.random.normal(jax.random.key(seed), (*tokens_shape, cfg.d_model))
-    _, _, ids, gates = moe.route(x, w, cfg.moe)
+    _, _, ids, gates = jax.jit(moe.route, static_argnums=2)(x, w, cfg.moe)
     return x, ids, gates, moe.expert_weights(w)
+
+
+def dispatch(x, ids, gates, w, moe_cfg):
+    return jax.jit(moe.routed_experts, static_argnums=(4, 5))(x, ids, gates, w, moe_cfg, Ops())
 
 
 def test_dropless_dispatch_matches_the_per_token_definition():
     _, cfg, params, _ = model()
     x, ids, gates, w = routed_inputs(cfg, params)
-    y, kept = moe.routed_experts(x, ids, gates, w, cfg.moe, Ops())
+    y, kept = dispatch(x, ids, gates, w, cfg.moe)
     want = per_token_reference(np.asarray(x, np.float64).reshape(-1, cfg.d_model), np.asarray(ids).reshape(-1, 2),
                                np.asarray(gates, np.float64).reshape(-1, 2), w)
     np.testing.assert_allclose(np.asarray(y).reshape(want.shape), want, rtol=1e-4, atol=1e-6)
@@ -64,7 +68,7 @@ def test_dropless_dispatch_matches_the_per_token_definition():
 def test_capacity_dispatch_drops_past_capacity_and_passes_dropped_tokens_through():
     _, cfg, params, _ = model("model.moe.dispatch=capacity", "model.moe.capacity_factor=0.5")
     x, ids, gates, w = routed_inputs(cfg, params)
-    y, kept = moe.routed_experts(x, ids, gates, w, cfg.moe, Ops())
+    y, kept = dispatch(x, ids, gates, w, cfg.moe)
     ids_np, kept_np = np.asarray(ids), np.asarray(kept)
     C = cfg.moe.capacity(16)                                    # one group = one sequence of 16 tokens
     assert C == 2 and 0 < kept_np.mean() < 1
@@ -79,8 +83,8 @@ def test_capacity_dispatch_drops_past_capacity_and_passes_dropped_tokens_through
     assert fully_dropped.any() and np.all(np.asarray(y)[fully_dropped] == 0)   # the residual carries them
 
     _, big, _, _ = model("model.moe.dispatch=capacity", "model.moe.capacity_factor=8.0")   # nothing dropped
-    y_big, kept_big = moe.routed_experts(x, ids, gates, w, big.moe, Ops())
-    y_dropless, _ = moe.routed_experts(x, ids, gates, w, model()[1].moe, Ops())
+    y_big, kept_big = dispatch(x, ids, gates, w, big.moe)
+    y_dropless, _ = dispatch(x, ids, gates, w, model()[1].moe)
     assert bool(kept_big.all())
     np.testing.assert_allclose(np.asarray(y_big), np.asarray(y_dropless), rtol=1e-5, atol=1e-6)
 
@@ -90,66 +94,68 @@ def test_capacity_groups_are_whole_sequences():
     _, one, params, _ = model("model.moe.dispatch=capacity", "model.moe.capacity_factor=0.5")
     _, two, _, _ = model("model.moe.dispatch=capacity", "model.moe.capacity_factor=0.5", "model.moe.group_sequences=2")
     x, ids, gates, w = routed_inputs(one, params)
-    _, kept_one = moe.routed_experts(x, ids, gates, w, one.moe, Ops())
-    _, kept_two = moe.routed_experts(x, ids, gates, w, two.moe, Ops())
+    _, kept_one = dispatch(x, ids, gates, w, one.moe)
+    _, kept_two = dispatch(x, ids, gates, w, two.moe)
     assert two.moe.capacity(32) == 2 * one.moe.capacity(16)
     # a group of two sequences is not the same as each sequence alone
     assert not np.array_equal(np.asarray(kept_one), np.asarray(kept_two))
-    _, kept_pair = moe.routed_experts(x[:2], ids[:2], gates[:2], w, two.moe, Ops())
+    _, kept_pair = dispatch(x[:2], ids[:2], gates[:2], w, two.moe)
     np.testing.assert_array_equal(np.asarray(kept_two)[:2], np.asarray(kept_pair))
 
 
-def aux_gradients(cfg, params, tokens):
-    """d(each aux loss, summed over layers)/d(router weights)."""
-    def objective(router, key):
-        p = {**params, "moe_blocks": {**params["moe_blocks"], "router": router}}
-        return jnp.sum(cross_entropy_and_aux(p, tokens, cfg)[1][key])
-    grad = jax.jit(jax.grad(objective), static_argnums=1)
-    return {key: np.asarray(grad(params["moe_blocks"]["router"], key)) for key in ("moe_balance_loss", "moe_z_loss")}
+def aux_gradients(moe_cfg, w, x):
+    """d(moe_balance_loss, moe_z_loss of one MoE layer)/d(router weights): [2, D, E]."""
+    def losses(router):
+        _, aux = moe.moe_feed_forward(x, {**w, "router": router}, moe_cfg, Ops())
+        return jnp.stack([aux["moe_balance_loss"], aux["moe_z_loss"]])
+    return np.asarray(jax.jit(jax.jacrev(losses))(w["router"]))
 
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 def test_aux_loss_gradient_reaches_the_router(router):
-    _, cfg, params, tokens = model(f"model.moe.router={router}", "model.moe.balance_loss=0.1", "model.moe.z_loss=0.01")
-    for key, grad in aux_gradients(cfg, params, tokens).items():
-        assert np.abs(grad).max() > 1e-6, key
+    _, cfg, params, _ = model(f"model.moe.router={router}", "model.moe.balance_loss=0.1", "model.moe.z_loss=0.01")
+    w = layer(params)
+    x = jax.random.normal(jax.random.key(0), (4, 16, cfg.d_model))
+    balance, z = aux_gradients(cfg.moe, w, x)
+    assert np.abs(balance).max() > 1e-6 and np.abs(z).max() > 1e-6
     _, off, _, _ = model(f"model.moe.router={router}", "model.moe.balance_loss=0", "model.moe.z_loss=0")
-    assert all(np.abs(grad).max() == 0 for grad in aux_gradients(off, params, tokens).values())
-    # and the objective adds them: total = ce + weighted aux losses
-    total, metrics = jax.jit(lambda p: loss(p, tokens, cfg))(params)
-    assert float(total) == pytest.approx(float(metrics["ce_loss"] + metrics["moe_balance_loss"]
-                                               + metrics["moe_z_loss"]), rel=1e-6)
+    assert np.abs(aux_gradients(off.moe, w, x)).max() == 0
 
 
 def test_aux_free_bias_changes_selection_not_gradients():
-    _, cfg, params, tokens = model("model.moe.router=sigmoid")
-    objective = jax.jit(jax.value_and_grad(lambda p: loss(p, tokens, cfg)[0]))
+    _, cfg, params, _ = model("model.moe.router=sigmoid")
+    w = layer(params)
+    x = jax.random.normal(jax.random.key(1), (4, 16, cfg.d_model))
+    cotangent = jax.random.normal(jax.random.key(2), x.shape)
 
-    def with_bias(bias):
-        return {**params, "moe_blocks": {**params["moe_blocks"], "router_bias": jnp.asarray(bias, jnp.float32)}}
+    @jax.jit
+    def value_and_grads(w):           # a loss through the layer's output, as the model's would be
+        y, aux = moe.moe_feed_forward(x, w, cfg.moe, Ops())
+        return jnp.sum(y * cotangent) + aux["moe_z_loss"]
+    objective = jax.value_and_grad(value_and_grads)
 
-    base = np.zeros((cfg.moe_layers, cfg.moe.experts), np.float32)
-    value, grads = objective(with_bias(base))
-    assert np.all(np.asarray(grads["moe_blocks"]["router_bias"]) == 0)          # no gradient reaches the bias
-    shifted_value, shifted_grads = objective(with_bias(base + 3.0))             # same ranking, same selection
+    value, grads = objective(w)
+    assert np.all(np.asarray(grads["router_bias"]) == 0)                        # no gradient reaches the bias
+    shifted_value, shifted_grads = objective({**w, "router_bias": w["router_bias"] + 3.0})   # same ranking
     assert float(shifted_value) == float(value)
     jax.tree.map(np.testing.assert_array_equal, shifted_grads, grads)           # the bias never enters a gate
 
-    w = layer(params)
-    x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
     favour = np.zeros(cfg.moe.experts, np.float32)
     favour[5] = 10.0                                                            # expert 5 wins every token
-    _, _, ids, gates = moe.route(x, {**w, "router_bias": favour}, cfg.moe)
-    _, _, plain_ids, _ = moe.route(x, w, cfg.moe)
+    route = jax.jit(moe.route, static_argnums=2)
+    _, _, ids, gates = route(x, {**w, "router_bias": favour}, cfg.moe)
+    _, _, plain_ids, _ = route(x, w, cfg.moe)
     assert np.all(np.asarray(ids)[..., 0] == 5) and not np.all(np.asarray(plain_ids)[..., 0] == 5)
     scores = jax.nn.sigmoid(jnp.einsum("bsd,de->bse", x, w["router"]))
     chosen = jnp.take_along_axis(scores, ids, axis=-1)
     np.testing.assert_allclose(np.asarray(gates), np.asarray(chosen / chosen.sum(-1, keepdims=True)), rtol=1e-6)
+    different_value, _ = objective({**w, "router_bias": jnp.asarray(favour)})
+    assert float(different_value) != float(value)                               # a new selection changes the output
 
 
 def test_aux_free_bias_moves_against_the_observed_load_after_each_step():
     config, cfg, _, _ = model("model.moe.router=sigmoid", "model.moe.bias_rate=0.01", "train.weight_decay=0.5",
-                              "train.warmup_steps=1")
+                              "train.warmup_steps=1", "model.layers=1")
     trainer = make_trainer(config, cfg, make_mesh(config, jax.devices()[:1]))
     state = trainer.init_state()
     for batch in counting_batches(config, 2, VOCAB):
@@ -162,10 +168,10 @@ def test_aux_free_bias_moves_against_the_observed_load_after_each_step():
 
 
 def test_noisy_gating_is_off_in_evaluation():
-    _, cfg, params, tokens = model("model.moe.router=noisy")
+    _, cfg, params, tokens = model("model.moe.router=noisy", "model.layers=1")
     loud = {**params, "moe_blocks": {**params["moe_blocks"],
                                      "router_noise": params["moe_blocks"]["router_noise"] + 5.0}}
-    _, softmax_cfg, _, _ = model("model.moe.router=softmax")
+    _, softmax_cfg, _, _ = model("model.moe.router=softmax", "model.layers=1")
     plain = {**params, "moe_blocks": {k: v for k, v in params["moe_blocks"].items() if k != "router_noise"}}
     evaluate = jax.jit(lambda p, c: cross_entropy_and_aux(p, tokens, c)[0], static_argnums=1)
     train_ce = jax.jit(lambda p, c: loss(p, tokens, c)[1]["ce_loss"], static_argnums=1)

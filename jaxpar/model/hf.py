@@ -321,6 +321,7 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path, bos_token_id=None, eos
     partly overwritten, so an old export cannot end up mixed with a new one.
     """
     path = Path(path)
+    hf_config = config_to_hf(cfg)          # refuses an MoE model Mixtral cannot express, before anything else
     special = {name: _token_ids(name, value, cfg.vocab_size)
                for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id))
                if value is not None}
@@ -328,7 +329,6 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path, bos_token_id=None, eos
         raise FileExistsError(f"{path}: exists and is not an empty directory; export into a new one")
     host = jax.tree.map(lambda a: np.asarray(jax.device_get(a), dtype=np.float32), params)
 
-    hf_config = config_to_hf(cfg)          # refuses an MoE model Mixtral cannot express, before writing
     tensors = {"model.embed_tokens.weight": host["embed"], "model.norm.weight": host["final_norm"]}
     if not cfg.tie_embeddings:
         tensors["lm_head.weight"] = host["lm_head"].T

@@ -84,7 +84,7 @@ class Blocks(nnx.Module):
     """The dense decoder blocks' weights, stacked on a leading `layers` axis."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        L, D, H, KV, Dh, F = cfg.dense_layers, cfg.d_model, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_dim
+        L, D, F = cfg.dense_layers, cfg.d_model, cfg.mlp_dim
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.layers) ** 0.5  # GPT-2 style scaled residual outputs
         ax = cfg.param_axes()["blocks"]
         _attention_params(self, cfg, L, ax, rngs)
