@@ -20,8 +20,8 @@ Padded, not ragged. XLA:CPU cannot run `jax.lax.ragged_all_to_all` (it compiles 
 GPU and TPU), and `all_to_all` moves fixed-size chunks, so the dropless buffers are padded
 to what a destination can receive at most: a token picks k distinct experts, so at most
 min(k, E/N) of its copies go to one device, and a chunk has T·min(k, E/N) rows. That is
-N·min(k, E/N)/k times the 2·T·k·h bytes a ragged exchange moves (4x for E = N = 8, k = 2):
-dropless costs bandwidth here. The capacity dispatch has fixed-size buffers by design,
+N·min(k, E/N)/k times the T·k·h bytes a ragged exchange moves each way (4x for E = N = 8,
+k = 2): dropless costs bandwidth here. The capacity dispatch has fixed-size buffers by design,
 [E, groups, C, h] = capacity_factor·T·k·h per exchange, so its all_to_alls are the formula
 times the capacity factor, exactly what GShard and Switch send.
 
@@ -33,8 +33,9 @@ bfloat16 sum inside a partly manual shard_map crashes XLA:CPU's compiler (AllRed
 
 Every assignment is computed by the same expert with the same weights as on one device,
 and the routing is the global view's, so the losses match the single device to fp32
-rounding (tests/test_moe_parallel.py). Capacity groups are whole sequences of one device's
-batch shard (config.validate_moe checks they fit), so the same tokens are dropped too.
+rounding (tests/test_moe_lab.py, tests/test_moe_multiprocess.py). Capacity groups are whole
+sequences of one device's batch shard (config.validate checks they fit), so the same tokens
+are dropped too.
 """
 from __future__ import annotations
 
