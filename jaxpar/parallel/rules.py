@@ -41,7 +41,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "layers": (),
     "experts": ("expert",),
     # activations
-    "batch": ("expert", "data", "fsdp"),   # `expert` outermost: its blocks are what parallel/expert.py's shard_map sees
+    "batch": ("expert", "data", "fsdp"),   # split over `expert` too; parallel/expert.py's shard_map reads this spec
     "expert_batch": ("data", "fsdp"),      # the batch of tokens already sent to their experts (capacity dispatch)
     "length": (),          # the residual stream's sequence axis (norms, residual adds)
     "inner_length": (),    # the sequence axis inside attention, the MLP and the head
