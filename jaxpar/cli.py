@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "resharding.")
     from jaxpar.labs.ops import add_arguments as add_lab_ops_arguments
     add_lab_ops_arguments(p)
+    p = labs.add_parser("moe", help="module 4: MoE routing, expert parallelism, all_to_all bytes, load balance",
+                        description="Lab 04 (experiments/04_moe): expert parallelism by hand and by XLA, the same "
+                                    "losses; all_to_all bytes vs formula; balancing methods; capacity; MoE vs dense.")
+    from jaxpar.labs.moe import add_arguments as add_lab_moe_arguments
+    add_lab_moe_arguments(p)
     return parser
 
 
