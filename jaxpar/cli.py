@@ -38,7 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     group.add_argument("--overwrite", action="store_true", help="delete an existing --run-dir and start afresh")
+    group.add_argument("--auto-resume", action="store_true",
+                       help="resume --run-dir when it holds a checkpoint, else start it (restarts, requeued jobs)")
     p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
+    p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
+                   help="keep serving the final metrics this long after training (so the last scrape sees them)")
 
     p = sub.add_parser("sample", help="generate text from a trained run")
     p.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by `jaxpar train`")
@@ -52,6 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="jaxpar launch --nproc 2 --cpu-devices 4 -- train --config configs/test.py")
     from jaxpar.launch import add_launch_arguments
     add_launch_arguments(p)
+
+    p = sub.add_parser("slurm", help="render an sbatch script for N nodes x G GPUs (preemption, requeue, restarts)",
+                       description="jaxpar slurm --nodes 4 --gpus-per-node 8 --out train.sbatch -- --config FILE")
+    from jaxpar.cluster.slurm import add_arguments as add_slurm_arguments
+    add_slurm_arguments(p)
+
+    p = sub.add_parser("k8s", help="render Kubernetes manifests (JobSet, or Indexed Job + headless Service)",
+                       description="jaxpar k8s --hosts 4 --gpus-per-host 8 --image IMAGE -- --config FILE")
+    from jaxpar.cluster.k8s import add_arguments as add_k8s_arguments
+    add_k8s_arguments(p)
 
     p = sub.add_parser("bench", help="microbenchmarks")
     bench = p.add_subparsers(dest="bench", required=True, parser_class=Parser)
@@ -89,11 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxpar.plan.command import add_arguments as add_plan_arguments
     add_plan_arguments(p)
 
-    p = sub.add_parser("capstone", help="module 7's report: plan, compiler and CPU checks, fertility, risks",
-                       description="Lab 07 (experiments/07_capstone): writes report.md and plots into --out.")
-    from jaxpar.labs.capstone import add_arguments as add_capstone_arguments
-    add_capstone_arguments(p)
-
     p = sub.add_parser("lab", help="run a course module's lab")
     labs = p.add_subparsers(dest="lab", required=True, parser_class=Parser)
     p = labs.add_parser("zero", help="module 2: DDP, ZeRO-1/2/3, FSDP: losses, memory, bytes, remat, precision",
@@ -114,6 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Lab 03 (experiments/03_pipeline): GPipe, 1F1B, interleaved, ZB-H1, circular.")
     from jaxpar.labs.pipeline import add_arguments as add_lab_pipeline_arguments
     add_lab_pipeline_arguments(p)
+    p = labs.add_parser("ops", help="module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
+                        description="Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, "
+                                    "resharding.")
+    from jaxpar.labs.ops import add_arguments as add_lab_ops_arguments
+    add_lab_ops_arguments(p)
+    p = labs.add_parser("moe", help="module 4: MoE routing, expert parallelism, all_to_all bytes, load balance",
+                        description="Lab 04 (experiments/04_moe): expert parallelism by hand and by XLA, the same "
+                                    "losses; all_to_all bytes vs formula; balancing methods; capacity; MoE vs dense.")
+    from jaxpar.labs.moe import add_arguments as add_lab_moe_arguments
+    add_lab_moe_arguments(p)
+    p = labs.add_parser("capstone", help="module 7: plan a 7B Arabic LM on H100s, checked by compiles and CPU runs",
+                        description="Lab 07 (experiments/07_capstone): writes report.md and plots into --out.")
+    from jaxpar.labs.capstone import add_arguments as add_lab_capstone_arguments
+    add_lab_capstone_arguments(p)
     return parser
 
 
@@ -125,12 +150,19 @@ def load(args):
     return config
 
 
-def cmd_train(args) -> int:
+def train_config(args):
+    """The config a `train` command runs: --config/--set, or a resumed run's saved config (+ --set)."""
     from pathlib import Path
 
     from jaxpar.config import apply_overrides
-    from jaxpar.train.loop import train
     from jaxpar.train.rundir import resume_config
+    if args.auto_resume:
+        if not args.run_dir:
+            raise ConfigError("--auto-resume", "needs --run-dir DIR (the run to start or continue)")
+        checkpoints = Path(args.run_dir) / "checkpoints"
+        args.resume = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise ConfigError("--metrics-port", f"must be in 1..65535, got {args.metrics_port}")
     if args.resume:
         if not args.run_dir:
             raise ConfigError("--resume", "needs --run-dir DIR naming the run to continue")
@@ -142,7 +174,13 @@ def cmd_train(args) -> int:
             apply_overrides(config, args.overrides)
     else:
         config = load(args)
-    train(config, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile)
+    return config
+
+
+def cmd_train(args) -> int:
+    from jaxpar.train.loop import train
+    train(args.config_loaded, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
+          metrics_port=args.metrics_port, metrics_linger_s=args.metrics_linger)
     return 0
 
 
@@ -191,35 +229,43 @@ def cmd_plan(args) -> int:
     return run(args)
 
 
-def cmd_capstone(args) -> int:
-    from jaxpar.dryrun import prepare_process
-    from jaxpar.labs.capstone import run_from_args
-    prepare_process("h100", None)   # JAX on CPU: the CPU check runs there, GPU compiles go through a topology
+def cmd_lab(args) -> int:
+    import importlib
+    return importlib.import_module(f"jaxpar.labs.{args.lab}").run_from_args(args)
+
+
+def cmd_slurm(args) -> int:
+    from jaxpar.cluster.slurm import run_from_args
     return run_from_args(args)
 
 
-def cmd_lab(args) -> int:
-    from jaxpar.labs import kernels, pipeline, tensor, zero
-    return {"zero": zero.run_from_args, "tensor": tensor.run_from_args, "pipeline": pipeline.run_from_args,
-            "kernels": kernels.run_from_args}[args.lab](args)
+def cmd_k8s(args) -> int:
+    from jaxpar.cluster.k8s import run_from_args
+    return run_from_args(args)
 
+
+LOCAL_COMMANDS = ("launch", "slurm", "k8s")   # commands that never start JAX in this process
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
-            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "capstone": cmd_capstone, "lab": cmd_lab}
+            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "lab": cmd_lab, "slurm": cmd_slurm, "k8s": cmd_k8s}
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.subcommand != "launch":
+        if args.subcommand not in LOCAL_COMMANDS:
             from jaxpar.mesh import init_distributed, set_cpu_devices
             set_cpu_devices(getattr(args, "cpu_devices", None))
-            init_distributed()
+            args.config_loaded = train_config(args) if args.subcommand == "train" else None
+            init_distributed(args.config_loaded.distributed if args.config_loaded else None)
         return COMMANDS[args.subcommand](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return _exit(EXIT_BAD_INPUT)
-    except BaseException:
+    except BaseException as err:
+        if isinstance(getattr(err, "exit_code", None), int):   # Preempted, NonFiniteError: one line, own status
+            print(err, file=sys.stderr)
+            return _exit(err.exit_code)
         if _multi_process():
             traceback.print_exc()
             _exit(1)

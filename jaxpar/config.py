@@ -17,6 +17,9 @@ import ml_collections
 MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float8")
 REMAT_POLICIES = ("none", "full", "dots", "names")
+FAULT_SIGNALS = ("SIGKILL", "SIGTERM", "SIGUSR1")
+MOE_ROUTERS = ("softmax", "noisy", "sigmoid")
+MOE_DISPATCH = ("dropless", "capacity")
 
 
 class ConfigError(ValueError):
@@ -53,6 +56,21 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention_block_kv = 128
     c.model.loss_chunk = 256           # chunked loss: sequence positions per chunk
 
+    c.model.moe = ml_collections.ConfigDict()   # sparse Mixture-of-Experts feed-forward (model/moe.py)
+    c.model.moe.experts = 0           # routed experts per MoE layer; 0: a dense model
+    c.model.moe.top_k = 2             # experts each token is sent to
+    c.model.moe.dense_layers = 0      # the first N layers keep the dense MLP (DeepSeek-MoE: 1), the rest are MoE
+    c.model.moe.expert_mlp_dim = 0    # SwiGLU hidden size of one expert; 0: model.mlp_dim (Mixtral)
+    c.model.moe.shared_experts = 0    # always-on experts of expert_mlp_dim each (DeepSeek-MoE); needs fine-grained experts
+    c.model.moe.router = "softmax"    # softmax top-k | noisy (Shazeer 2017, training only) | sigmoid (+ aux-free bias)
+    c.model.moe.normalize_top_k = True   # gates of the k chosen experts sum to 1 (Mixtral); false: raw scores
+    c.model.moe.dispatch = "dropless"    # dropless (sort + ragged_dot) | capacity (Switch/GShard: drop past capacity)
+    c.model.moe.capacity_factor = 1.25   # capacity dispatch: slots per expert = factor x group tokens x top_k / experts
+    c.model.moe.group_sequences = 1      # capacity dispatch: capacity is counted per group of this many sequences
+    c.model.moe.balance_loss = 0.01      # weight of the Switch load-balancing loss E·Σ f_i·P_i
+    c.model.moe.z_loss = 0.001           # weight of the router z-loss mean(logsumexp(logits)^2)
+    c.model.moe.bias_rate = 0.001        # router=sigmoid: aux-free bias step per training step (DeepSeek-V3's gamma)
+
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1              # -1 fills the devices the other axes leave
     c.mesh.fsdp = 1
@@ -67,7 +85,7 @@ def base_config() -> ml_collections.ConfigDict:
                                   # circular (compiler-driven, parallel/circular.py)
     c.parallel.pipe_microbatches = 0   # the pipeline's own microbatches m (0: 2 x mesh.pipe)
     c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved, else 1; circular: repeats)
-    c.parallel.expert = "auto"
+    c.parallel.expert = "auto"    # auto: experts split over `expert` by the rules | manual: all_to_all in shard_map
     c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
     c.parallel.rules = ""         # logical-axis rule overrides, e.g. "length=tensor,embed=fsdp+data"
@@ -102,9 +120,20 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 4
     c.train.checkpoint_every = 100
     c.train.keep_checkpoints = 3
-    c.train.fault_at_step = 0           # fault injection: SIGKILL after that step, once earlier saves are durable (0: off)
+    c.train.fault_at_step = 0           # fault injection: a signal after that step, once earlier saves are durable
+                                        # (0: off);
+                                        # first attempt only, so a restarted job gets past it
+    c.train.fault_process = -1          # which process the fault hits (-1: every process)
+    c.train.fault_signal = "SIGKILL"    # SIGKILL: a crash; SIGTERM or SIGUSR1: a preemption notice (save, exit 75)
+    c.train.max_bad_steps = 0           # steps with a non-finite loss or gradient norm whose update is skipped before
+                                        # the run stops (0: stop at the first); never saved, never rotated away
+    c.train.tensorboard = False         # also write TensorBoard events to <run_dir>/tensorboard (needs tensorboardX)
     c.train.sample_prompt = "بِسْمِ ٱللَّهِ"
     c.train.sample_tokens = 48
+
+    c.distributed = ml_collections.ConfigDict()   # multi-process failure detection (jaxpar/mesh.py)
+    c.distributed.heartbeat_timeout_s = 10   # a peer silent this long is dead: the survivors abort (JAX default 100)
+    c.distributed.shutdown_timeout_s = 30    # the exit barrier waits this long for the others (JAX default 300)
     return c
 
 
@@ -304,18 +333,24 @@ def validate(config, num_devices: int) -> dict[str, int]:
                   "eval_batches", "checkpoint_every", "keep_checkpoints"):
         if t[field] <= 0:
             raise ConfigError(f"train.{field}", f"is {t[field]}; must be positive")
+    if t.fault_signal not in FAULT_SIGNALS:
+        raise ConfigError("train.fault_signal", f"is '{t.fault_signal}'; valid: {', '.join(FAULT_SIGNALS)}")
+    if t.max_bad_steps < 0:
+        raise ConfigError("train.max_bad_steps", f"is {t.max_bad_steps}; must be 0 (stop at once) or positive")
+    for field in ("heartbeat_timeout_s", "shutdown_timeout_s"):
+        if config.distributed[field] < 1:
+            raise ConfigError(f"distributed.{field}", f"is {config.distributed[field]}; must be at least 1 second")
     if t.lr <= 0:
         raise ConfigError("train.lr", f"is {t.lr}; must be positive")
 
     sizes = mesh_shape(config, num_devices)
-    if sizes["expert"] != 1:
-        raise ConfigError("mesh.expert", f"is {sizes['expert']}; expert parallelism is not built yet, use 1")
     if sizes["pipe"] > 1 and config.parallel.pipe == "auto":
         raise ConfigError("parallel.pipe", f"is 'auto' but mesh.pipe={sizes['pipe']}; choose a schedule: "
                           "gpipe, 1f1b, interleaved, zb-h1, or circular (the compiler-driven pipeline)")
     for field in ("pipe_microbatches", "pipe_virtual"):
         if config.parallel[field] < 0:
             raise ConfigError(f"parallel.{field}", f"is {config.parallel[field]}; must be positive, or 0 (default)")
+    validate_moe(config, sizes)
     tp = sizes["tensor"]
     if m.heads % tp:
         raise ConfigError("model.heads", f"heads={m.heads} is not divisible by mesh.tensor={tp}")
@@ -336,11 +371,62 @@ def validate(config, num_devices: int) -> dict[str, int]:
                               "(parallel.sequence splits the sequence over tensor)")
     if m.d_model % sizes["fsdp"]:
         raise ConfigError("model.d_model", f"d_model={m.d_model} is not divisible by mesh.fsdp={sizes['fsdp']}")
-    batch_shards = sizes["data"] * sizes["fsdp"]
+    batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if t.batch_size % t.microbatches:
         raise ConfigError("train.microbatches", f"{t.microbatches} does not divide train.batch_size={t.batch_size}")
     micro = t.batch_size // t.microbatches
     if micro % batch_shards:
         raise ConfigError("train.batch_size", f"batch_size={t.batch_size} (microbatch {micro}) is not divisible "
-                          f"by the data-parallel size data x fsdp = {batch_shards}")
+                          f"by the data-parallel size data x fsdp x expert = {batch_shards}")
+    moe = m.moe
+    if moe.experts and moe.dispatch == "capacity" and (micro // batch_shards) % moe.group_sequences:
+        raise ConfigError("model.moe.group_sequences", f"{moe.group_sequences} does not divide the "
+                          f"{micro // batch_shards} sequences each device holds per microbatch; capacity groups "
+                          "must not straddle devices")
     return sizes
+
+
+def validate_moe(config, sizes: dict[str, int]) -> None:
+    """The MoE fields (model.moe.*) and the `expert` mesh axis."""
+    m, moe, ep = config.model, config.model.moe, sizes["expert"]
+    if moe.experts < 0:
+        raise ConfigError("model.moe.experts", f"is {moe.experts}; use 0 (a dense model) or a positive count")
+    if not moe.experts:
+        if ep > 1:
+            raise ConfigError("mesh.expert", f"is {ep} but the model is dense; expert parallelism needs "
+                              "model.moe.experts > 0")
+        return
+    if sizes["pipe"] > 1:
+        raise ConfigError("mesh.pipe", f"is {sizes['pipe']}, but MoE models do not run in a pipeline yet (the "
+                          "aux losses and router statistics are not carried across stages); use mesh.pipe=1")
+    if config.parallel.tensor == "manual":
+        raise ConfigError("parallel.tensor", "is 'manual', but the manual Megatron trainer has no MoE layer; "
+                          "use parallel.tensor=auto (experts are split over tensor inside each expert)")
+    if moe.experts % ep:
+        raise ConfigError("model.moe.experts", f"{moe.experts} experts are not divisible by mesh.expert={ep}")
+    if not 1 <= moe.top_k <= moe.experts:
+        raise ConfigError("model.moe.top_k", f"is {moe.top_k}; must be in 1..model.moe.experts={moe.experts}")
+    if not 0 <= moe.dense_layers < m.layers:
+        raise ConfigError("model.moe.dense_layers", f"is {moe.dense_layers}; must be in 0..model.layers-1="
+                          f"{m.layers - 1} (at least one MoE layer)")
+    if moe.expert_mlp_dim < 0:
+        raise ConfigError("model.moe.expert_mlp_dim", f"is {moe.expert_mlp_dim}; use 0 (model.mlp_dim) or a positive size")
+    if (moe.expert_mlp_dim or m.mlp_dim) % sizes["tensor"]:
+        raise ConfigError("model.moe.expert_mlp_dim", f"{moe.expert_mlp_dim or m.mlp_dim} is not divisible by "
+                          f"mesh.tensor={sizes['tensor']}")
+    if moe.shared_experts < 0:
+        raise ConfigError("model.moe.shared_experts", f"is {moe.shared_experts}; must be 0 or positive")
+    if moe.shared_experts and not 0 < moe.expert_mlp_dim < m.mlp_dim:
+        raise ConfigError("model.moe.shared_experts", f"{moe.shared_experts} shared experts need fine-grained "
+                          f"experts (DeepSeek-MoE): set model.moe.expert_mlp_dim below model.mlp_dim={m.mlp_dim}")
+    if moe.router not in MOE_ROUTERS:
+        raise ConfigError("model.moe.router", f"is '{moe.router}'; valid: {', '.join(MOE_ROUTERS)}")
+    if moe.dispatch not in MOE_DISPATCH:
+        raise ConfigError("model.moe.dispatch", f"is '{moe.dispatch}'; valid: {', '.join(MOE_DISPATCH)}")
+    if moe.capacity_factor <= 0:
+        raise ConfigError("model.moe.capacity_factor", f"is {moe.capacity_factor}; must be > 0")
+    if moe.group_sequences < 1:
+        raise ConfigError("model.moe.group_sequences", f"is {moe.group_sequences}; must be at least 1")
+    for field in ("balance_loss", "z_loss", "bias_rate"):
+        if moe[field] < 0:
+            raise ConfigError(f"model.moe.{field}", f"is {moe[field]}; must be >= 0")

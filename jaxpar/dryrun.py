@@ -152,7 +152,7 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
                (F-1)/F·e·b·s·h forward and again backward, per microbatch; the backward
                all-to-all brings each device the gradient of its own columns (a tied table is
                gathered for the head like any weight, and so is a table also split by vocab
-               over `tensor`, see parallel/auto.py).
+               over `tensor`, or whose tokens are split over data or expert too, see parallel/auto.py).
                Gradient reduction of the rest, Ψ/T, once per microbatch (XLA reduces inside the
                accumulation loop): GPU reduce-scatter (F-1)/F·e, CPU all-reduce of the full
                gradient + slice 2(F-1)/F·4. So ZeRO-3 ≈ 3Ψ·e·(F-1)/F on GPU and
@@ -174,6 +174,13 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
                backward = 7 per layer there. The cross-entropy's vocab reductions (max,
                sum of exponentials, target logit: b·s numbers each) are left out.
     parallel.tensor = manual (parallel/tensor.py, with or without parallel.sequence): `manual_tensor_bytes`.
+    expert (X), MoE models: the MoE layers' all_to_alls (`moe_all_to_all_bytes`: jaxpar's buffers).
+               The batch is split over `expert` too: the gradients of the parameters every expert
+               device holds (all but the routed experts) all-reduce over data x expert,
+               2(DX-1)/(DX)·e·(Ψ-Ψ_x)/T per microbatch, under the label `expert` (D = 1) or
+               `data+expert`; the routed experts' Ψ_x/X over `data` only. With fsdp > 1 the fsdp
+               formula above takes the per-device share Ψ - Ψ_x(1 - 1/X) and the expert-axis
+               reductions are not predicted.
     """
     import numpy as np
 
@@ -187,11 +194,14 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     psi_other = psi - psi_layers
     compute_bytes = np.dtype(activation_dtype(config.train.compute_dtype)).itemsize  # float8: bf16 (XLA may gather fp8)
     e = 4 if platform == "cpu" else compute_bytes
-    F, D, T = sizes.get("fsdp", 1), sizes.get("data", 1), sizes.get("tensor", 1)
+    F, D, T, X = sizes.get("fsdp", 1), sizes.get("data", 1), sizes.get("tensor", 1), sizes.get("expert", 1)
     m = config.train.microbatches
-    b = config.train.batch_size // m // (D * F)
     if sizes.get("pipe", 1) > 1:
         return _pipeline_collective_bytes(config, model_cfg, sizes, platform)
+    b = config.train.batch_size // m // (D * F * X)
+    psi_experts = counts["experts"]
+    psi_layers -= psi_experts * (X - 1) // X          # a device's share: the routed experts are split over X
+    psi = psi_layers + psi_other
     out = {}
     stage = config.parallel.data
     if stage != "auto":
@@ -204,12 +214,19 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     s, h = config.data.seq_len, model_cfg.d_model
     if F > 1:
         ring = (F - 1) / F
-        looked_up = 0 if model_cfg.tie_embeddings or T > 1 else counts["embedding"]
+        looked_up = 0 if model_cfg.tie_embeddings or T > 1 or D > 1 or X > 1 else counts["embedding"]
         gathers = ring * e * (2 * m * psi_layers + psi_other - looked_up) / T
         lookup = ring * m * (4 * b * F * s + 2 * e * b * s * h / T) if looked_up else 0
         reduce = ring * (psi - looked_up) / T * (2 * 4 if platform == "cpu" else e) * m
         out["fsdp"] = gathers + lookup + reduce
-    if D > 1:
+    if X > 1:
+        out["expert"] = moe_all_to_all_bytes(config, model_cfg, sizes, platform)["predicted"]
+        if F == 1:
+            label = "expert" if D == 1 else "data+expert"
+            out[label] = out.get(label, 0.0) + 2 * (D * X - 1) / (D * X) * e * (psi - psi_experts / X) / T * m
+            if D > 1:
+                out["data"] = 2 * (D - 1) / D * e * psi_experts / X / T * m
+    elif D > 1:
         out["data"] = 2 * (D - 1) / D * e * psi / (F * T) * m
     if T > 1:
         per_layer = (7 if platform == "cpu" else 4) + (1 if config.train.remat == "full" else 0)
@@ -342,6 +359,44 @@ def pipeline_summary(trainer, compiled_peak: int) -> dict | None:
     return out
 
 
+def moe_all_to_all_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
+    """Bytes each device sends per step in the MoE layers' all_to_alls over `expert` (X devices).
+
+    formula    the course's: per MoE layer, dispatch + combine move 2·T·k·h·e forward and again
+               backward, T = tokens per device per microbatch; a device keeps the 1/X share bound
+               for its own experts: x (X-1)/X. Per step: x MoE layers x microbatches.
+    predicted  what jaxpar's buffers send (parallel/expert.py). capacity: [E, groups, C, h] per
+               exchange, E·C·groups = T·k·c' with c' the capacity factor after C is rounded up.
+               dropless: padded chunks of T·min(k, E/X) rows to each of the X devices,
+               X·min(k, E/X)/k times the formula, plus the expert ids (int32, forward only).
+               With remat (any policy but none) the backward pass recomputes the forward
+               exchanges: 6 instead of 4 per layer.
+    """
+    import numpy as np
+
+    from jaxpar.train.step import activation_dtype
+
+    moe = model_cfg.moe
+    X, m = sizes.get("expert", 1), config.train.microbatches
+    b = config.train.batch_size // m // (sizes.get("data", 1) * sizes.get("fsdp", 1) * X)
+    T, k, h, E = b * config.data.seq_len, moe.top_k, model_cfg.d_model, moe.experts
+    e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
+    ring, per_step = (X - 1) / X, model_cfg.moe_layers * m
+    forward_runs = 1 if config.train.remat == "none" else 2
+    formula = ring * 2 * T * k * h * e * 2 * per_step
+    if moe.dispatch == "capacity":
+        group_tokens = moe.group_sequences * config.data.seq_len
+        slots = b // moe.group_sequences * E * moe.capacity(group_tokens)
+        exchange = ring * slots * h * e
+        ids = 0.0
+    else:
+        rows = T * min(k, E // X)
+        exchange = ring * X * rows * h * e
+        ids = ring * X * rows * 4 * forward_runs
+    predicted = exchange * 2 * (1 + forward_runs) * per_step + ids * per_step
+    return {"formula": formula, "predicted": predicted, "tokens_per_device": T}
+
+
 # ----------------------------------------------------------------------------- the dry run
 
 def _links(found, mesh, machine) -> dict[str, tuple[str, float]]:
@@ -378,7 +433,7 @@ def _peak_flops(config, machine, num_devices: int) -> tuple[float, str]:
 def calibrated_step(config, sizes: dict[str, int], vocab: int, machine: dict, n: int) -> dict:
     """The step time jaxpar's planner predicts for this config and machine (jaxpar.plan): compute at a calibrated
     efficiency of the peak, the exposed part of each axis' collectives, the pipeline bubble. On CPU nothing is
-    calibrated here (η = 1): `jaxpar capstone` measures this host's η."""
+    calibrated here (η = 1): `jaxpar lab capstone` measures this host's η."""
     from jaxpar.measure import hardware
     from jaxpar.plan.cluster import cpu_cluster, gpu_cluster
     from jaxpar.plan.planner import predict_config
@@ -387,7 +442,7 @@ def calibrated_step(config, sizes: dict[str, int], vocab: int, machine: dict, n:
         host = hardware.probe_host()
         cluster = cpu_cluster(n, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
         calibration = Calibration(compute=1.0, overlap=0.0, memory=1.0,
-                                  source="η not calibrated on CPU here: `jaxpar capstone` measures it")
+                                  source="η not calibrated on CPU here: `jaxpar lab capstone` measures it")
     else:
         cluster = gpu_cluster(machine["target"], machine["hosts"], machine["gpus_per_host"])
         calibration = GPU_CALIBRATION
@@ -456,7 +511,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     state = state_bytes(trainer.abstract_state)
     formula = zero_formula(psi, shard_counts(config, sizes))
     batch_bytes = leaf_bytes_per_device(tokens)
-    micro = B // config.train.microbatches // (sizes["data"] * sizes["fsdp"])
+    micro = B // config.train.microbatches // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
     chosen = resolve(config, machine["platform"], activation_dtype(config.train.compute_dtype))
     acts = activation_estimate(layers=model_cfg.layers, seq_len=S, micro_batch=micro, d_model=model_cfg.d_model,
                                heads=model_cfg.heads, vocab_size=model_cfg.vocab_size, tensor=sizes["tensor"],

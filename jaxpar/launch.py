@@ -10,6 +10,12 @@ The launcher relays every child's output line by line, prefixed with `[p{i}] `,
 and supervises the job: the first child to fail takes the others down with it
 (a survivor would otherwise block forever in a collective waiting for its dead
 peer), Ctrl-C stops them all, and an optional timeout bounds the whole run.
+
+Like torchrun's elastic agent, `--max-restarts K` then starts every process
+again, up to K times, and a `train` command resumes from its last checkpoint
+(`--auto-resume`). SIGTERM or SIGUSR1 to the launcher is a preemption notice: it
+is passed on to the children as SIGTERM, and the launcher waits for them to save
+and exit (up to `--preempt-grace` seconds) instead of killing them mid-save.
 """
 from __future__ import annotations
 
@@ -23,12 +29,15 @@ import threading
 import time
 from typing import IO
 
+from jaxpar.cluster.goodput import ENV_ATTEMPT_START, ENV_RESTARTS
 from jaxpar.config import ConfigError
 from jaxpar.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jaxpar.train.preemption import EXIT_PREEMPTED
 
 # Seconds a child has to exit after SIGTERM before it gets SIGKILL. A process
 # stuck in a JAX collective or inside XLA often does not act on SIGTERM at all.
 KILL_GRACE_S = 3.0
+PREEMPT_GRACE_S = 300.0   # a preempted child is finishing a step and saving: do not cut that short
 _POLL_S = 0.05
 
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -37,11 +46,17 @@ EXIT_TERMINATED = 143    # 128 + SIGTERM
 
 
 class _Terminated(Exception):
-    """The launcher itself got SIGTERM (e.g. from a batch system or `timeout`)."""
+    """The launcher itself got SIGTERM or SIGUSR1 (a batch system, `timeout`): a preemption notice."""
 
 
 def _raise_terminated(signum, frame):
     raise _Terminated()
+
+
+def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(_POLL_S)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -99,7 +114,15 @@ def _stop_all(procs: list[subprocess.Popen], grace: float) -> None:
             pass
 
 
-def _validate(nproc, cpu_devices, command, port, timeout) -> None:
+def restart_command(command: list[str]) -> list[str]:
+    """The command a restarted attempt runs: a `train` continues its run from the last checkpoint."""
+    if not command or command[0] != "train" or "--resume" in command:
+        return list(command)
+    kept = [arg for arg in command if arg not in ("--overwrite", "--auto-resume")]
+    return [*kept, "--auto-resume"]
+
+
+def _validate(nproc, cpu_devices, command, port, timeout, max_restarts=0) -> None:
     def positive_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -113,6 +136,10 @@ def _validate(nproc, cpu_devices, command, port, timeout) -> None:
         raise ConfigError("--port", f"must be an integer in 1..65535, got {port!r}")
     if timeout is not None and not timeout > 0:
         raise ConfigError("--timeout", f"must be > 0 seconds, got {timeout!r}")
+    if not (isinstance(max_restarts, int) and max_restarts >= 0):
+        raise ConfigError("--max-restarts", f"must be an integer >= 0, got {max_restarts!r}")
+    if max_restarts and command and command[0] == "train" and "--run-dir" not in command:
+        raise ConfigError("--max-restarts", "a restarted `train` resumes its run: give it --run-dir DIR")
 
 
 def launch(
@@ -125,37 +152,66 @@ def launch(
     module: str = "jaxpar.cli",
     out: IO[str] | None = None,
     grace: float = KILL_GRACE_S,
+    max_restarts: int = 0,
+    preempt_grace: float = PREEMPT_GRACE_S,
 ) -> int:
     """Run `python -m <module> <command> --cpu-devices M` as processes 0..N-1 of one job.
 
     Returns 0 when every process exits 0; the first non-zero exit code otherwise
     (the other processes are then stopped; a child killed by signal S counts as
-    128 + S); 130 on Ctrl-C; 143 when the launcher gets SIGTERM; 124 when
-    `timeout` seconds pass first. Children that do not exit within `grace`
-    seconds of SIGTERM are killed. `out` (default: sys.stdout at call time) receives the
-    children's output, each line prefixed with `[p{i}] `.
+    128 + S), after `max_restarts` restarts of all of them; 130 on Ctrl-C; on SIGTERM
+    or SIGUSR1 to the launcher, 75 when the children saved and stopped (preempted), else
+    143; 124 when `timeout` seconds pass first. Children that do not exit within `grace`
+    seconds of being stopped are killed. `out` (default: sys.stdout at call time) receives
+    the children's output, each line prefixed with `[p{i}] `.
     """
-    _validate(nproc, cpu_devices, command, port, timeout)
-    port = free_port() if port is None else port
+    _validate(nproc, cpu_devices, command, port, timeout, max_restarts)
     out = sys.stdout if out is None else out
     lock = threading.Lock()
-    argv = [sys.executable, "-m", module, *command, "--cpu-devices", str(cpu_devices)]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    # Children run in their own sessions, so a signal meant for the job reaches
+    # only us: pass it on instead of dying and leaving them running.
+    own_signals = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if own_signals:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            previous[sig] = signal.signal(sig, _raise_terminated)
+    try:
+        for attempt in range(max_restarts + 1):
+            argv = [sys.executable, "-m", module, *(restart_command(command) if attempt else command),
+                    "--cpu-devices", str(cpu_devices)]
+            status = _attempt(nproc, argv, port if port is not None and attempt == 0 else free_port(),
+                              attempt, deadline, timeout, out, lock, grace, preempt_grace)
+            if status in (0, EXIT_TIMEOUT, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_PREEMPTED):
+                return status
+            with lock:
+                if attempt < max_restarts:
+                    out.write(f"jaxpar launch: a process exited with code {status}; stopped the others; "
+                              f"restart {attempt + 1}/{max_restarts} from the last checkpoint\n")
+                else:
+                    out.write(f"jaxpar launch: a process exited with code {status}; stopped the others\n")
+                out.flush()
+        return status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
+
+def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, preempt_grace) -> int:
+    """Start the N processes once and supervise them until they end; returns the job's status."""
     procs: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
     status = 0
-    # Children run in their own sessions, so a SIGTERM meant for the job reaches
-    # only us: pass it on instead of dying and leaving them running.
-    own_sigterm = threading.current_thread() is threading.main_thread()
-    if own_sigterm:
-        previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        started = time.time()
         for i in range(nproc):
             env = dict(os.environ)
             env.update({
                 ENV_COORDINATOR: f"127.0.0.1:{port}",
                 ENV_NUM_PROCESSES: str(nproc),
                 ENV_PROCESS_ID: str(i),
+                ENV_RESTARTS: str(attempt),
+                ENV_ATTEMPT_START: repr(started),
                 "PYTHONUNBUFFERED": "1",
             })
             # Simulated hosts are CPU hosts: on a GPU machine every child would
@@ -177,7 +233,6 @@ def launch(
             t.start()
             relays.append(t)
 
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
@@ -196,18 +251,19 @@ def launch(
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED
     except _Terminated:
-        status = EXIT_TERMINATED
+        with lock:
+            out.write("jaxpar launch: preemption signal; asking every process to save and stop\n")
+            out.flush()
+        for p in procs:
+            _signal(p, signal.SIGTERM)
+        _wait_all(procs, preempt_grace)
+        codes = [_exit_code(p.returncode) for p in procs if p.poll() is not None]
+        status = EXIT_PREEMPTED if codes and all(c in (0, EXIT_PREEMPTED) for c in codes) and \
+            EXIT_PREEMPTED in codes else EXIT_TERMINATED
     finally:
         _stop_all(procs, grace)
         for t in relays:
             t.join(timeout=grace)
-        if own_sigterm:
-            signal.signal(signal.SIGTERM,
-                          signal.SIG_DFL if previous_sigterm is None else previous_sigterm)
-    if status not in (0, EXIT_TIMEOUT, EXIT_INTERRUPTED, EXIT_TERMINATED):
-        with lock:
-            out.write(f"jaxpar launch: a process exited with code {status}; stopped the others\n")
-            out.flush()
     return status
 
 
@@ -221,6 +277,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="coordinator port on 127.0.0.1 (default: a free port)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="stop every process after this many seconds and exit 124 (default: none)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="when a process fails, restart all of them up to this many times; a train "
+                             "command resumes from its last checkpoint (default: 0)")
+    parser.add_argument("--preempt-grace", type=float, default=PREEMPT_GRACE_S,
+                        help="seconds the processes get to save after SIGTERM/SIGUSR1 (default: 300)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the jaxpar command each process runs, after `--`, e.g. `-- train --set train.steps=20`")
     return parser
@@ -231,4 +292,5 @@ def run_launch(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    return launch(args.nproc, args.cpu_devices, command, port=args.port, timeout=args.timeout)
+    return launch(args.nproc, args.cpu_devices, command, port=args.port, timeout=args.timeout,
+                  max_restarts=args.max_restarts, preempt_grace=args.preempt_grace)

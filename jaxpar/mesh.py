@@ -8,6 +8,8 @@ MaxText-style logical-axis rules are written for.
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 
 import jax
 import numpy as np
@@ -30,20 +32,48 @@ def set_cpu_devices(count: int | None) -> None:
     jax.config.update("jax_num_cpu_devices", int(count))
 
 
-def init_distributed() -> None:
+def distributed_args(environ) -> dict | None:
+    """The `jax.distributed.initialize` arguments an environment asks for, or None for a single process.
+
+    `jaxpar launch` and the Kubernetes manifests (jaxpar/cluster/k8s.py) set the JAXPAR_*
+    variables; inside a Slurm step (`srun`, more than one task) JAX detects the cluster itself
+    and gets no address arguments.
+    """
+    if environ.get(ENV_COORDINATOR):
+        return {"coordinator_address": environ[ENV_COORDINATOR],
+                "num_processes": int(environ[ENV_NUM_PROCESSES]),
+                "process_id": int(environ[ENV_PROCESS_ID])}
+    if int(environ.get("SLURM_NTASKS", "1")) > 1 and environ.get("SLURM_STEP_ID"):
+        return {}
+    return None
+
+
+def init_distributed(settings=None) -> None:
     """Join a multi-process job when one is configured; a no-op for a single process.
 
-    Under `jaxpar launch` the coordinator comes from the environment; under Slurm
-    (`srun`) JAX detects the cluster itself.
+    `settings` is the config's `distributed` section (None: the defaults). A dead peer is
+    noticed after `heartbeat_timeout_s`, not JAX's 100 s, and an uncaught exception exits the
+    process at once instead of waiting in JAX's shutdown barrier (300 s by default) while its
+    peers hang: the scheduler (Slurm's --kill-on-bad-exit, a JobSet's failure policy, `jaxpar
+    launch`) then restarts or ends the whole job.
     """
-    if os.environ.get(ENV_COORDINATOR):
-        jax.distributed.initialize(
-            coordinator_address=os.environ[ENV_COORDINATOR],
-            num_processes=int(os.environ[ENV_NUM_PROCESSES]),
-            process_id=int(os.environ[ENV_PROCESS_ID]),
-        )
-    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 and os.environ.get("SLURM_STEP_ID"):
-        jax.distributed.initialize()
+    args = distributed_args(os.environ)
+    if args is None:
+        return
+    if settings is None:
+        from jaxpar.config import base_config
+        settings = base_config().distributed
+    jax.distributed.initialize(**args, heartbeat_timeout_seconds=int(settings.heartbeat_timeout_s),
+                               shutdown_timeout_seconds=int(settings.shutdown_timeout_s))
+    sys.excepthook = _exit_at_once
+
+
+def _exit_at_once(kind, value, tb) -> None:
+    """Print the traceback, then leave without JAX's shutdown barrier (os._exit skips atexit)."""
+    traceback.print_exception(kind, value, tb)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def make_mesh(config, devices=None) -> Mesh:

@@ -22,7 +22,7 @@ def reduced(monkeypatch):
 
 def test_capstone_report(capsys, tmp_path, reduced):
     out = tmp_path / "lab"
-    code, _, err = run_cli(capsys, ["capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12",
+    code, _, err = run_cli(capsys, ["lab", "capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12",
                                        "--verify", "0", "--rounds", "3", "--out", str(out)])
     assert code == 0, err
     report = (out / "report.md").read_text()
@@ -49,7 +49,7 @@ def test_capstone_report(capsys, tmp_path, reduced):
 @pytest.mark.skipif(gpu_plugin_problem() is None, reason="the CUDA plugin is installed here")
 def test_capstone_says_how_to_verify_without_the_plugin(capsys, tmp_path, reduced):
     out = tmp_path / "lab"
-    code, _, err = run_cli(capsys, ["capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12", "--skip-cpu",
+    code, _, err = run_cli(capsys, ["lab", "capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12", "--skip-cpu",
                                     "--out", str(out)])
     assert code == 0, err
     assert "Skipped: a deviceless GPU compile needs the jax-cuda12-plugin" in (out / "report.md").read_text()
@@ -58,7 +58,7 @@ def test_capstone_says_how_to_verify_without_the_plugin(capsys, tmp_path, reduce
 @pytest.mark.parametrize("extra, field", [(["--gpu", "tpu9"], "--gpu"), (["--tokens", "0"], "--tokens"),
                                           (["--rounds", "1"], "--rounds")])
 def test_capstone_bad_input(capsys, tmp_path, extra, field):
-    argv = ["capstone", "--config", CONFIGS["arabic_7b"], "--out", str(tmp_path / "lab"), *extra]
+    argv = ["lab", "capstone", "--config", CONFIGS["arabic_7b"], "--out", str(tmp_path / "lab"), *extra]
     code, _, err = run_cli(capsys, argv)
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {field}: "), err
     assert not (tmp_path / "lab").exists()

@@ -91,6 +91,18 @@ def test_a_crashing_process_takes_the_job_down(worker_path):
 
 
 @pytest.mark.slow
+def test_an_uncaught_exception_ends_its_process_at_once(worker_path):
+    out = Recorder()
+    t0 = time.monotonic()
+    rc = launch(2, 4, ["raise"], module=WORKER, out=out, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert rc == 1, out.text
+    assert "[p1] RuntimeError: a bug in process 1" in out.text
+    # Not distributed.shutdown_timeout_s (30 s) in JAX's exit barrier: the excepthook exits at once.
+    assert elapsed < 25, elapsed
+
+
+@pytest.mark.slow
 def test_timeout_stops_everything(worker_path):
     out = Recorder()
     t0 = time.monotonic()
@@ -142,7 +154,7 @@ def test_bad_arguments_are_config_errors(kwargs, field):
 def test_cli_arguments_strip_the_separator(monkeypatch):
     seen = {}
 
-    def fake_launch(nproc, cpu_devices, command, *, port=None, timeout=None):
+    def fake_launch(nproc, cpu_devices, command, *, port=None, timeout=None, max_restarts=0, preempt_grace=300.0):
         seen.update(nproc=nproc, cpu_devices=cpu_devices, command=command, port=port, timeout=timeout)
         return 0
 

@@ -2,9 +2,11 @@
 
 Every process builds the same global batch order (same seed) and materialises
 only the rows its own devices hold, so a run on 2 processes x 4 devices sees
-bit-for-bit the batches a run on 1 process x 8 devices sees. The Grain
-iterator's state goes into every checkpoint, so a resumed run continues the
-data order exactly where it stopped.
+bit-for-bit the batches a run on 1 process x 8 devices sees. The data position
+is global: batch k of the run is batch k of one seeded, infinite sequence of
+global batches, whatever the process count. A checkpoint records the step (and
+sample index); a resumed run starts the sequence there, so it continues the
+data order exactly, on the same or on a different number of processes.
 """
 from __future__ import annotations
 
@@ -78,11 +80,12 @@ def local_rows(sharding, global_batch: int, seq_len: int) -> slice:
     return rows
 
 
-def train_dataset(sequences: np.ndarray, global_batch: int, seed: int, rows: slice) -> grain.IterDataset:
-    """Infinite, seeded, reshuffled-each-epoch batches; this process keeps only `rows`."""
+def train_dataset(sequences: np.ndarray, global_batch: int, seed: int, rows: slice,
+                  start: int = 0) -> grain.IterDataset:
+    """Infinite, seeded, reshuffled-each-epoch batches from global batch `start` on; this process keeps `rows`."""
     ds = (grain.MapDataset.source(sequences).shuffle(seed=seed).repeat(None)
-          .batch(global_batch, drop_remainder=True)
-          .map(lambda batch: np.asarray(batch[rows], dtype=np.int32)))
+          .batch(global_batch, drop_remainder=True))
+    ds = ds[start:].map(lambda batch: np.asarray(batch[rows], dtype=np.int32))
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4))
 
 

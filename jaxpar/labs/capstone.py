@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args) -> int:
+    from jaxpar.dryrun import prepare_process
+    prepare_process("h100", None)      # JAX stays on CPU (the CPU check runs there); GPU compiles use a topology
     if not args.out:
         args.out = f"runs/capstone-{time.strftime('%Y%m%d-%H%M%S')}"
     run_lab(args)
@@ -57,14 +59,12 @@ def run_from_args(args) -> int:
 
 def main(argv=None) -> int:
     """Standalone entry (experiments/07_capstone/run.py): parse, set the CPU devices, run; bad input exits 2."""
-    from jaxpar.dryrun import prepare_process
     from jaxpar.mesh import set_cpu_devices
     parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         set_cpu_devices(args.cpu_devices)
-        prepare_process("h100", None)      # JAX on CPU; GPU compiles go through a topology
         return run_from_args(args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)

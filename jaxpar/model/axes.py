@@ -24,6 +24,22 @@ PARAM_AXES = {
     },
 }
 
+# The MoE layers' stack (model/moe.py): attention as in `blocks`, then a router and E experts on the
+# `experts` axis (each a SwiGLU of hidden size `mlp`), plus the fused always-on shared experts.
+# Which of the router/shared entries a model has depends on its config (`moe_param_axes`).
+MOE_PARAM_AXES = {
+    **{name: names for name, names in PARAM_AXES["blocks"].items() if name not in ("w_gate", "w_up", "w_down")},
+    "router": ("layers", "embed", None),
+    "router_noise": ("layers", "embed", None),      # router=noisy: the input-dependent noise scale
+    "router_bias": ("layers", None),                # router=sigmoid: steers selection, not learned by gradient
+    "expert_gate": ("layers", "experts", "embed", "mlp"),
+    "expert_up": ("layers", "experts", "embed", "mlp"),
+    "expert_down": ("layers", "experts", "mlp", "embed"),
+    "shared_gate": ("layers", "embed", "mlp"),
+    "shared_up": ("layers", "embed", "mlp"),
+    "shared_down": ("layers", "mlp", "embed"),
+}
+
 # `length` is the residual stream's sequence axis (norms and residual adds: the regions
 # sequence parallelism splits); `inner_length` is the sequence axis inside attention, the
 # MLP and the head, where heads, the MLP hidden dim or the vocabulary already use `tensor`.
@@ -34,7 +50,24 @@ ACTIVATION_AXES = {
     "kv_heads": ("batch", "inner_length", "kv_heads", "head_dim"),
     "mlp": ("batch", "inner_length", "mlp"),
     "logits": ("batch", "inner_length", "vocab"),
+    # capacity dispatch: [experts, groups, slots, d_model] and the experts' hidden [.., mlp]. The groups
+    # keep the batch split except over `expert`, which now splits the experts (the all_to_all).
+    "expert_slots": ("experts", "expert_batch", None, "act_embed"),
+    "expert_mlp": ("experts", "expert_batch", None, "mlp"),
+    # MoE weights as a layer uses them: `embed` whole. FSDP's weight all-gather made explicit: left to
+    # itself, XLA keeps the weights split and reshards the tokens instead (measured: every device then
+    # routes its whole fsdp group's tokens).
+    "router_in_use": (None, None),
+    "experts_in_use": ("experts", None, "mlp"),        # expert_gate, expert_up [E, D, F]
+    "experts_out_use": ("experts", "mlp", None),       # expert_down [E, F, D]
 }
+
+
+def moe_param_axes(router: str, shared_experts: int) -> dict:
+    """Logical names of the MoE stack's parameters for this router and shared-expert choice."""
+    skip = {"noisy": ("router_bias",), "sigmoid": ("router_noise",)}.get(router, ("router_noise", "router_bias"))
+    skip += () if shared_experts else ("shared_gate", "shared_up", "shared_down")
+    return {name: names for name, names in MOE_PARAM_AXES.items() if name not in skip}
 
 
 def param_axes(tie_embeddings: bool) -> dict:
@@ -47,5 +80,6 @@ def named_arrays(tie_embeddings: bool) -> dict[str, tuple]:
     import jax
     flat = jax.tree_util.tree_flatten_with_path(param_axes(tie_embeddings), is_leaf=lambda x: isinstance(x, tuple))[0]
     named = {f"param {jax.tree_util.keystr(path, simple=True, separator='.')}": names for path, names in flat}
+    named.update({f"param moe_blocks.{name}": names for name, names in MOE_PARAM_AXES.items()})
     named.update({f"activation {role}": names for role, names in ACTIVATION_AXES.items()})
     return named

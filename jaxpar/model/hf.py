@@ -1,13 +1,19 @@
-"""Hugging Face Llama checkpoints in and out, without torch.
+"""Hugging Face Llama and Mixtral checkpoints in and out, without torch.
 
 jaxpar's decoder follows LlamaForCausalLM's conventions (rotate-half RoPE, fp32
 RMSNorm, SwiGLU), so converting is only renaming, transposing (torch's Linear
 stores [out, in], jaxpar's einsums want [in, out]), splitting the fused head
 axis and stacking the per-layer tensors on the leading `layers` axis.
 
-Only plain Llama is accepted: a config that asks for something this model does
-not compute (biases, scaled RoPE, another activation) is refused with one line
-naming the field, rather than loaded into weights that would silently differ.
+Only plain Llama and Mixtral (MixtralForCausalLM: every layer MoE, softmax top-k
+router with renormalised gates, dropless, no shared expert) are accepted: a config
+that asks for something this model does not compute (biases, scaled RoPE, another
+activation, sliding-window attention, router jitter, another MoE architecture) is
+refused with one line naming the field, rather than loaded into weights that would
+silently differ. A Mixtral checkpoint's experts load from either layout transformers
+writes (per-expert `block_sparse_moe.experts.{j}.w1/w2/w3`, or the fused
+`mlp.experts.gate_up_proj` / `down_proj` of transformers >= 5) and export in the first,
+which both transformers 4 and 5 read.
 Fields that say the same thing twice (RoPE in `rope_parameters` and `rope_scaling`,
 a top-level `rope_theta`, a tied head stored as `lm_head.weight`) must agree: a
 conflict is refused too, since picking one would be a guess.
@@ -24,6 +30,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxpar.model.moe import MoEConfig
 from jaxpar.model.transformer import ModelConfig
 
 _SINGLE_FILE = "model.safetensors"
@@ -88,10 +95,27 @@ def _rope_theta(hf: dict) -> float:
     return next(iter(thetas.values()), 10000.0)
 
 
+def _mixtral_moe(hf: dict) -> MoEConfig:
+    """The MoE half of a Mixtral config, refusing what MixtralForCausalLM computes and jaxpar does not."""
+    if hf.get("sliding_window") is not None:
+        raise ValueError(f"sliding_window: {hf['sliding_window']} is not supported (jaxpar's attention is full "
+                         "causal); only checkpoints with sliding_window null load")
+    if hf.get("router_jitter_noise"):
+        raise ValueError(f"router_jitter_noise: {hf['router_jitter_noise']} is not supported (only 0; jaxpar's "
+                         "noisy router is Shazeer's gating, model.moe.router=noisy)")
+    experts, top_k = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok: {top_k} must be in 1..num_local_experts={experts}")
+    return MoEConfig(experts=experts, top_k=top_k, expert_mlp_dim=hf["intermediate_size"], router="softmax",
+                     normalize_top_k=True, dispatch="dropless",
+                     balance_loss=float(hf.get("router_aux_loss_coef", 0.001)), z_loss=0.0)
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """A ModelConfig from a parsed HF `config.json`, or a ValueError naming the unsupported field."""
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type: {hf['model_type']!r} is not supported (only 'llama')")
+    kind = hf.get("model_type", "llama")
+    if kind not in ("llama", "mixtral"):
+        raise ValueError(f"model_type: {kind!r} is not supported (only 'llama' and 'mixtral')")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag, False):
             raise ValueError(f"{flag}: biases are not supported (jaxpar's Llama has no bias terms)")
@@ -111,6 +135,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),  # only used if training restarts from init
+        moe=_mixtral_moe(hf) if kind == "mixtral" else None,
     )
 
 
@@ -132,8 +157,47 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def _mixtral_layer(take, i: int, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Layer i's router and experts in jaxpar's layout, from whichever layout the checkpoint uses."""
+    D, E, F = cfg.d_model, cfg.moe.experts, cfg.moe.expert_mlp_dim
+    prefix = f"model.layers.{i}."
+    if take.has(prefix + "mlp.gate.weight"):                  # transformers >= 5: fused experts
+        gate_up = take(prefix + "mlp.experts.gate_up_proj", (E, 2 * F, D))
+        return {"router": take(prefix + "mlp.gate.weight", (E, D)).T,
+                "expert_gate": gate_up[:, :F].transpose(0, 2, 1), "expert_up": gate_up[:, F:].transpose(0, 2, 1),
+                "expert_down": take(prefix + "mlp.experts.down_proj", (E, D, F)).transpose(0, 2, 1)}
+    moe = prefix + "block_sparse_moe."
+    experts = [[take(f"{moe}experts.{j}.{w}.weight", shape).T for j in range(E)]
+               for w, shape in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F)))]
+    return {"router": take(moe + "gate.weight", (E, D)).T, "expert_gate": np.stack(experts[0]),
+            "expert_up": np.stack(experts[1]), "expert_down": np.stack(experts[2])}
+
+
+class _Taker:
+    """Pops named tensors from a checkpoint, checking each one's shape against the config."""
+
+    def __init__(self, tensors: dict, path: Path):
+        self.tensors, self.path = tensors, path
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.tensors:
+            raise KeyError(f"{self.path}: checkpoint has no tensor {name!r}")
+        value = self.tensors.pop(name)
+        if value.shape != shape:
+            raise ValueError(f"{name}: shape {value.shape} does not match config (expected {shape})")
+        return value
+
+
+def load_hf_mixtral(path) -> tuple[ModelConfig, dict]:
+    """Load a HF MixtralForCausalLM directory (see `load_hf_llama`; the same loader reads both)."""
+    return load_hf_llama(path)
+
+
 def load_hf_llama(path) -> tuple[ModelConfig, dict]:
-    """Load a HF LlamaForCausalLM directory as (ModelConfig, jaxpar params of fp32 jax arrays).
+    """Load a HF LlamaForCausalLM (or MixtralForCausalLM) directory as (ModelConfig, fp32 jax params).
 
     The checkpoint's dtype does not matter: everything becomes fp32 master
     weights, as the trainer expects. Tensors the model does not use are an
@@ -146,13 +210,7 @@ def load_hf_llama(path) -> tuple[ModelConfig, dict]:
     for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
         del tensors[name]
 
-    def take(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise KeyError(f"{path}: checkpoint has no tensor {name!r}")
-        value = tensors.pop(name)
-        if value.shape != shape:
-            raise ValueError(f"{name}: shape {value.shape} does not match config (expected {shape})")
-        return value
+    take = _Taker(tensors, path)
 
     D, F, V = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
     hf_shapes = {  # [out, in] shapes of each per-layer tensor, to catch a config/weights mismatch early
@@ -165,10 +223,15 @@ def load_hf_llama(path) -> tuple[ModelConfig, dict]:
     }
     blocks = {}
     for suffix, (key, convert) in _LAYER_IMPORT.items():
+        if cfg.moe and suffix.startswith("mlp."):
+            continue
         per_layer = [convert(take(f"model.layers.{i}.{suffix}", hf_shapes[suffix]), cfg) for i in range(cfg.layers)]
         blocks[key] = np.stack(per_layer)
+    if cfg.moe:   # Mixtral: every layer is MoE, so the one stack is `moe_blocks`
+        layers = [_mixtral_layer(take, i, cfg) for i in range(cfg.layers)]
+        blocks.update({key: np.stack([layer[key] for layer in layers]) for key in layers[0]})
 
-    params = {"embed": take("model.embed_tokens.weight", (V, D)), "blocks": blocks,
+    params = {"embed": take("model.embed_tokens.weight", (V, D)), "moe_blocks" if cfg.moe else "blocks": blocks,
               "final_norm": take("model.norm.weight", (D,))}
     if cfg.tie_embeddings:
         head = tensors.pop("lm_head.weight", None)  # some writers store the tied copy too; it must be a copy
@@ -179,12 +242,23 @@ def load_hf_llama(path) -> tuple[ModelConfig, dict]:
         params["lm_head"] = take("lm_head.weight", (V, D)).T
     if tensors:
         extra = sorted(tensors)
-        raise ValueError(f"{path}: {len(extra)} unexpected tensor(s), e.g. {extra[:3]} (not a plain Llama?)")
+        raise ValueError(f"{path}: {len(extra)} unexpected tensor(s), e.g. {extra[:3]} (not a plain "
+                         f"{'Mixtral' if cfg.moe else 'Llama'}?)")
     return cfg, jax.tree.map(lambda a: jnp.asarray(np.ascontiguousarray(a)), params)
 
 
+def _check_mixtral_export(cfg: ModelConfig) -> None:
+    """Refuse (ValueError, one line) an MoE model MixtralForCausalLM would compute differently."""
+    moe = cfg.moe
+    for field, value, wanted in (("dense_layers", moe.dense_layers, 0), ("shared_experts", moe.shared_experts, 0),
+                                 ("router", moe.router, "softmax"), ("normalize_top_k", moe.normalize_top_k, True)):
+        if value != wanted:
+            raise ValueError(f"model.moe.{field}: is {value!r}; MixtralForCausalLM needs {wanted!r} "
+                             "(only Mixtral-style MoE models export)")
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """The `config.json` fields transformers needs to rebuild this model as LlamaForCausalLM.
+    """The `config.json` fields transformers needs to rebuild this model as LlamaForCausalLM (MixtralForCausalLM).
 
     RoPE's base is written both ways (top-level `rope_theta` for transformers 4,
     `rope_parameters` for 5), and the dtype both as `torch_dtype` (4) and `dtype` (5).
@@ -210,7 +284,17 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "initializer_range": cfg.init_std,
         "torch_dtype": "float32",
         "dtype": "float32",
-    }
+    } if not cfg.moe else _mixtral_config_to_hf(cfg)
+
+
+def _mixtral_config_to_hf(cfg: ModelConfig) -> dict:
+    _check_mixtral_export(cfg)
+    dense = config_to_hf(ModelConfig(**{**cfg.__dict__, "moe": None, "mlp_dim": cfg.moe.expert_mlp_dim}))
+    drop = ("attention_bias", "mlp_bias")
+    return {**{k: v for k, v in dense.items() if k not in drop}, "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral", "num_local_experts": cfg.moe.experts, "num_experts_per_tok": cfg.moe.top_k,
+            "router_aux_loss_coef": cfg.moe.balance_loss, "router_jitter_noise": 0.0, "sliding_window": None,
+            "output_router_logits": False}
 
 
 def _token_ids(name: str, value, vocab_size: int) -> int | list[int]:
@@ -222,8 +306,14 @@ def _token_ids(name: str, value, vocab_size: int) -> int | list[int]:
     return ids if isinstance(value, (list, tuple)) else ids[0]
 
 
+def export_hf_mixtral(params: dict, cfg: ModelConfig, path, bos_token_id=None, eos_token_id=None) -> None:
+    """Write a Mixtral-style MoE model as a HF MixtralForCausalLM directory (see `export_hf_llama`)."""
+    export_hf_llama(params, cfg, path, bos_token_id, eos_token_id)
+
+
 def export_hf_llama(params: dict, cfg: ModelConfig, path, bos_token_id=None, eos_token_id=None) -> None:
-    """Write `params` as a HF Llama directory (config.json, generation_config.json, fp32 model.safetensors).
+    """Write `params` as a HF Llama (Mixtral, for an MoE model) directory (config.json,
+    generation_config.json, fp32 model.safetensors).
 
     The BOS/EOS ids, when given, go into both JSON files: without them transformers
     assumes Llama's defaults (1 and 2), which are not this tokenizer's.
@@ -231,6 +321,7 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path, bos_token_id=None, eos
     partly overwritten, so an old export cannot end up mixed with a new one.
     """
     path = Path(path)
+    hf_config = config_to_hf(cfg)          # refuses an MoE model Mixtral cannot express, before anything else
     special = {name: _token_ids(name, value, cfg.vocab_size)
                for name, value in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id))
                if value is not None}
@@ -241,13 +332,22 @@ def export_hf_llama(params: dict, cfg: ModelConfig, path, bos_token_id=None, eos
     tensors = {"model.embed_tokens.weight": host["embed"], "model.norm.weight": host["final_norm"]}
     if not cfg.tie_embeddings:
         tensors["lm_head.weight"] = host["lm_head"].T
+    layers = host["moe_blocks" if cfg.moe else "blocks"]
     for key, (suffix, convert) in _LAYER_EXPORT.items():
+        if key in layers:
+            for i in range(cfg.layers):
+                tensors[f"model.layers.{i}.{suffix}"] = convert(layers[key][i], cfg)
+    if cfg.moe:
         for i in range(cfg.layers):
-            tensors[f"model.layers.{i}.{suffix}"] = convert(host["blocks"][key][i], cfg)
+            moe = f"model.layers.{i}.block_sparse_moe."
+            tensors[moe + "gate.weight"] = layers["router"][i].T
+            for j in range(cfg.moe.experts):
+                for w, key in (("w1", "expert_gate"), ("w3", "expert_up"), ("w2", "expert_down")):
+                    tensors[f"{moe}experts.{j}.{w}.weight"] = layers[key][i, j].T
     tensors = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**config_to_hf(cfg), **special}, indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps({**hf_config, **special}, indent=2) + "\n")
     # No "transformers_version": GenerationConfig.from_pretrained does not need it.
     (path / "generation_config.json").write_text(json.dumps(special, indent=2) + "\n")
     # transformers refuses safetensors files whose metadata lacks a known "format".

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.model.axes import ACTIVATION_AXES
 from jaxpar.model.ops import gather_embedding
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.train.step import accumulate
+from jaxpar.train.step import accumulate, apply_outside_gradient
 from jaxpar.train.strategy import Strategy
 
 
@@ -28,6 +28,7 @@ def auto_step(state, tokens, *, model_cfg, ops, optimizer, policy, microbatches)
     (_, metrics), grads = accumulate(value_and_grad, state["params"], tokens, microbatches, split=split)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    params = apply_outside_gradient(state["params"], params, metrics, model_cfg)
     metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
@@ -38,18 +39,28 @@ def cross_entropy_of(params, tokens, *, model_cfg, ops):
 
 
 def rules_embedding(rules):
-    """The embedding lookup as a gather, with one hint for the partitioner: a table split both by vocab
-    (over `tensor`) and by embed (over `fsdp`) is gathered over its embed split first. XLA lowers a
-    lookup from a vocab-split table as Megatron's masked lookup + all-reduce, and from an embed-split
-    one by moving activations (all-to-all); from a table split both ways it replicates (measured)."""
+    """The embedding lookup as a gather, with one hint for the partitioner: a table split by embed (over
+    `fsdp`) and also by vocab (over `tensor`), or whose tokens are split over more than its embed axes
+    (data x fsdp, expert x fsdp), is gathered over its embed split first. XLA lowers a lookup from a
+    vocab-split table as Megatron's masked lookup + all-reduce, and from an embed-split one whose tokens
+    are split the same way by moving activations (all-to-all); in the other cases it replicates the
+    activations' gradient in the backward pass (measured: "involuntary full rematerialization")."""
     def embed(tokens, table):
         mesh = jax.sharding.get_abstract_mesh()
         live = () if mesh.empty else tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-        vocab_split, embed_split = (axes is not None for axes in rules.spec(("vocab", "embed"), live))
-        if vocab_split and embed_split:
+        if embed_lookup_gathers(rules, live):
             table = rules.constrain(table, ("vocab", None))
         return gather_embedding(tokens, table)
     return embed
+
+
+def embed_lookup_gathers(rules, live_axes) -> bool:
+    """Whether `rules_embedding` gathers the table over its embed split (see there); live_axes: mesh axes > 1."""
+    def axes(name):
+        entry = rules.spec((name,), live_axes)[0]
+        return set() if entry is None else {entry} if isinstance(entry, str) else set(entry)
+    embed = axes("embed")
+    return bool(embed) and bool(axes("vocab") or axes("batch") - embed)
 
 
 class AutoTrainer(Strategy):
@@ -57,7 +68,7 @@ class AutoTrainer(Strategy):
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
-        self.ops = self.ops.replace(embed=rules_embedding(self.rules))
+        self.ops = self.with_ops(self.ops.replace(embed=rules_embedding(self.rules)))
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
         self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
         abstract = jax.eval_shape(self._init_state)
@@ -70,3 +81,7 @@ class AutoTrainer(Strategy):
                                out_shardings=(self.state_shardings, replicated), donate_argnums=self.donate_argnums)
         self.eval_fn = jax.jit(partial(cross_entropy_of, model_cfg=model_cfg, ops=self.ops),
                                in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
+
+    def with_ops(self, ops):
+        """The ops the step and evaluation run with: a subclass swaps pieces here (parallel/expert.py)."""
+        return ops

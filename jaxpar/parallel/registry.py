@@ -20,6 +20,7 @@ STRATEGIES = (
     "jaxpar.parallel.tensor:TensorTrainer",    # tensor: manual (+ parallel.sequence), data: ddp
     "jaxpar.parallel.pipeline:PipelineTrainer",  # pipe: gpipe | 1f1b | interleaved | zb-h1
     "jaxpar.parallel.circular:CircularTrainer",  # pipe: circular (the compiler-driven pipeline)
+    "jaxpar.parallel.expert:ExpertTrainer",    # expert: manual (all_to_all in shard_map)
 )
 
 

@@ -9,7 +9,11 @@ size 1 shards nothing, the mesh sizes alone select the strategy:
                       XLA all-gathers weights before use and reduce-scatters grads
 - tensor=N            Megatron tensor parallel: heads and the MLP hidden dim split, so
                       q/k/v and gate/up are column-parallel, wo and down row-parallel
-- any product of them 2D/3D combinations (e.g. data x fsdp x tensor)
+- expert=N            expert parallelism (MoE models): each device holds E/N experts; the batch is
+                      split over `expert` too (as DeepSpeed-MoE and MaxText do), so the tokens of one
+                      device travel to the experts' devices and back: XLA chooses how (all_to_all when
+                      it can). `parallel.expert=manual` writes those all_to_alls by hand (parallel/expert.py)
+- any product of them 2D/3D combinations (e.g. data x fsdp x tensor, expert x data)
 
 `parallel.rules` in the config overrides single names, e.g. `length=tensor`
 (sequence parallelism of the residual stream) or `embed=fsdp+data`; the
@@ -35,8 +39,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "norm": (),
     "layers": (),
+    "experts": ("expert",),
     # activations
-    "batch": ("data", "fsdp"),
+    "batch": ("expert", "data", "fsdp"),   # split over `expert` too; parallel/expert.py's shard_map reads this spec
+    "expert_batch": ("data", "fsdp"),      # the batch of tokens already sent to their experts (capacity dispatch)
     "length": (),          # the residual stream's sequence axis (norms, residual adds)
     "inner_length": (),    # the sequence axis inside attention, the MLP and the head
     "act_embed": (),

@@ -38,10 +38,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.train.step import accumulate, clip_to_norm, never_saving, produced_by
+from jaxpar.train.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
 from jaxpar.train.strategy import Strategy
 
 AXIS = "data"
+STACKS = ("blocks", "moe_blocks")                         # the scanned layer stacks (leading `layers` axis)
 STAGE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
 
 
@@ -141,7 +142,7 @@ def split_dims(abstract_params, n: int, stage: str) -> dict:
     The leading dimension when it divides: all-gathers and reduce-scatters along it need no transposes."""
     def pick(path, leaf):
         name = jax.tree_util.keystr(path, simple=True, separator=".")
-        first = 1 if name.startswith("blocks.") else 0    # the stacked layers axis is never split
+        first = 1 if name.startswith(STACKS) else 0       # the stacked layers axis is never split
         dims = [d for d in range(first, leaf.ndim) if leaf.shape[d] % n == 0]
         if not dims:
             unsplittable.append(f"{name} {list(leaf.shape)}")
@@ -209,7 +210,7 @@ class ZeroTrainer(Strategy):
 
     def _dims(self, name: str):
         """Split dims of one top-level entry; a layer inside the scan has lost its leading `layers` axis."""
-        return jax.tree.map(lambda d: d - 1, self.dims[name]) if name == "blocks" else self.dims[name]
+        return jax.tree.map(lambda d: d - 1, self.dims[name]) if name in STACKS else self.dims[name]
 
     # ---------------------------------------------------------------- weight fetches (Ops.fetch)
     def gather(self, name, shards):
@@ -256,6 +257,12 @@ class ZeroTrainer(Strategy):
             return jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=dim)
         return jax.tree.map(cut, tree, self.dims)
 
+    def _stored_part(self, stack, name, full):
+        """ZeRO-3: this device's slice of a full-shape array shaped like parameter `stack.name`."""
+        dim = self.dims[stack][name]
+        size = full.shape[dim] // self.n
+        return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(AXIS) * size, size, axis=dim)
+
     def reduce_scatter(self, grads):
         return jax.tree.map(lambda g, dim: jax.lax.psum_scatter(g, AXIS, scatter_dimension=dim, tiled=True) / self.n,
                             grads, self.dims)
@@ -278,7 +285,10 @@ class ZeroTrainer(Strategy):
     # ---------------------------------------------------------------- the shard_map programs
     def _local_step(self, state, tokens):
         metrics, params, opt_state, norm = STAGES[self.stage](self, state["params"], state["opt_state"], tokens)
-        metrics = {**jax.lax.pmean(metrics, AXIS), "grad_norm": norm}
+        metrics = jax.lax.pmean(metrics, AXIS)
+        stored_part = self._stored_part if self.stage == "zero3" else None
+        params = apply_outside_gradient(state["params"], params, metrics, self.model_cfg, stored_part)
+        metrics = {**metrics, "grad_norm": norm}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def _local_eval(self, params, tokens):

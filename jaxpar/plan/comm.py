@@ -95,7 +95,7 @@ def flows(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, p
 
     if F > 1:
         ring = (F - 1) / F
-        looked_up = counts["embedding"] if not (shape.tie_embeddings or T > 1) else 0
+        looked_up = counts["embedding"] if not (shape.tie_embeddings or T > 1 or D > 1 or X > 1) else 0
         layer_gathers = ring * e * 2 * m * psi_layers / T
         other_gathers = ring * e * (psi_other - looked_up) / T
         out.append(Flow("fsdp", "all-gather", layer_gathers, 2 * m * L * WEIGHTS_PER_LAYER, not cpu))

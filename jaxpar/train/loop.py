@@ -2,6 +2,10 @@
 
 Host work stays off the hot path: step metrics are kept on device and fetched
 once per logging interval, checkpoints are written asynchronously.
+
+Operations (module 6) live in their own modules and are called from here: a
+non-finite guard (train/guard.py), preemption signals (train/preemption.py),
+goodput accounting (cluster/goodput.py) and metrics sinks (cluster/metrics.py).
 """
 from __future__ import annotations
 
@@ -13,11 +17,14 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from jaxpar.cluster.goodput import Goodput, restart_count
+from jaxpar.cluster.metrics import Sinks
 from jaxpar.config import ConfigError, model_vocab_size, to_json
 from jaxpar.data.pipeline import build_token_data, local_rows, to_global, train_dataset, val_batches
 from jaxpar.measure.hardware import peak_flops_per_device
@@ -27,6 +34,8 @@ from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_trainer, select
 from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.guard import NonFiniteGuard
+from jaxpar.train.preemption import Preempted, Preemption
 from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
 from jaxpar.train.sample import complete
 from jaxpar.train.step import learning_rate
@@ -51,7 +60,7 @@ class MetricsLog:
         if is_main() and resume_step is not None and path.exists():
             kept = [line for line in path.read_text().splitlines()
                     if line and json.loads(line).get("step", 0) <= resume_step]
-            dropped = len(path.read_text().splitlines()) - len(kept)
+            dropped = len([line for line in path.read_text().splitlines() if line]) - len(kept)
             path.write_text("".join(line + "\n" for line in kept))
             if dropped:
                 say(f"resumed at step {resume_step}: dropped {dropped} metrics lines logged after it")
@@ -63,11 +72,15 @@ class MetricsLog:
 
 
 def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrite: bool = False,
-          profile: str | None = None) -> dict:
-    """Train per `config`; returns a summary (losses, timings, run directory).
+          profile: str | None = None, metrics_port: int | None = None, metrics_linger_s: float = 0.0) -> dict:
+    """Train per `config`; returns a summary (losses, timings, goodput, run directory).
 
     `profile`: "START:END" traces those steps with jax.profiler into the run directory.
+    `metrics_port`: serve Prometheus metrics on this port + the process index (`metrics_linger_s` more
+    seconds after the end, so that the last scrape sees the final values).
+    Raises `Preempted` after saving on SIGTERM/SIGUSR1 and `NonFiniteError` on bad numbers.
     """
+    entered = time.time()
     window = parse_window(profile, config.train.steps)
     run_dir = Path(run_dir) if run_dir else default_run_dir(config.name)
     check_run_dir(run_dir, resume, overwrite)
@@ -96,29 +109,52 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
         f"{s['tokens']:,} tokens ({s['tokens_per_word']:.2f} tokens/word, vocab {s['vocab_size']:,}); "
         f"{s['train_sequences']:,} train / {s['val_sequences']:,} val sequences of {config.data.seq_len}")
     counts = param_count(model_cfg)
-    tokens_per_step = config.train.batch_size * config.data.seq_len
-    flops_per_step = train_flops_per_token(model_cfg, config.data.seq_len) * tokens_per_step
-    peak, peak_source = peak_flops_per_device(config.train.compute_dtype)
     say(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
         f"{model_cfg.layers} layers, d_model {model_cfg.d_model}; mesh: {describe(mesh)} over "
         f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} process(es)")
 
     rows = local_rows(trainer.batch_sharding, config.train.batch_size, config.data.seq_len + 1)
-    iterator = iter(train_dataset(data.train, config.train.batch_size, config.data.shuffle_seed, rows))
     validation = [to_global(b, trainer.batch_sharding, config.train.batch_size)
                   for b in val_batches(data.val, config.train.batch_size, config.train.eval_batches, rows)]
-    checkpoints = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints)
+    checkpoints = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints, notice=say)
     start = 0
     if resume:
-        start, state = checkpoints.restore(trainer.abstract_state, iterator)
+        start, state = checkpoints.restore(trainer.abstract_state)
         if start is None:
-            raise ConfigError("--resume", f"no readable checkpoint in '{run_dir / 'checkpoints'}'")
-        say(f"resumed from step {start}")
+            raise ConfigError("--resume", f"no intact checkpoint in '{run_dir / 'checkpoints'}' "
+                              "(every step is damaged or unreadable); start a new run")
+        checkpoints.set_aside_damaged()
+        say(f"resumed from step {start} (global sample {start * config.train.batch_size:,}) on "
+            f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
     else:
         state = trainer.init_state()
+    # The data position is global: the run continues at global batch `start`, whatever the process count.
+    iterator = iter(train_dataset(data.train, config.train.batch_size, config.data.shuffle_seed, rows, start))
     metrics_log = MetricsLog(run_dir / "metrics.jsonl", start if resume else None)
+    goodput = Goodput(run_dir / "goodput.json", start if resume else None, write=is_main(), entered=entered)
+    sinks = Sinks(metrics_port, run_dir / "tensorboard" if config.train.tensorboard and is_main() else None,
+                  jax.process_index())
+    guard = NonFiniteGuard(config.train.max_bad_steps)
+    preemption = Preemption()
+    goodput.add("startup_compile", time.time() - goodput.start)
+    try:
+        return _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, validation, checkpoints,
+                    metrics_log, goodput, sinks, guard, preemption, window, counts)
+    finally:
+        preemption.close()
+        checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
+        sinks.close(metrics_linger_s)
 
+
+def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, validation, checkpoints,
+         metrics_log, goodput, sinks, guard, preemption, window, counts) -> dict:
+    """The step loop of `train` (everything it needs is built and checked)."""
+    tokens_per_step = config.train.batch_size * config.data.seq_len
+    flops_per_step = train_flops_per_token(model_cfg, config.data.seq_len) * tokens_per_step
+    peak, peak_source = peak_flops_per_device(config.train.compute_dtype)
     t = config.train
+    fault_here = (t.fault_at_step and restart_count() == 0
+                  and t.fault_process in (-1, jax.process_index()))   # first attempt only
     schedule = learning_rate(t)
     losses, pending = {}, []
     val_loss = evaluated = None     # evaluated: a validation loss not printed yet
@@ -128,10 +164,16 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     profiler = StepProfiler(window, run_dir / "profile")
     interval_start = time.perf_counter()
     interval_steps, excluded = 0, 0.0
+    step, preempted = start, False
     with progress:
         task = progress.add_task("training", total=t.steps, completed=start)
         for step in range(start + 1, t.steps + 1):
+            side_start = time.perf_counter()
             batch = to_global(next(iterator), trainer.batch_sharding, t.batch_size)
+            waited = time.perf_counter() - side_start
+            goodput.add("data_wait", waited)
+            excluded += waited
+            before = state if not (guard.skips and trainer.donate_argnums) else jax.tree.map(jnp.copy, state)
             side_start = time.perf_counter()
             profiler.before(step)
             excluded += time.perf_counter() - side_start
@@ -147,36 +189,60 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
                 say(profiled["markdown"])
             if profiled:
                 excluded += time.perf_counter() - side_start
+            if guard.skips and guard.is_bad(step, metrics):   # undo the step (its batch is consumed)
+                say(f"step {step}: non-finite loss or gradient norm; update skipped "
+                    f"({len(guard.bad_steps)}/{t.max_bad_steps} allowed)")
+                state = before
+            else:
+                guard.after_step(step, metrics)
             pending.append((step, metrics))
             interval_steps += 1
+            goodput.stepped(step)
             if compile_s is None:
                 jax.block_until_ready(metrics)
                 compile_s = time.perf_counter() - interval_start
+                goodput.add("startup_compile", compile_s - excluded)
                 say(f"first step (compile + run): {compile_s:.1f} s")
-                interval_start, interval_steps = time.perf_counter(), 0
+                interval_start, interval_steps, excluded = time.perf_counter(), 0, 0.0
             last = step == t.steps
-            evaluate, save = step % t.eval_every == 0 or last, step % t.checkpoint_every == 0 or last
+            preempted = preemption.reached(step)
+            evaluate = step % t.eval_every == 0 or last
+            save = step % t.checkpoint_every == 0 or last or preempted
             if evaluate or save:  # evaluation and checkpointing stay out of the step times
                 jax.block_until_ready(state)
+                guard.flush()     # a non-finite state is never saved
                 side_start = time.perf_counter()
                 if evaluate:
                     val_loss = evaluated = float(np.mean([float(trainer.evaluate(state["params"], b))
                                                           for b in validation]))
                     metrics_log.write({"step": step, "val_loss": val_loss})
+                    sinks.log(step, {"val_loss": val_loss})
                 if save:
-                    checkpoints.save(step, state, iterator)
+                    save_start = time.perf_counter()
+                    checkpoints.save(step, state, t.batch_size)
+                    saved_s = time.perf_counter() - save_start
+                    goodput.add("checkpoint", saved_s)
+                    goodput.saved(step)
+                    sinks.checkpoint(saved_s)
                 excluded += time.perf_counter() - side_start
-            if step % t.log_every == 0 or step == start + 1 or last or step == t.fault_at_step:
+            if step % t.log_every == 0 or step == start + 1 or last or step == t.fault_at_step or preempted:
                 fetched = jax.device_get([m for _, m in pending])
                 elapsed = time.perf_counter() - interval_start - excluded
+                if interval_steps:
+                    goodput.add("productive", elapsed)
                 step_time = elapsed / interval_steps if interval_steps else None  # None: the compile step
                 tok_s = tokens_per_step / step_time if step_time else None
                 mfu = flops_per_step / step_time / (peak * jax.device_count()) if step_time and peak else None
                 for (s_, _), m in zip(pending, fetched):
                     losses[s_] = float(m["loss"])
-                    metrics_log.write({"step": s_, **{k: np.asarray(v).tolist() for k, v in m.items()},
-                                       "lr": float(schedule(s_ - 1)), "step_time_s": step_time,
-                                       "tokens_per_s": tok_s, "mfu": mfu})
+                    record = {"step": s_, **{k: np.asarray(v).tolist() for k, v in m.items()},
+                              "lr": float(schedule(s_ - 1)), "step_time_s": step_time,
+                              "tokens_per_s": tok_s, "mfu": mfu, "time": time.time()}
+                    metrics_log.write(record)
+                sinks.log(step, record)
+                if step_time:
+                    sinks.step_times(step_time, interval_steps)
+                sinks.goodput(step, goodput.flush())
                 message = f"step {step:>5}/{t.steps}  loss {losses[step]:.4f}"
                 if evaluated is not None:  # printed once, never repeated stale
                     message += f"  val {evaluated:.4f}"
@@ -188,11 +254,20 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
                 say(message)
                 progress.update(task, completed=step, description=f"loss {losses[step]:.3f}")
                 pending, interval_start, interval_steps, excluded = [], time.perf_counter(), 0, 0.0
-            if step == t.fault_at_step:  # a crash between checkpoints: the last save is durable, later steps lost
+            if fault_here and step == t.fault_at_step:  # a crash between checkpoints: later steps are lost
                 checkpoints.wait()
-                say(f"fault injection: killing this process after step {step}")
-                os.kill(os.getpid(), signal.SIGKILL)
+                console.print(f"fault injection: {t.fault_signal} to process {jax.process_index()} after step {step}")
+                os.kill(os.getpid(), getattr(signal, t.fault_signal))
+            if preempted:
+                break
+    guard.flush()
+    wait_start = time.perf_counter()
     checkpoints.close()
+    goodput.add("checkpoint", time.perf_counter() - wait_start)
+    if preempted and step < t.steps:
+        totals = goodput.flush()
+        raise Preempted(f"preempted: saved a checkpoint at step {step} of {t.steps} and stopped "
+                        f"(goodput so far {totals['goodput']:.1%}); start the run again to resume")
     say(f"MFU is measured against {peak_source}")
 
     sample_text = None
@@ -200,8 +275,12 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
         sample_text = sample_from_state(state["params"], model_cfg, data.tokenizer, t.sample_prompt,
                                         t.sample_tokens, config.data.seq_len)
         say(f"sample: {t.sample_prompt}{sample_text}")
+    totals = goodput.flush(finished=True)
+    badput = ", ".join(f"{k} {v:.1f} s" for k, v in totals["badput_s"].items())
+    say(f"goodput {totals['goodput']:.1%} of {totals['wall_s']:.1f} s wall ({totals['restarts']} restarts, "
+        f"{totals['redone_steps']} re-done steps); badput: {badput}")
     summary = {"run_dir": str(run_dir), "losses": losses, "final_val_loss": val_loss, "compile_s": compile_s,
-               "params": counts["total"], "sample": sample_text}
+               "params": counts["total"], "sample": sample_text, "goodput": totals}
     if is_main():
         (run_dir / "summary.json").write_text(json.dumps(summary, ensure_ascii=False, indent=2))
     say(f"run directory: {run_dir}")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.model.ops import DTYPES, precision
+from jaxpar.model.transformer import outside_gradient
 
 
 def activation_dtype(compute_dtype: str):
@@ -106,3 +107,23 @@ def accumulate(value_and_grad, params, tokens, microbatches: int, *, split=micro
     start = (zeros, jax.tree.map(jnp.zeros_like, params))
     total, _ = jax.lax.scan(add, start, micro)
     return jax.tree.map(lambda x: x / microbatches, total)
+
+
+def apply_outside_gradient(before, after, metrics, model_cfg, stored_part=None):
+    """Every trainer calls this after its optimizer update, with the step's (device-averaged) metrics.
+
+    Parameters the model updates from observed statistics rather than the gradient (the MoE
+    router's aux-free bias, `transformer.outside_gradient`) become `before + delta`: whatever the
+    optimizer did to them (weight decay) is dropped. `stored_part(stack, name, delta)`: the part of
+    a full-shape delta this device stores, for trainers that slice parameters (ZeRO-3).
+    """
+    deltas = outside_gradient(metrics, model_cfg)
+    if not deltas:
+        return after
+    out = dict(after)
+    for stack, changes in deltas.items():
+        out[stack] = dict(after[stack])
+        for name, delta in changes.items():
+            part = stored_part(stack, name, delta) if stored_part else delta
+            out[stack][name] = before[stack][name] + part.astype(before[stack][name].dtype)
+    return out

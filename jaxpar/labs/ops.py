@@ -1,0 +1,228 @@
+"""Lab 06 (course module 6): failures, restarts, goodput and resharding, measured.
+
+Three runs of one config, every number beside its prediction (experiments/06_operations/README.md):
+
+a. baseline       2 processes x 4 devices (`jaxpar launch`), uninterrupted: losses, goodput.
+b. failure drill  the same job with process 1 SIGKILLed after a random step and
+                  `--max-restarts 1`: the launcher stops the survivor, restarts both, the run
+                  resumes from its last checkpoint. Measured: re-done steps (goodput ledger), lost
+                  wall time (the drill's wall time - the baseline's), final losses vs the baseline.
+                  Predicted: re-done steps = fault step - last checkpoint step; lost time = re-done
+                  steps x step time + one start-up and compile (both from the baseline).
+c. reshard drill  1 process x 8 devices to the end, then the last checkpoint removed and the
+                  run resumed on 4 devices: losses after the resume vs the 8-device run.
+
+Files in --out: report.md, results.json, goodput_timeline.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.config import ConfigError
+
+LAB_DEFAULTS = ["train.steps=40", "train.checkpoint_every=10", "train.eval_every=20", "train.log_every=1",
+                "train.sample_tokens=0"]
+TOLERANCE = 1e-4
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def _max_rel(a: dict, b: dict, steps) -> float:
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in steps)
+
+
+def _train_args(config: str | None, overrides: list[str]) -> list[str]:
+    args = ["--config", config] if config else []
+    for item in [*LAB_DEFAULTS, *overrides]:
+        args += ["--set", item]
+    return args
+
+
+def _launch(log: Path, nproc: int, devices: int, command: list[str], max_restarts: int = 0) -> tuple[int, float]:
+    """Run `jaxpar launch` in a child (its own JAX processes); returns (exit status, seconds)."""
+    argv = [sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", str(nproc), "--cpu-devices", str(devices),
+            "--max-restarts", str(max_restarts), "--", *command]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        code = subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT)
+    return code, time.perf_counter() - start
+
+
+def _train(log: Path, devices: int, command: list[str]) -> tuple[int, float]:
+    argv = [sys.executable, "-m", "jaxpar.cli", *command, "--cpu-devices", str(devices)]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        code = subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT)
+    return code, time.perf_counter() - start
+
+
+def _check(code: int, log: Path, what: str) -> None:
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"{what} exited with status {code}; the end of {log}:\n{tail}")
+
+
+def predicted_loss(fault_step: int, checkpoint_every: int, step_time_s: float, restart_s: float,
+                   stop_s: float = 0.0) -> dict:
+    """What a failure after `fault_step` costs: the steps since the last checkpoint again, the time to stop
+    the survivor, and one more start-up and compile. The survivor is blocked in a collective whose peer
+    is gone: gloo fails it as soon as the peer's sockets close, so `stop_s` is ~0 (the launcher's SIGKILL,
+    KILL_GRACE_S after SIGTERM, which JAX turns into a preemption notice, is only the upper bound)."""
+    redone = fault_step - (fault_step // checkpoint_every) * checkpoint_every
+    return {"redone_steps": redone, "redone_and_stop_s": redone * step_time_s + stop_s,
+            "lost_s": redone * step_time_s + stop_s + restart_s}
+
+
+def plot_timeline(ledger: dict, path: Path, fault_step: int | None = None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    points = np.array([[0.0, 0, 0.0, 0], *ledger["timeline"]], dtype=float)   # [wall s, step, productive s, restarts]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(points[:, 0], points[:, 0], color="0.7", linestyle="--", label="wall time (100% goodput)")
+    ax.plot(points[:, 0], points[:, 2], color="tab:green", label="productive time")
+    ax.set_xlabel("wall time since the job started (s)")
+    ax.set_ylabel("seconds")
+    steps = ax.twinx()
+    steps.plot(points[:, 0], points[:, 1], ".", color="tab:blue", markersize=3, label="step reached")
+    steps.set_ylabel("step")
+    restarted = np.flatnonzero(np.diff(points[:, 3]) > 0)
+    for i in restarted:
+        ax.axvspan(points[i, 0], points[i + 1, 0], color="tab:red", alpha=0.15,
+                   label=f"failure after step {fault_step}, restart" if fault_step else "restart")
+    lines = ax.get_legend_handles_labels()
+    more = steps.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left", fontsize=8)
+    ax.set_title("goodput timeline of the failure drill")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    args = _train_args(config, overrides)
+    steps = int(next(o.split("=")[1] for o in reversed([*LAB_DEFAULTS, *overrides]) if o.startswith("train.steps=")))
+    every = int(next(o.split("=")[1] for o in reversed([*LAB_DEFAULTS, *overrides])
+                     if o.startswith("train.checkpoint_every=")))
+    if steps <= every + 1:
+        raise ConfigError("train.steps", f"is {steps}; the drills need more than checkpoint_every + 1 = {every + 1}")
+    rng = random.Random(seed)
+    fault_step = rng.randrange(every + 1, steps)
+    while fault_step % every == 0:
+        fault_step = rng.randrange(every + 1, steps)
+    results = {"fault_step": fault_step, "checkpoint_every": every, "steps": steps}
+
+    print("a. baseline: 2 processes x 4 devices, uninterrupted", flush=True)
+    base_dir = out / "baseline"
+    shutil.rmtree(base_dir, ignore_errors=True)
+    code, base_s = _launch(out / "baseline.log", 2, 4, ["train", *args, "--run-dir", str(base_dir)])
+    _check(code, out / "baseline.log", "the baseline")
+    base = json.loads((base_dir / "summary.json").read_text())["goodput"]
+    base_metrics = [json.loads(line) for line in (base_dir / "metrics.jsonl").read_text().splitlines()]
+    step_times = [r["step_time_s"] for r in base_metrics if r.get("step_time_s")]
+    step_time = float(np.median(step_times))
+    results["baseline"] = {"wall_s": base_s, "goodput": base, "step_time_s": step_time}
+
+    print(f"b. failure drill: process 1 killed after step {fault_step}, --max-restarts 1", flush=True)
+    drill_dir = out / "failure"
+    shutil.rmtree(drill_dir, ignore_errors=True)
+    code, drill_s = _launch(out / "failure.log", 2, 4, ["train", *args, "--run-dir", str(drill_dir), "--set",
+                                                        f"train.fault_at_step={fault_step}", "--set",
+                                                        "train.fault_process=1"], max_restarts=1)
+    _check(code, out / "failure.log", "the failure drill")
+    drill = json.loads((drill_dir / "summary.json").read_text())["goodput"]
+    predicted = predicted_loss(fault_step, every, step_time, base["badput_s"]["startup_compile"])
+    measured_lost = drill["wall_s"] - base["wall_s"]
+    results["failure"] = {"wall_s": drill_s, "goodput": drill, "predicted": predicted,
+                          "max_rel_loss_vs_baseline": _max_rel(_losses(drill_dir), _losses(base_dir),
+                                                               range(1, steps + 1))}
+    plot_timeline(json.loads((drill_dir / "goodput.json").read_text()), out / "goodput_timeline.png", fault_step)
+
+    print("c. reshard drill: 8 devices, then resumed on 4", flush=True)
+    eight, four = out / "reshard-8", out / "reshard-4"
+    for d in (eight, four):
+        shutil.rmtree(d, ignore_errors=True)
+    code, _ = _train(out / "reshard-8.log", 8, ["train", *args, "--run-dir", str(eight)])
+    _check(code, out / "reshard-8.log", "the 8-device run")
+    shutil.copytree(eight, four)
+    last = max(int(p.name) for p in (four / "checkpoints").iterdir() if p.name.isdigit())
+    shutil.rmtree(four / "checkpoints" / str(last))
+    resumed_at = max(int(p.name) for p in (four / "checkpoints").iterdir() if p.name.isdigit())
+    code, _ = _train(out / "reshard-4.log", 4, ["train", "--run-dir", str(four), "--resume"])
+    _check(code, out / "reshard-4.log", "the 4-device resume")
+    after = range(resumed_at + 1, steps + 1)
+    results["reshard"] = {"resumed_at": resumed_at,
+                          "max_rel_loss_vs_8_devices": _max_rel(_losses(four), _losses(eight), after)}
+
+    rows = [
+        ("re-done steps", predicted["redone_steps"], drill["redone_steps"]),
+        ("lost wall time (s): re-done steps + a second start-up", predicted["lost_s"], measured_lost),
+        ("re-done steps + stopping the survivor (s, ledger `restart`)", predicted["redone_and_stop_s"],
+         drill["badput_s"]["restart"]),
+    ]
+    lines = ["# Lab 06: operations", "",
+             f"config: {config or 'embedded default'} {' '.join(overrides)}; fault after step {fault_step}, "
+             f"checkpoints every {every} steps; median step time {step_time * 1e3:.0f} ms (baseline)", "",
+             "| failure drill | predicted | measured | ratio |", "|---|---|---|---|"]
+    for name, p, m in rows:
+        lines.append(f"| {name} | {p:.2f} | {m:.2f} | {m / p if p else float('nan'):.2f} |")
+    lines += ["", "| run | wall (s) | goodput | startup+compile (s) | checkpoint (s) | restart (s) | data wait (s) |"
+              " other (s) |", "|---|---|---|---|---|---|---|---|"]
+    for name, g in (("baseline", base), ("failure drill", drill)):
+        b = g["badput_s"]
+        lines.append(f"| {name} | {g['wall_s']:.1f} | {g['goodput']:.1%} | {b['startup_compile']:.1f} | "
+                     f"{b['checkpoint']:.1f} | {b['restart']:.1f} | {b['data_wait']:.2f} | {b['other']:.1f} |")
+    lines += ["", f"failure drill losses vs baseline: max relative deviation "
+              f"{results['failure']['max_rel_loss_vs_baseline']:.2e} (tolerance {TOLERANCE:g})",
+              f"reshard drill (8 -> 4 devices, resumed at step {resumed_at}): max relative deviation "
+              f"{results['reshard']['max_rel_loss_vs_8_devices']:.2e} (tolerance {TOLERANCE:g})",
+              "", "![goodput timeline](goodput_timeline.png)"]
+    report = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(report)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    print(report)
+    ok = max(results["failure"]["max_rel_loss_vs_baseline"], results["reshard"]["max_rel_loss_vs_8_devices"])
+    if ok > TOLERANCE:
+        print(f"FAILED: losses differ by {ok:.2e} > {TOLERANCE:g}")
+    return results
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="config file (default: the embedded default; configs/test.py: the tiny test model, faster)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help=f"override a config field (on top of {' '.join(LAB_DEFAULTS)})")
+    p.add_argument("--out", metavar="DIR", help="output directory (default: runs/lab-ops-<time>)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the random fault step (default: random)")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help=argparse.SUPPRESS)
+
+
+def run_from_args(args) -> int:
+    out = Path(args.out) if args.out else Path("runs") / f"lab-ops-{time.strftime('%Y%m%d-%H%M%S')}"
+    results = run_lab(out, args.config, args.overrides, args.seed)
+    worst = max(results["failure"]["max_rel_loss_vs_baseline"], results["reshard"]["max_rel_loss_vs_8_devices"])
+    return 0 if worst <= TOLERANCE else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,307 @@
+"""Sparse Mixture-of-Experts feed-forward: a router sends each token to k of E expert MLPs.
+
+An MoE layer (`moe_feed_forward`) is route -> routed experts -> auxiliary outputs; the
+always-on shared experts of DeepSeek-MoE are a plain SwiGLU MLP that the block adds
+(model/transformer.py), so they are not written twice.
+
+Routers (`route`):
+  softmax  softmax over the E router logits, keep the k largest (Switch: k=1, Mixtral: k=2);
+           `normalize_top_k` renormalises the k gates to sum 1 (Mixtral), else they stay raw
+           probabilities (Switch, DeepSeek-MoE).
+  noisy    Shazeer et al. 2017: the top k of H = x·W_g + eps·softplus(x·W_noise), eps ~ N(0, 1),
+           then as softmax. Training only: noise is drawn only when the training objective passes
+           noise seeds (transformer.loss), never in evaluation or decoding.
+  sigmoid  DeepSeek-V3: scores s = sigmoid(x·W_g); the k largest s + b are chosen and the gates are
+           the scores s themselves. b, a per-expert bias, is moved after every step from the
+           observed load (`bias_update`, applied by every trainer outside the gradient): it steers
+           which experts are chosen and never enters a gate, so no gradient reaches it.
+
+Dispatch (`routed_experts`; expert parallelism swaps it through `MoEOps`):
+  dropless  the T·k assignments sorted by expert and one grouped matmul per weight
+            (`jax.lax.ragged_dot`), then unsorted and combined with the gates: nothing is dropped.
+  capacity  Switch/GShard: the batch is cut into groups of `group_sequences` sequences and each
+            expert takes at most C = ceil(capacity_factor · group tokens · k / E) assignments per
+            group, every first choice before any second choice, earlier tokens first. Past C an
+            assignment is dropped: it adds nothing, so a token whose k choices are all dropped
+            passes through the residual connection unchanged. Written as GShard's einsums with
+            one-hot dispatch and combine tensors [group, token, expert, slot].
+
+Auxiliary outputs, per layer (keys ending `_loss` are added to the objective):
+  moe_balance_loss  balance_loss · E·Σ_i f_i·P_i (Switch): f_i the fraction of assignments routed
+                    to expert i, P_i its mean router probability, over the batch. 1 when balanced.
+  moe_z_loss        z_loss · mean(logsumexp(logits)^2) (ST-MoE): keeps router logits small.
+  moe_routed [E]    f_i: fraction of the layer's assignments routed to each expert (sums to 1)
+  moe_dropped [E]   fraction of the layer's assignments dropped at each expert (sums to the dropped fraction)
+  moe_entropy       mean entropy of the router distribution, nats (log E: uniform)
+  moe_balance, moe_z  the two losses unweighted
+Fractions rather than counts: a data-parallel trainer averages them over devices to the global value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.model.axes import ACTIVATION_AXES
+from jaxpar.model.ops import Ops
+
+ACT = ACTIVATION_AXES
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """model.moe.* with `expert_mlp_dim` resolved (see jaxpar/config.py for each field)."""
+
+    experts: int
+    top_k: int
+    expert_mlp_dim: int
+    dense_layers: int = 0
+    shared_experts: int = 0
+    router: str = "softmax"
+    normalize_top_k: bool = True
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.25
+    group_sequences: int = 1
+    balance_loss: float = 0.01
+    z_loss: float = 0.001
+    bias_rate: float = 0.001
+
+    @classmethod
+    def from_config(cls, moe, mlp_dim: int) -> "MoEConfig | None":
+        if not moe.experts:
+            return None
+        return cls(experts=moe.experts, top_k=moe.top_k, expert_mlp_dim=moe.expert_mlp_dim or mlp_dim,
+                   dense_layers=moe.dense_layers, shared_experts=moe.shared_experts, router=moe.router,
+                   normalize_top_k=moe.normalize_top_k, dispatch=moe.dispatch,
+                   capacity_factor=float(moe.capacity_factor), group_sequences=moe.group_sequences,
+                   balance_loss=float(moe.balance_loss), z_loss=float(moe.z_loss), bias_rate=float(moe.bias_rate))
+
+    def capacity(self, group_tokens: int) -> int:
+        """Slots per expert per group: ceil(capacity_factor · group tokens · k / E)."""
+        return max(1, math.ceil(self.capacity_factor * group_tokens * self.top_k / self.experts))
+
+
+# ============================================================================ routers
+
+def noise_seeds(tokens):
+    """One uint32 per sequence, hashed from its tokens [B, S]: the noisy router's randomness.
+
+    Keyed by content, a sequence draws the same noise on whatever device and in whatever batch
+    split it lands, so every strategy reproduces the single device, and no trainer has to thread
+    a random key through its step; a new batch gives new noise.
+    """
+    weights = (jnp.arange(tokens.shape[1], dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
+    return jnp.sum(tokens.astype(jnp.uint32) * weights, axis=1, dtype=jnp.uint32)
+
+
+def _noise(seeds, layer, shape):
+    """Standard normal noise [B, *shape] for one layer from per-sequence seeds [B]."""
+    base = jax.random.fold_in(jax.random.key(0), layer)
+    return jax.vmap(lambda seed: jax.random.normal(jax.random.fold_in(base, seed), shape))(seeds)
+
+
+def top_k(values, k: int):
+    """The k largest values along the last axis and their indices (ties: the lower index first).
+
+    `jax.lax.top_k` does the same, but XLA's SPMD partitioner all-gathers a TopK's operand over
+    the batch (measured: every device then routes the whole global batch); a sort along the
+    last axis stays split along the others.
+    """
+    ids = jnp.argsort(-values, axis=-1, stable=True)[..., :k]
+    return jnp.take_along_axis(values, ids, axis=-1), ids
+
+
+def route(x, w, cfg: MoEConfig, noise=None):
+    """x [B, S, D] -> (logits, probs [B, S, E], ids [B, S, k], gates [B, S, k]), all fp32 but ids.
+
+    `noise`: (seeds [B], layer index) in training with router=noisy, else None.
+    `probs` are what the balance loss and the entropy see: the softmax (of the noisy logits for
+    router=noisy), or for router=sigmoid the scores normalised per token.
+    """
+    x32 = x.astype(jnp.float32)
+    logits = jnp.einsum("bsd,de->bse", x32, w["router"].astype(jnp.float32))
+    if cfg.router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        bias = jax.lax.stop_gradient(w["router_bias"].astype(jnp.float32))
+        _, ids = top_k(scores + bias, cfg.top_k)                  # the bias chooses ...
+        gates = jnp.take_along_axis(scores, ids, axis=-1)        # ... but the gates are the scores
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        chosen_from = logits
+        if cfg.router == "noisy" and noise is not None:
+            seeds, layer = noise
+            scale = jax.nn.softplus(jnp.einsum("bsd,de->bse", x32, w["router_noise"].astype(jnp.float32)))
+            chosen_from = logits + _noise(seeds, layer, logits.shape[1:]) * scale
+        probs = jax.nn.softmax(chosen_from, axis=-1)
+        gates, ids = top_k(probs, cfg.top_k)
+    if cfg.normalize_top_k:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return logits, probs, ids, gates
+
+
+def router_outputs(logits, probs, ids, kept, cfg: MoEConfig) -> dict:
+    """The layer's weighted losses and statistics (see the module docstring)."""
+    E, k = cfg.experts, cfg.top_k
+    assigned = jax.nn.one_hot(ids, E, dtype=jnp.float32)                      # [B, S, k, E]
+    routed = jnp.mean(jnp.sum(assigned, axis=2), axis=(0, 1)) / k             # f_i: no gradient (from ids)
+    dropped = jnp.mean(jnp.sum(assigned * (~kept)[..., None], axis=2), axis=(0, 1)) / k
+    importance = jnp.mean(probs, axis=(0, 1))                                 # P_i: the gradient's path
+    balance = E * jnp.sum(routed * importance)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    entropy = jnp.mean(-jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1))
+    return {"moe_balance_loss": cfg.balance_loss * balance, "moe_z_loss": cfg.z_loss * z,
+            "moe_routed": routed, "moe_dropped": dropped, "moe_entropy": entropy,
+            "moe_balance": balance, "moe_z": z}
+
+
+def bias_update(routed, rate: float):
+    """DeepSeek-V3's aux-free balancing step: b_i += rate · sign(mean load - load_i), per layer.
+
+    `routed` [layers, E] is the observed load of the step; overloaded experts become less
+    likely to be chosen, underloaded ones more. The trainers add this after their optimizer
+    update (train/step.py `apply_outside_gradient`): the bias never sees a gradient.
+    """
+    return rate * jnp.sign(jnp.mean(routed, axis=-1, keepdims=True) - routed)
+
+
+# ============================================================================ the experts
+
+def weights_in_use(w, ops: Ops) -> dict:
+    """The router and expert weights pinned whole along `embed` (gathered, under FSDP) before use."""
+    roles = {"router": "router_in_use", "router_noise": "router_in_use", "expert_gate": "experts_in_use",
+             "expert_up": "experts_in_use", "expert_down": "experts_out_use"}
+    return {**w, **{name: ops.constrain(w[name], ACT[role]) for name, role in roles.items() if name in w}}
+
+
+def expert_weights(w) -> dict:
+    return {name: w[name] for name in ("expert_gate", "expert_up", "expert_down")}
+
+
+def grouped_swiglu(rows, group_sizes, w, ops: Ops):
+    """Rows [M, D] sorted by expert, `group_sizes` [E] -> each row through its expert's SwiGLU [M, D].
+
+    One `ragged_dot` per weight: a grouped matmul over contiguous row groups. Rows past
+    sum(group_sizes) come out as zeros (expert parallelism uses them as padding).
+    """
+    gate = jax.lax.ragged_dot(rows, w["expert_gate"], group_sizes)
+    up = jax.lax.ragged_dot(rows, w["expert_up"], group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w["expert_down"], group_sizes)
+
+
+def slot_swiglu(slots, w, ops: Ops):
+    """Capacity slots [E, G, C, D] -> each expert's SwiGLU of its own slots [E, G, C, D] (batched einsums)."""
+    gate = jnp.einsum("egcd,edf->egcf", slots, w["expert_gate"])
+    up = jnp.einsum("egcd,edf->egcf", slots, w["expert_up"])
+    hidden = ops.constrain(jax.nn.silu(gate) * up, ACT["expert_mlp"])
+    return jnp.einsum("egcf,efd->egcd", hidden, w["expert_down"])
+
+
+def inverse_permutation(order):
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
+def combine(outputs, gates):
+    """outputs [T, k, D] of each token's k experts, gates [T, k] -> the gate-weighted sum [T, D]."""
+    return jnp.einsum("tkd,tk->td", outputs, gates.astype(outputs.dtype))
+
+
+def dropless_experts(x, ids, gates, w, ops: Ops, experts: int):
+    """Tokens x [T, D] through their k experts ids [T, k], combined with gates [T, k] -> [T, D].
+
+    Assignment a = t·k + j is sorted to its expert's contiguous rows, the experts run as one
+    grouped matmul, and the rows return to assignment order before the weighted sum.
+    """
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                  # assignments grouped by expert
+    sizes = jnp.bincount(flat, length=experts)
+    out = grouped_swiglu(x[order // k], sizes, w, ops)
+    return combine(out[inverse_permutation(order)].reshape(T, k, -1), gates)
+
+
+def capacity_slots(ids, gates, experts: int, capacity: int):
+    """Per group, the slot each assignment takes in its expert's buffer.
+
+    ids, gates [G, S, k] -> dispatch [G, S, E, C] (1 where token s sits in slot c of expert e),
+    combine [G, S, E, C] (the same with the gate as value), kept [G, S, k]. Priority: all
+    first choices of the group, in token order, then all second choices, and so on.
+    """
+    G, S, k = ids.shape
+    onehot = jax.nn.one_hot(ids, experts, dtype=jnp.int32)                    # [G, S, k, E]
+    by_choice = onehot.transpose(0, 2, 1, 3).reshape(G, k * S, experts)       # choice-major order
+    position = (jnp.cumsum(by_choice, axis=1) - 1).reshape(G, k, S, experts).transpose(0, 2, 1, 3)
+    position = jnp.sum(position * onehot, axis=-1)                             # [G, S, k]
+    kept = position < capacity
+    slot = jax.nn.one_hot(jnp.where(kept, position, capacity), capacity, dtype=jnp.float32)  # dropped: all 0
+    chosen = onehot.astype(jnp.float32)
+    dispatch = jnp.einsum("gske,gskc->gsec", chosen, slot)
+    combine_weights = jnp.einsum("gske,gskc,gsk->gsec", chosen, slot, gates)
+    return dispatch, combine_weights, kept
+
+
+def _unchanged(slots):
+    return slots
+
+
+def capacity_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops, to_experts=_unchanged, from_experts=_unchanged):
+    """x [B, S, D] through capacity-limited experts -> (y [B, S, D], kept [B, S, k]).
+
+    `to_experts` / `from_experts` move the slot buffer [E, G, C, D] to the devices holding the
+    experts and back: identity on one device (and for the automatic strategies, whose
+    partitioner moves it as the `expert_slots` constraint asks); all_to_alls in parallel/expert.py.
+    """
+    B, S, D = x.shape
+    k = ids.shape[-1]
+    G, group_tokens = B // cfg.group_sequences, cfg.group_sequences * S
+    dispatch, combine_weights, kept = capacity_slots(ids.reshape(G, group_tokens, k),
+                                                     gates.reshape(G, group_tokens, k),
+                                                     cfg.experts, cfg.capacity(group_tokens))
+    slots = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x.reshape(G, group_tokens, D))
+    slots = to_experts(ops.constrain(slots, ACT["expert_slots"]))
+    out = from_experts(ops.constrain(slot_swiglu(slots, w, ops), ACT["expert_slots"]))
+    y = jnp.einsum("gsec,egcd->gsd", combine_weights.astype(out.dtype), out)
+    return y.reshape(B, S, D), kept.reshape(B, S, k)
+
+
+def routed_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops):
+    """The reference dispatch (one device; the automatic strategies' global view).
+
+    x [B, S, D], ids/gates [B, S, k], w the expert weights [E, ...] -> (y [B, S, D], kept [B, S, k]).
+    """
+    if cfg.dispatch == "capacity":
+        return capacity_experts(x, ids, gates, w, cfg, ops)
+    B, S, D = x.shape
+    k = ids.shape[-1]
+    y = dropless_experts(x.reshape(B * S, D), ids.reshape(B * S, k), gates.reshape(B * S, k), w, ops, cfg.experts)
+    return y.reshape(B, S, D), jnp.ones(ids.shape, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEOps(Ops):
+    """`Ops` plus the MoE piece a strategy swaps: `routed_experts` (dispatch, experts, combine)."""
+
+    routed_experts: Callable = routed_experts
+
+
+def with_routed_experts(ops: Ops, fn: Callable) -> MoEOps:
+    """`ops` with its routed-experts implementation replaced by `fn` (same signature as `routed_experts`)."""
+    return MoEOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(Ops)}, routed_experts=fn)
+
+
+# ============================================================================ the layer
+
+def moe_feed_forward(x, w, cfg: MoEConfig, ops: Ops, noise=None):
+    """The routed experts of one MoE layer: x [B, S, D] (normed) -> (output [B, S, D], aux).
+
+    The router sees x itself; the experts see ops.column_in(x) and their combined output goes
+    through ops.row_out, like the dense MLP's column- and row-parallel matmuls.
+    """
+    w = weights_in_use(w, ops)
+    logits, probs, ids, gates = route(x, w, cfg, noise)
+    dispatch = ops.routed_experts if isinstance(ops, MoEOps) else routed_experts
+    y, kept = dispatch(ops.column_in(x), ids, gates, expert_weights(w), cfg, ops)
+    return ops.row_out(y), router_outputs(logits, probs, ids, kept, cfg)

@@ -1,0 +1,156 @@
+"""Course module 4 by hand: expert parallelism with explicit all_to_alls, `parallel.expert=manual`.
+
+Each of the N devices on the `expert` mesh axis holds E/N experts, and the batch is split
+over `expert` too (parallel/rules.py), so a device's tokens mostly want experts that live
+elsewhere. The router runs where the tokens are (the automatic strategy's global view:
+losses and statistics are those of the single device); then, for each MoE layer, a
+`shard_map` over the whole mesh does what DeepSpeed-MoE, Megatron-Core and torchtitan do
+with torch.distributed:
+
+  1. permute   sort this device's T·k assignments by destination device (= by expert)
+  2. dispatch  all_to_all: chunk d of the send buffer goes to device d
+  3. compute   the local experts as one grouped matmul (`jax.lax.ragged_dot`) over what arrived;
+               with tensor > 1 each expert's hidden dimension is split Megatron-style and the
+               output summed over `tensor` (its input's gradient is summed by shard_map's
+               transpose: Megatron's f and g, implied by the specs)
+  4. return    all_to_all back: every result to the device its token came from
+  5. combine   unpermute and sum each token's k results weighted by its gates
+
+Padded, not ragged. XLA:CPU cannot run `jax.lax.ragged_all_to_all` (it compiles only for
+GPU and TPU), and `all_to_all` moves fixed-size chunks, so the dropless buffers are padded
+to what a destination can receive at most: a token picks k distinct experts, so at most
+min(k, E/N) of its copies go to one device, and a chunk has T·min(k, E/N) rows. That is
+N·min(k, E/N)/k times the T·k·h bytes a ragged exchange moves each way (4x for E = N = 8,
+k = 2): dropless costs bandwidth here. The capacity dispatch has fixed-size buffers by design,
+[E, groups, C, h] = capacity_factor·T·k·h per exchange, so its all_to_alls are the formula
+times the capacity factor, exactly what GShard and Switch send.
+
+The expert weights enter split over `expert` (and `tensor`) only: under FSDP the region's
+boundary is their all-gather, and shard_map's transpose sums their gradients over the
+batch axes. The region is manual over every mesh axis, none left to the partitioner: a
+bfloat16 sum inside a partly manual shard_map crashes XLA:CPU's compiler (AllReducePromotion,
+"Invalid binary instruction opcode copy", jax 0.10.2).
+
+Every assignment is computed by the same expert with the same weights as on one device,
+and the routing is the global view's, so the losses match the single device to fp32
+rounding (tests/test_moe_lab.py, tests/test_moe_multiprocess.py). Capacity groups are whole
+sequences of one device's batch shard (config.validate checks they fit), so the same tokens
+are dropped too.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigError
+from jaxpar.model.moe import MoEConfig, capacity_experts, grouped_swiglu, inverse_permutation, with_routed_experts
+from jaxpar.parallel.auto import AutoTrainer
+from jaxpar.parallel.rules import AxisRules
+
+AXIS = "expert"
+
+
+# ============================================================================ dropless, padded
+
+def padded_chunk_rows(tokens: int, top_k: int, local_experts: int) -> int:
+    """Rows of one destination's chunk: the most assignments a device can send to one other device."""
+    return tokens * min(top_k, local_experts)
+
+
+def dropless_exchange(x, ids, gates, w, cfg: MoEConfig, ops, *, n: int, tensor_sum):
+    """One device's tokens x [B, S, D] through experts on all N devices (inside shard_map over `expert`).
+
+    w: this device's E/N experts. Returns (y [B, S, D], kept [B, S, k] = all True).
+    """
+    B, S, D = x.shape
+    k = ids.shape[-1]
+    T, local = B * S, cfg.experts // n
+    rows = padded_chunk_rows(T, k, local)
+    x, flat = x.reshape(T, D), ids.reshape(T * k)
+
+    # 1. permute: assignments sorted by expert, hence by destination device
+    order = jnp.argsort(flat, stable=True)
+    dest_sizes = jnp.bincount(flat // local, length=n)
+    dest_start = jnp.cumsum(dest_sizes) - dest_sizes
+    slot = jnp.arange(rows)
+    valid = slot[None, :] < dest_sizes[:, None]                                    # [n, rows]
+    sorted_at = jnp.where(valid, dest_start[:, None] + slot[None, :], 0)           # position in sorted order
+    send = jnp.where(valid[..., None], x[order[sorted_at] // k], 0)                # [n, rows, D]
+    send_expert = jnp.where(valid, flat[order[sorted_at]] % local, local)          # `local` marks padding
+
+    # 2. dispatch: chunk d to device d; chunk s of what arrives came from device s
+    recv = jax.lax.all_to_all(send, AXIS, 0, 0, tiled=True)
+    recv_expert = jax.lax.all_to_all(send_expert, AXIS, 0, 0, tiled=True).reshape(n * rows)
+
+    # 3. compute: what arrived, sorted by local expert (padding last, where ragged_dot writes zeros)
+    by_expert = jnp.argsort(recv_expert, stable=True)
+    sizes = jnp.bincount(recv_expert, length=local)                                # padding not counted
+    out = tensor_sum(grouped_swiglu(recv.reshape(n * rows, D)[by_expert], sizes, w, ops))
+    out = out[inverse_permutation(by_expert)].reshape(n, rows, D)
+
+    # 4. return: results back to the devices the tokens came from, in the layout they were sent
+    back = jax.lax.all_to_all(out, AXIS, 0, 0, tiled=True)
+
+    # 5. combine: assignment a sat at row (rank(a) - dest_start[dest(a)]) of chunk dest(a)
+    rank = inverse_permutation(order)
+    dest = flat // local
+    results = back[dest, rank - dest_start[dest]].reshape(T, k, D)
+    y = jnp.einsum("tkd,tk->td", results, gates.reshape(T, k).astype(results.dtype))
+    return y.reshape(B, S, D), jnp.ones(ids.shape, bool)
+
+
+# ============================================================================ capacity
+
+def _to_experts(slots):
+    """[E, G, C, D] (my groups, every expert) -> [E/N, N·G, C, D] (my experts, every device's groups)."""
+    return jax.lax.all_to_all(slots, AXIS, 0, 1, tiled=True)
+
+
+def _from_experts(slots):
+    return jax.lax.all_to_all(slots, AXIS, 1, 0, tiled=True)
+
+
+def capacity_exchange(x, ids, gates, w, cfg: MoEConfig, ops, *, n: int, tensor_sum):
+    """The capacity dispatch with the slot buffers moved by all_to_all (inside shard_map over `expert`)."""
+    return capacity_experts(x, ids, gates, w, cfg, ops, to_experts=_to_experts,
+                            from_experts=lambda slots: _from_experts(tensor_sum(slots)))
+
+
+# ============================================================================ the shard_map
+
+def manual_routed_experts(x, ids, gates, w, cfg: MoEConfig, ops, *, mesh, batch_axes: tuple[str, ...]):
+    """`routed_experts` (model/moe.py) over the mesh: a shard_map around the exchange, manual over every
+    mesh axis. Tokens are split as the batch is (`expert` among its axes), experts over `expert`, each
+    expert's hidden dimension over `tensor`."""
+    n, tp = int(mesh.shape[AXIS]), "tensor" if mesh.shape["tensor"] > 1 else None
+    tensor_sum = (lambda out: jax.lax.psum(out, tp)) if tp else (lambda out: out)
+    exchange = dropless_exchange if cfg.dispatch == "dropless" else capacity_exchange
+    local = partial(exchange, cfg=cfg, ops=ops, n=n, tensor_sum=tensor_sum)
+    tokens = P(batch_axes)
+    experts = {name: P(AXIS, None, tp) if name != "expert_down" else P(AXIS, tp, None) for name in w}
+    return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts), out_specs=(tokens, tokens),
+                         axis_names=set(mesh.axis_names))(x, ids, gates, w)
+
+
+class ExpertTrainer(AutoTrainer):
+    """The automatic trainer with the MoE layers' token exchange written by hand (`parallel.expert=manual`)."""
+
+    RUNS = {"expert": ("manual",)}
+
+    @classmethod
+    def check(cls, config, sizes):
+        if not config.model.moe.experts:
+            raise ConfigError("parallel.expert", "manual expert parallelism needs an MoE model: set "
+                              "model.moe.experts > 0, or parallel.expert=auto")
+        batch = AxisRules.from_config(config).spec(("batch",))[0]
+        if AXIS not in (batch if isinstance(batch, tuple) else (batch,)):
+            raise ConfigError("parallel.rules", f"manual expert parallelism splits the batch over `{AXIS}`, but "
+                              f"the rules map batch to {batch}; keep {AXIS} in the batch rule")
+
+    def with_ops(self, ops):
+        batch = self.rules.spec(("batch",))[0]
+        batch_axes = batch if isinstance(batch, tuple) else (batch,)
+        return with_routed_experts(ops, partial(manual_routed_experts, mesh=self.mesh, batch_axes=batch_axes))
