@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="subcommand", required=True, parser_class=Parser)
 
     p = sub.add_parser("train", help="train a model on a device mesh",
-                       description="Train the configured model. Mesh axis sizes select the strategy: "
-                                   "mesh.data (data parallel), mesh.fsdp (FSDP), mesh.tensor (tensor parallel).")
+                       description="Train the configured model. The mesh sizes (mesh.data, fsdp, pipe, expert, tensor) "
+                                   "place it; parallel.<axis> chooses who runs each axis: auto (the compiler) or "
+                                   "a hand-written strategy (ddp, zero1-3, manual TP, pipeline schedules, manual EP).")
     add_config_arguments(p)
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<name>-<time>)")
     group = p.add_mutually_exclusive_group()
