@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import traceback
@@ -24,6 +25,28 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set model.layers=4 --set mesh.fsdp=8 (repeatable)")
     p.add_argument("--cpu-devices", type=int, metavar="N",
                    help="run on N virtual CPU devices (set before JAX starts; for meshes without GPUs)")
+
+
+# `jaxpar lab NAME`: jaxpar/labs/NAME.py provides add_arguments(parser) and run_from_args(args).
+LABS = (
+    ("zero", "module 2: DDP, ZeRO-1/2/3, FSDP: losses, memory, bytes, remat, precision",
+     "Lab 02 (experiments/02_zero): same losses, different memory, different bytes."),
+    ("tensor", "module 3: Megatron tensor and sequence parallelism by hand: losses, bytes, memory",
+     "Lab 03 (experiments/03_tensor): manual TP and TP+SP against one device and the formulas, beside XLA's "
+     "automatic TP."),
+    ("pipeline", "module 3: pipeline schedules: bubble, timeline, memory vs m, p2p bytes",
+     "Lab 03 (experiments/03_pipeline): GPipe, 1F1B, interleaved, ZB-H1, circular."),
+    ("moe", "module 4: MoE routing, expert parallelism, all_to_all bytes, load balance",
+     "Lab 04 (experiments/04_moe): expert parallelism by hand and by XLA, the same losses; all_to_all bytes vs "
+     "formula; balancing methods; capacity; MoE vs dense."),
+    ("kernels", "module 5: fused kernels (agreement, memory), compilation cache and depth",
+     "Lab 05 (experiments/05_kernels): Pallas kernels vs references, activation memory with flash attention and "
+     "the chunked loss, compile times."),
+    ("ops", "module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
+     "Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, resharding."),
+    ("capstone", "module 7: plan a 7B Arabic LM on H100s, checked by compiles and CPU runs",
+     "Lab 07 (experiments/07_capstone): writes report.md and plots into --out."),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,38 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("lab", help="run a course module's lab")
     labs = p.add_subparsers(dest="lab", required=True, parser_class=Parser)
-    p = labs.add_parser("zero", help="module 2: DDP, ZeRO-1/2/3, FSDP: losses, memory, bytes, remat, precision",
-                        description="Lab 02 (experiments/02_zero): same losses, different memory, different bytes.")
-    from jaxpar.labs.zero import add_arguments as add_lab_zero_arguments
-    add_lab_zero_arguments(p)
-    p = labs.add_parser("tensor", help="module 3: Megatron tensor and sequence parallelism by hand: losses, bytes, memory",
-                        description="Lab 03 (experiments/03_tensor): manual TP and TP+SP against one device and the "
-                                    "formulas, beside XLA's automatic TP.")
-    from jaxpar.labs.tensor import add_arguments as add_lab_tensor_arguments
-    add_lab_tensor_arguments(p)
-    p = labs.add_parser("kernels", help="module 5: fused kernels (agreement, memory), compilation cache and depth",
-                        description="Lab 05 (experiments/05_kernels): Pallas kernels vs references, activation "
-                                    "memory with flash attention and the chunked loss, compile times.")
-    from jaxpar.labs.kernels import add_arguments as add_lab_kernels_arguments
-    add_lab_kernels_arguments(p)
-    p = labs.add_parser("pipeline", help="module 3: pipeline schedules: bubble, timeline, memory vs m, p2p bytes",
-                        description="Lab 03 (experiments/03_pipeline): GPipe, 1F1B, interleaved, ZB-H1, circular.")
-    from jaxpar.labs.pipeline import add_arguments as add_lab_pipeline_arguments
-    add_lab_pipeline_arguments(p)
-    p = labs.add_parser("ops", help="module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
-                        description="Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, "
-                                    "resharding.")
-    from jaxpar.labs.ops import add_arguments as add_lab_ops_arguments
-    add_lab_ops_arguments(p)
-    p = labs.add_parser("moe", help="module 4: MoE routing, expert parallelism, all_to_all bytes, load balance",
-                        description="Lab 04 (experiments/04_moe): expert parallelism by hand and by XLA, the same "
-                                    "losses; all_to_all bytes vs formula; balancing methods; capacity; MoE vs dense.")
-    from jaxpar.labs.moe import add_arguments as add_lab_moe_arguments
-    add_lab_moe_arguments(p)
-    p = labs.add_parser("capstone", help="module 7: plan a 7B Arabic LM on H100s, checked by compiles and CPU runs",
-                        description="Lab 07 (experiments/07_capstone): writes report.md and plots into --out.")
-    from jaxpar.labs.capstone import add_arguments as add_lab_capstone_arguments
-    add_lab_capstone_arguments(p)
+    for name, summary, description in LABS:
+        p = labs.add_parser(name, help=summary, description=description)
+        importlib.import_module(f"jaxpar.labs.{name}").add_arguments(p)
     return parser
 
 
@@ -231,7 +225,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_lab(args) -> int:
-    import importlib
     return importlib.import_module(f"jaxpar.labs.{args.lab}").run_from_args(args)
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import sys
 
+# A representative subset (the 3-axis auto mesh runs on 2 processes in test_train_e2e, DDP and ZeRO-1's
+# collectives are ZeRO-2's without the per-layer split); lab 02 runs the whole matrix.
 STRATEGIES = {
     "auto-fsdp": ["mesh.data=1", "mesh.fsdp=8"],
-    "auto-3d": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    **{s: ["mesh.data=8", f"parallel.data={s}"] for s in ("ddp", "zero1", "zero2", "zero3")},
+    **{s: ["mesh.data=8", f"parallel.data={s}"] for s in ("zero2", "zero3")},
 }
 STEPS, VOCAB = 5, 512
 

@@ -19,7 +19,6 @@ Files in the run directory: report.md, results.json, memory.png, compile.png.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
-from jaxpar.labs.report import md_table, standalone_main
+from jaxpar.labs.report import md_table, standalone_main, write_report
 
 MIB = 2**20
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -350,7 +349,6 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
         parts[name] = result["markdown"]
         log(result["markdown"] + f"\n({name}: {result['seconds']:.0f} s)\n")
     plot(results, out)
-    results["total_seconds"] = time.perf_counter() - start
     sections = [f"# Lab 05: fused kernels and compilation, {len(devices)} x {devices[0].platform}",
                 (f"jax {jax.__version__}, {results['date']}; Pallas kernels interpreted on CPU. Measured values come "
                  "from the compiled programs and the clock, predictions from the formulas named beside them."),
@@ -359,10 +357,9 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
                 "## b. Activation memory: dot vs flash attention (train step temp, one device, fp32)", parts["memory"],
                 "## b. Chunked cross-entropy memory", parts["loss memory"],
                 "## c. Compilation: persistent cache and depth", parts["compilation"],
-                "## d. GPU benchmarks", parts["gpu"],
-                f"Total lab time {results['total_seconds']:.0f} s."]
-    (out / "report.md").write_text("\n\n".join(sections) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+                "## d. GPU benchmarks", parts["gpu"]]
+    write_report(out, sections, results, start, {name: results[name.replace(": ", "_").replace(" ", "_")]["seconds"]
+                                                 for name, _ in plan})
     log(f"wrote {out / 'report.md'}, results.json, memory.png, compile.png")
     return results
 

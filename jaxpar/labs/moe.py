@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -34,7 +33,15 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
-from jaxpar.labs.report import figure, fmt_bytes, json_default, max_rel_dev, md_table, ratio, standalone_main
+from jaxpar.labs.report import (
+    figure,
+    fmt_bytes,
+    max_rel_dev,
+    md_table,
+    ratio,
+    standalone_main,
+    write_report,
+)
 
 TOLERANCE = 1e-4
 # The lab's own settings, applied before --set: configs/mixtral_tiny.py at 2 layers and 64-token sequences
@@ -554,14 +561,8 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
         part = "balance" if name == "balance_heatmaps" else name
         if part in results:
             plot(results[part], out / f"{name}.png")
-    total = time.perf_counter() - start
-    results["total_seconds"] = total
-    compile_s = sum(b.compile_s for b in lab._cache.values())
-    footer = (f"Total lab time {total:.1f} s ({len(lab._cache)} compiles, {compile_s:.1f} s of them), parts: "
-              + ", ".join(f"{k} {results[k]['seconds']:.1f} s" for k in parts_run) + ".")
-    sections.append(footer)
-    (out / "report.md").write_text("\n\n".join(sections) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
+    footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in parts_run},
+                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
     log(footer)
     log(f"wrote {out / 'report.md'}, results.json and the plots")
     return results

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
-from jaxpar.labs.report import figure, fmt_bytes, json_default, md_table, standalone_main
+from jaxpar.labs.report import figure, fmt_bytes, md_table, standalone_main, write_report
 from jaxpar.measure import hlo
 from jaxpar.measure.bubble import bubble_fraction, p2p_bytes
 from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W, executed_collectives
@@ -593,12 +593,7 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
     for name, plot in plots.items():
         if name in results:
             plot(results[name], out / f"{'bytes' if name == 'p2p' else name}.png")
-    results["total_seconds"] = time.perf_counter() - start
-    footer = (f"Total lab time {results['total_seconds']:.1f} s: "
-              + ", ".join(f"{k} {results[k]['seconds']:.1f} s" for k, _ in steps_plan) + ".")
-    report.append(footer)
-    (out / "report.md").write_text("\n\n".join(report) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
+    footer = write_report(out, report, results, start, {k: results[k]["seconds"] for k, _ in steps_plan})
     log(footer)
     log(f"wrote {out / 'report.md'}, results.json and the plots")
     return results

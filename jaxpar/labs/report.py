@@ -3,7 +3,9 @@ that `experiments/NN_*/run.py` calls (parse, set the CPU devices, run; bad input
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 
 import numpy as np
 
@@ -57,6 +59,19 @@ def json_default(x):
     if isinstance(x, np.bool_):
         return bool(x)
     return str(x)
+
+
+def write_report(out, sections: list[str], results: dict, start: float, part_seconds: dict[str, float],
+                 compiles: tuple[int, float] | None = None) -> str:
+    """Close a lab run: the total time into `results`, a footer (total, compiles, each part's seconds)
+    after `sections`, then report.md and results.json in `out`. Returns the footer."""
+    results["total_seconds"] = total = time.perf_counter() - start
+    counted = f" ({compiles[0]} compiles, {compiles[1]:.1f} s of them)" if compiles else ""
+    footer = (f"Total lab time {total:.1f} s{counted}, parts: "
+              + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in part_seconds.items()) + ".")
+    (out / "report.md").write_text("\n\n".join([*sections, footer]) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
+    return footer
 
 
 def standalone_main(description: str, add_arguments, run_from_args, argv=None) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,7 +33,15 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
-from jaxpar.labs.report import figure, fmt_bytes, json_default, max_rel_dev, md_table, ratio, standalone_main
+from jaxpar.labs.report import (
+    figure,
+    fmt_bytes,
+    max_rel_dev,
+    md_table,
+    ratio,
+    standalone_main,
+    write_report,
+)
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_tensor.py uses the same)
 KIB = 2**10
@@ -507,15 +514,9 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
     for name, plot in (("equivalence", plot_equivalence), ("communication", plot_communication),
                        ("memory", plot_memory)):
         plot(results[name], out / f"{name}.png")
-    total = time.perf_counter() - start
-    results["total_seconds"] = total
-    compile_s = sum(b.compile_s for b in lab._cache.values())
-    footer = (f"Total lab time {total:.1f} s ({len(lab._cache)} compiles, {compile_s:.1f} s of them), parts: "
-              + ", ".join(f"{k} {results[k]['seconds']:.1f} s" for k in ("equivalence", "communication", "memory"))
-              + ".")
-    parts.append(footer)
-    (out / "report.md").write_text("\n\n".join(parts) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
+    footer = write_report(out, parts, results, start,
+                          {k: results[k]["seconds"] for k in ("equivalence", "communication", "memory")},
+                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
     log(footer)
     log(f"wrote {out / 'report.md'}, results.json and 3 plots")
     return results

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import json
 import re
 import statistics
 import time
@@ -33,7 +32,15 @@ import jax
 import numpy as np
 
 from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
-from jaxpar.labs.report import figure, fmt_bytes, json_default, max_rel_dev, md_table, ratio, standalone_main
+from jaxpar.labs.report import (
+    figure,
+    fmt_bytes,
+    max_rel_dev,
+    md_table,
+    ratio,
+    standalone_main,
+    write_report,
+)
 from jaxpar.parallel.zero import STAGE_NAMES
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_zero.py uses the same)
@@ -743,15 +750,10 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision
                        ("communication", plot_communication), ("remat", plot_remat),
                        ("precision", plot_precision)):
         plot(results[name], out / f"{name}.png")
-    total = time.perf_counter() - start
-    results["total_seconds"] = total
-    compile_s = sum(b.compile_s for b in lab._cache.values())
-    footer = (f"Total lab time {total:.1f} s ({len(lab._cache)} compiles, {compile_s:.1f} s of them), "
-              f"parts: " + ", ".join(f"{k} {results[k]['seconds']:.1f} s" for k in
-                                     ("equivalence", "memory", "communication", "remat", "precision")) + ".")
-    parts.append(footer)
-    (out / "report.md").write_text("\n\n".join(parts) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
+    footer = write_report(out, parts, results, start,
+                          {k: results[k]["seconds"] for k in ("equivalence", "memory", "communication", "remat",
+                                                               "precision")},
+                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
     log(footer)
     log(f"wrote {out / 'report.md'}, results.json and 5 plots")
     return results
