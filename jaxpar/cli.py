@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, summary, description in LABS:
         p = labs.add_parser(name, help=summary, description=description)
         importlib.import_module(f"jaxpar.labs.{name}").add_arguments(p)
+    p = sub.add_parser("capstone", help="the same as `jaxpar lab capstone` (module 7's report)",
+                       description=LABS[-1][2])
+    importlib.import_module("jaxpar.labs.capstone").add_arguments(p)
+    p.set_defaults(lab="capstone")
     return parser
 
 
@@ -241,7 +245,8 @@ def cmd_k8s(args) -> int:
 LOCAL_COMMANDS = ("launch", "slurm", "k8s")   # commands that never start JAX in this process
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
-            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "lab": cmd_lab, "slurm": cmd_slurm, "k8s": cmd_k8s}
+            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "lab": cmd_lab, "capstone": cmd_lab,
+            "slurm": cmd_slurm, "k8s": cmd_k8s}
 
 
 def main(argv=None) -> int:

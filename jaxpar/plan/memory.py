@@ -31,7 +31,7 @@ with T = 2, 4, 8; microbatches 1-8; remat none, dots, full; bf16 and fp8; seq 20
 32000 and 64000; 16 and 32 layers; recorded in tests/data/h100_7b_compiles.json). Each has a
 physical reading (10.7 bytes per score element: fp32 scores + fp32 probabilities + a bf16 copy = 10)
 and the model reproduces every one of those compiles' peaks within 5% (lab 07 re-checks the top
-candidates live). The pipeline terms and LOGIT_BYTES were set the same way from 16 more compiles
+candidates live). The pipeline terms and LOGIT_BYTES were set the same way from 17 more compiles
 once the pipeline and kernel branches were merged (pipelines with fsdp or data, 1F1B, ZB-H1,
 interleaved, GPipe, remat none/dots/full, jaxpar's Pallas flash attention): all 36 within 11%. NOT calibrated: float32 compute (one compile: 1.35x the
 prediction; the planner leaves fp32 out of the GPU space) and MoE layers (formulas only).
