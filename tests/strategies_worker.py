@@ -17,7 +17,9 @@ STRATEGIES = {
 STEPS, VOCAB = 5, 512
 
 
-def main(argv: list[str]) -> int:
+def train_and_print(argv: list[str], cases: dict[str, list[str]], common: tuple[str, ...] = ()) -> int:
+    """Join the job, train each case (configs/test.py + `common` + its overrides) for STEPS steps on the
+    synthetic counting batches, and print its losses from process 0."""
     from jaxpar import mesh as jmesh
     jmesh.set_cpu_devices(int(argv[argv.index("--cpu-devices") + 1]))
     jmesh.init_distributed()
@@ -29,9 +31,9 @@ def main(argv: list[str]) -> int:
     from jaxpar.model.transformer import ModelConfig
     from jaxpar.parallel.registry import make_trainer
 
-    for name, overrides in STRATEGIES.items():
+    for name, overrides in cases.items():
         config = load_config("configs/test.py")
-        apply_overrides(config, ["train.warmup_steps=1", *overrides])
+        apply_overrides(config, ["train.warmup_steps=1", *common, *overrides])
         trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), jmesh.make_mesh(config))
         state, losses = trainer.init_state(), []
         for batch in counting_batches(config, STEPS, VOCAB):
@@ -41,6 +43,10 @@ def main(argv: list[str]) -> int:
         if jax.process_index() == 0:
             print(f"LOSSES {name} {json.dumps(losses)}", flush=True)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return train_and_print(argv, STRATEGIES)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.labs import report
 from jaxpar.labs.report import (
     figure,
     fmt_bytes,
@@ -388,23 +389,10 @@ def moe_vs_dense(lab: Lab, steps: int) -> dict:
 # ============================================================================ plots
 
 def plot_equivalence(result: dict, path: Path) -> None:
-    fig = figure(11, 4.2)
-    ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    for label, r in result["runs"].items():
-        steps = np.arange(1, len(r["losses"]) + 1)
-        ax.plot(steps, r["losses"], marker="o", ms=3, lw=1, label=label, alpha=0.8)
-        if "single" not in label:
-            oracle = np.asarray(result["runs"][label.split(":")[0] + ": single device"]["losses"])
-            d = np.abs(np.asarray(r["losses"]) - oracle) / oracle
-            dev.plot(steps, np.maximum(d, 1e-10), marker="o", ms=3, lw=1, label=label)
-    dev.axhline(result["tolerance"], color="k", ls=":", label="tolerance")
-    dev.set_yscale("log")
-    ax.set(xlabel="step", ylabel="loss", title="loss: every run")
-    dev.set(xlabel="step", ylabel="|loss - oracle| / oracle (0 drawn at 1e-10)", title="deviation from one device")
-    ax.legend(fontsize=6)
-    dev.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    runs = result["runs"]      # "<dispatch>: <layout>", each dispatch with its own single-device oracle
+    report.plot_equivalence(path, [(label, r["losses"], None if "single" in label else
+                                    runs[label.split(":")[0] + ": single device"]["losses"])
+                                   for label, r in runs.items()], result["tolerance"])
 
 
 def plot_communication(result: dict, path: Path) -> None:

@@ -52,6 +52,28 @@ def figure(width: float = 7.5, height: float = 4.5):
     return fig
 
 
+def plot_equivalence(path, runs: list[tuple[str, list[float], list[float] | None]], tolerance: float) -> None:
+    """Losses of every run (left) and each run's relative deviation from its oracle (right, log scale,
+    with the tolerance); `runs` holds (label, losses, the oracle's losses or None for an oracle)."""
+    fig = figure(11, 4.2)
+    ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    for label, losses, oracle in runs:
+        steps = np.arange(1, len(losses) + 1)
+        ax.plot(steps, losses, marker="o", ms=3, lw=1, label=label, alpha=0.8, linestyle="-" if oracle is None else "--")
+        if oracle is not None:
+            d = np.abs(np.asarray(losses) - np.asarray(oracle)) / np.asarray(oracle)
+            dev.plot(steps, np.maximum(d, 1e-10), marker="o", ms=3, lw=1, label=label)
+    dev.axhline(tolerance, color="k", ls=":", label="tolerance")
+    dev.set_yscale("log")
+    ax.set(xlabel="step", ylabel="loss", title="loss: every run")
+    dev.set(xlabel="step", ylabel="|loss - oracle| / oracle (0 drawn at 1e-10)", title="deviation from one device")
+    size = 7 if len(runs) <= 6 else 6
+    ax.legend(fontsize=size)
+    dev.legend(fontsize=size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def json_default(x):
     """`json.dumps(..., default=json_default)`: numpy scalars as numbers, anything else as text."""
     if isinstance(x, (np.floating, np.integer)):

@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.labs import report
 from jaxpar.labs.report import (
     figure,
     fmt_bytes,
@@ -405,23 +406,9 @@ def memory(lab: Lab) -> dict:
 # ============================================================================ plots
 
 def plot_equivalence(result: dict, path: Path) -> None:
-    fig = figure(11, 4.2)
-    ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    oracle = np.asarray(result["runs"]["single"]["losses"])
-    for key, r in result["runs"].items():
-        steps = np.arange(1, len(r["losses"]) + 1)
-        ax.plot(steps, r["losses"], marker="o", ms=3, lw=1, label=r["label"], linestyle="-" if key == "single" else "--")
-        if key != "single":
-            d = np.abs(np.asarray(r["losses"]) - oracle) / oracle
-            dev.plot(steps, np.maximum(d, 1e-10), marker="o", ms=3, lw=1, label=r["label"])
-    dev.axhline(result["tolerance"], color="k", ls=":", label="tolerance")
-    dev.set_yscale("log")
-    ax.set(xlabel="step", ylabel="loss", title="loss: every strategy")
-    dev.set(xlabel="step", ylabel="|loss - oracle| / oracle (0 drawn at 1e-10)", title="deviation from one device")
-    ax.legend(fontsize=7)
-    dev.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    oracle = result["runs"]["single"]["losses"]
+    report.plot_equivalence(path, [(r["label"], r["losses"], None if key == "single" else oracle)
+                                   for key, r in result["runs"].items()], result["tolerance"])
 
 
 def plot_communication(result: dict, path: Path) -> None:

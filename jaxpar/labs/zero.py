@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.labs import report
 from jaxpar.labs.report import (
     figure,
     fmt_bytes,
@@ -609,25 +610,9 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
 # ============================================================================ plots
 
 def plot_equivalence(result: dict, path: Path) -> None:
-    fig = figure(11, 4.2)
-    ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    oracle = np.asarray(result["runs"]["single"]["losses"])
-    for i, r in enumerate(result["runs"].values()):
-        steps = np.arange(1, len(r["losses"]) + 1)
-        ax.plot(steps, r["losses"], marker="o", ms=3, lw=1, label=r["label"], alpha=0.8,
-                linestyle="-" if i == 0 else "--")
-        if r["label"] != "single device":
-            d = np.abs(np.asarray(r["losses"]) - oracle) / oracle
-            dev.plot(steps, np.maximum(d, 1e-10), marker="o", ms=3, lw=1, label=r["label"])
-    dev.axhline(result["tolerance"], color="k", ls=":", label="tolerance")
-    dev.set_yscale("log")
-    ax.set(xlabel="step", ylabel="loss", title="loss: every strategy")
-    dev.set(xlabel="step", ylabel="|loss - oracle| / oracle (0 drawn at 1e-10)",
-            title="deviation from the single device")
-    ax.legend(fontsize=7)
-    dev.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    oracle = result["runs"]["single"]["losses"]
+    report.plot_equivalence(path, [(r["label"], r["losses"], None if key == "single" else oracle)
+                                   for key, r in result["runs"].items()], result["tolerance"])
 
 
 def plot_memory(result: dict, path: Path) -> None:
