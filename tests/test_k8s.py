@@ -12,11 +12,17 @@ import pytest
 import yaml
 
 from jaxpar.cli import main
-from jaxpar.cluster.k8s import INDEX_ANNOTATION, render, to_yaml
+from jaxpar.cluster.k8s import INDEX_ANNOTATION, render as render_with_image, to_yaml
 from jaxpar.config import ConfigError
 from jaxpar.mesh import distributed_args
 
 client = pytest.importorskip("kubernetes.client", reason="the kubernetes client is the `ops` extra")
+
+IMAGE = "registry.example.com/jaxpar:0.1.0"   # the image of the shipped manifests (scripts/k8s/)
+
+
+def render(**kwargs):
+    return render_with_image(**{"image": IMAGE, **kwargs})
 
 PRIMITIVES = {"str": str, "int": int, "bool": bool, "float": (int, float), "object": object,
               "datetime": str, "date": str}
@@ -61,7 +67,8 @@ def test_the_validator_catches_mistakes():
 
 @pytest.mark.parametrize("hosts, gpus", [(2, 8), (16, 8)])
 def test_indexed_job_and_headless_service_validate(hosts, gpus):
-    service, job = render(kind="indexed-job", hosts=hosts, gpus_per_host=gpus, train_args=["--config", "c.py"])
+    claim, service, job = render(kind="indexed-job", hosts=hosts, gpus_per_host=gpus, train_args=["--config", "c.py"])
+    validate(claim, "V1PersistentVolumeClaim")
     validate(service, "V1Service")
     validate(job, "V1Job")
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["selector"] == {"job-name": "jaxpar"}
@@ -70,11 +77,12 @@ def test_indexed_job_and_headless_service_validate(hosts, gpus):
     pod = spec["template"]["spec"]
     assert pod["subdomain"] == service["metadata"]["name"] and pod["restartPolicy"] == "Never"
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
-    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "jaxpar-checkpoints"
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"] == "jaxpar-checkpoints"
 
 
 def test_jobset_validates():
-    (jobset,) = render(kind="jobset", hosts=4, max_restarts=5)
+    claim, jobset = render(kind="jobset", hosts=4, max_restarts=5)
+    validate(claim, "V1PersistentVolumeClaim")
     assert (jobset["apiVersion"], jobset["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
     validate(jobset["metadata"], "V1ObjectMeta")
     spec = jobset["spec"]
@@ -115,16 +123,48 @@ def test_pod_env_becomes_the_distributed_initialize_arguments(kind, pod0):
 
 
 def test_cli_prints_yaml_and_refuses_bad_input(capsys):
-    assert main(["k8s", "--hosts", "2", "--kind", "indexed-job", "--", "--config", "configs/llama_1b.py"]) == 0
+    assert main(["k8s", "--image", IMAGE, "--hosts", "2", "--kind", "indexed-job", "--", "--config",
+                 "configs/llama_1b.py"]) == 0
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [d["kind"] for d in docs] == ["Service", "Job"]
+    assert [d["kind"] for d in docs] == ["PersistentVolumeClaim", "Service", "Job"]
     assert docs == render(kind="indexed-job", hosts=2, train_args=["--config", "configs/llama_1b.py"])
     with pytest.raises(ConfigError, match="--hosts"):
         render(hosts=0)
-    assert yaml.safe_load(to_yaml(render())) == render()[0]
+    assert list(yaml.safe_load_all(to_yaml(render()))) == render()
 
 
 @pytest.mark.parametrize("kind, file", [("jobset", "jobset.yaml"), ("indexed-job", "indexed-job.yaml")])
 def test_the_shipped_manifests_are_the_rendered_ones(kind, file):
     shipped = list(yaml.safe_load_all((Path(__file__).resolve().parent.parent / "scripts" / "k8s" / file).read_text()))
+    assert shipped[0]["kind"] == "PersistentVolumeClaim"
     assert shipped == render(kind=kind, hosts=2, train_args=["--config", "configs/llama_1b.py"])
+
+
+def test_the_image_is_required_and_the_output_says_what_must_exist(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["k8s", "--hosts", "2"])
+    assert exit_.value.code == 2 and "--image" in capsys.readouterr().err
+    assert main(["k8s", "--image", IMAGE, "--claim", "ckpt", "--claim-size", "2Ti", "--storage-class", "nfs"]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if line.startswith("# ")]
+    assert any(IMAGE in line for line in notes) and any("JobSet controller" in line for line in notes)
+    assert any("creates: the PersistentVolumeClaim 'ckpt'" in line for line in notes)
+    claim, jobset = yaml.safe_load_all(out)
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "2Ti"}},
+                             "storageClassName": "nfs"}
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "ckpt"
+    assert pod["containers"][0]["image"] == IMAGE
+    # An existing claim is mounted, not emitted, and the output says it must exist.
+    assert main(["k8s", "--image", IMAGE, "--kind", "indexed-job", "--existing-claim", "--out",
+                 str(tmp_path / "job.yaml")]) == 0
+    text = (tmp_path / "job.yaml").read_text()
+    assert [d["kind"] for d in yaml.safe_load_all(text)] == ["Service", "Job"]
+    assert "# needs: the PersistentVolumeClaim 'jaxpar-checkpoints' (ReadWriteMany), which must already exist" in text
+
+
+@pytest.mark.parametrize("field, value", [("name", "Bad_Name!"), ("name", "x" * 60), ("image", "two words"),
+                                          ("claim", "Bad_Claim"), ("claim_size", "lots"), ("namespace", "A b")])
+def test_names_kubernetes_would_refuse_are_refused(field, value):
+    with pytest.raises(ConfigError, match=f"--{field.replace('_', '-')}"):
+        render(**{field: value})
