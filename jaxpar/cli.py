@@ -1,4 +1,9 @@
-"""`jaxpar` command line: parse, call, print. Bad input exits 2 with one line naming the field."""
+"""`jaxpar` command line: parse, check, then import and run. Bad input exits 2 with one line naming the field.
+
+Only the chosen subcommand's arguments are defined, from modules that do not import JAX,
+and every value that can be refused is refused before JAX or a lab is imported: `--help`
+and bad input answer in a fraction of a second.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +12,8 @@ import os
 import sys
 import traceback
 
+from jaxpar.cluster.env import EXIT_BAD_INPUT
 from jaxpar.config import ConfigError
-
-EXIT_BAD_INPUT = 2
 
 
 class Parser(argparse.ArgumentParser):
@@ -27,7 +31,66 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
                    help="run on N virtual CPU devices (set before JAX starts; for meshes without GPUs)")
 
 
-# `jaxpar lab NAME`: jaxpar/labs/NAME.py provides add_arguments(parser) and run_from_args(args).
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxpar.checks import non_negative_seconds
+    add_config_arguments(p)
+    p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<name>-<time>)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    group.add_argument("--overwrite", action="store_true", help="delete an existing --run-dir and start afresh")
+    group.add_argument("--auto-resume", action="store_true",
+                       help="resume --run-dir when it holds a checkpoint, else start it (restarts, requeued jobs)")
+    p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
+    p.add_argument("--metrics-linger", type=non_negative_seconds, default=0.0, metavar="SECONDS",
+                   help="keep serving the final metrics this long after training (so the last scrape sees them)")
+
+
+def add_sample_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by `jaxpar train`")
+    p.add_argument("--prompt", default="بِسْمِ ٱللَّهِ", help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; >0: sample")
+    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_dryrun_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="config file defining get_config() (default: the embedded default)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set mesh.fsdp=64 (repeatable)")
+    p.add_argument("--target", choices=("cpu", "h100", "h200", "a100"), default="cpu",
+                   help="cpu: N virtual CPU devices; h100/h200/a100: deviceless XLA:GPU compile (needs the CUDA plugin)")
+    p.add_argument("--devices", type=int, metavar="N", help="device count (cpu: set before JAX starts)")
+    p.add_argument("--topology", metavar="PxHxG", help="GPU targets: partitions x hosts x GPUs per host, e.g. 1x8x8")
+    p.add_argument("--out", metavar="DIR", help="also write dryrun.json and dryrun.md into DIR")
+
+
+def add_memory_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", required=True, metavar="N", help="parameter count, e.g. 7.5e9 or 7.5B")
+    p.add_argument("--devices", required=True, metavar="N", help="data-parallel devices the state is split over")
+    p.add_argument("--optimizer", default="adam", metavar="NAME", help="adam (default), sgd (momentum), adafactor")
+    p.add_argument("--precision", default="mixed", metavar="NAME",
+                   help="mixed (default: fp16/bf16 params and grads, fp32 optimizer state), fp32, bf16")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of markdown")
+
+
+def defined_in(module: str, function: str = "add_arguments"):
+    """A `module.function(parser)` that adds arguments, imported only when its subcommand is chosen."""
+    return lambda p: getattr(importlib.import_module(module), function)(p)
+
+
+def alias_of(add, **defaults):
+    """Arguments of another command, parsed as that command (`jaxpar lab dryrun` is `jaxpar dryrun`)."""
+    def add_as(p):
+        add(p)
+        p.set_defaults(**defaults)
+    return add_as
+
+
+# `jaxpar lab NAME`: jaxpar/labs/NAME.py provides add_arguments(parser) and run_from_args(args), and imports
+# nothing heavy (JAX, torch) at the top, since `jaxpar lab NAME --help` imports it. Add a lab with one line.
 LABS = (
     ("zero", "module 2: DDP, ZeRO-1/2/3, FSDP: losses, memory, bytes, remat, precision",
      "Lab 02 (experiments/02_zero): same losses, different memory, different bytes."),
@@ -47,97 +110,84 @@ LABS = (
     ("capstone", "module 7: plan a 7B Arabic LM on H100s, checked by compiles and CPU runs",
      "Lab 07 (experiments/07_capstone): writes report.md and plots into --out."),
 )
+BENCH_COLLECTIVES = defined_in("jaxpar.bench.options", "add_bench_arguments")
+# Modules 0 and 1 are commands of their own; `jaxpar lab` lists them too, so that it names all eight modules.
+LAB_ALIASES = (
+    ("dryrun", "module 0: read a dry run: per-device memory, collectives, FLOPs of a step (= jaxpar dryrun)",
+     "Lab 00 (experiments/00_dryrun): the same as `jaxpar dryrun`, e.g. --config configs/test.py --devices 8.",
+     alias_of(add_dryrun_arguments, subcommand="dryrun")),
+    ("collectives", "module 1: collectives' bandwidth and latency vs theory (= jaxpar bench collectives)",
+     "Lab 01 (experiments/01_collectives): the same as `jaxpar bench collectives`, e.g. --cpu-devices 8.",
+     alias_of(BENCH_COLLECTIVES, subcommand="bench", bench="collectives")),
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="jaxpar", description="Distributed training in JAX, measured against theory.")
-    sub = parser.add_subparsers(dest="subcommand", required=True, parser_class=Parser)
+def lab_table():
+    return (*LAB_ALIASES, *((name, summary, description, defined_in(f"jaxpar.labs.{name}"))
+                            for name, summary, description in LABS))
 
-    p = sub.add_parser("train", help="train a model on a device mesh",
-                       description="Train the configured model. The mesh sizes (mesh.data, fsdp, pipe, expert, tensor) "
-                                   "place it; parallel.<axis> chooses who runs each axis: auto (the compiler) or "
-                                   "a hand-written strategy (ddp, zero1-3, manual TP, pipeline schedules, manual EP).")
-    add_config_arguments(p)
-    p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<name>-<time>)")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
-    group.add_argument("--overwrite", action="store_true", help="delete an existing --run-dir and start afresh")
-    group.add_argument("--auto-resume", action="store_true",
-                       help="resume --run-dir when it holds a checkpoint, else start it (restarts, requeued jobs)")
-    p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
-    p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
-                   help="keep serving the final metrics this long after training (so the last scrape sees them)")
 
-    p = sub.add_parser("sample", help="generate text from a trained run")
-    p.add_argument("--run-dir", required=True, metavar="DIR", help="run directory written by `jaxpar train`")
-    p.add_argument("--prompt", default="بِسْمِ ٱللَّهِ", help="text to continue")
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens to generate")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; >0: sample")
-    p.add_argument("--top-k", type=int, default=0, help="sample only from the k most likely tokens (0: all)")
-    p.add_argument("--seed", type=int, default=0)
+def bench_table():
+    return (("collectives", "bandwidth and latency of collectives vs theory", None, BENCH_COLLECTIVES),)
 
-    p = sub.add_parser("launch", help="start N local processes joined by jax.distributed",
-                       description="jaxpar launch --nproc 2 --cpu-devices 4 -- train --config configs/test.py")
-    from jaxpar.launch import add_launch_arguments
-    add_launch_arguments(p)
 
-    p = sub.add_parser("slurm", help="render an sbatch script for N nodes x G GPUs (preemption, requeue, restarts)",
-                       description="jaxpar slurm --nodes 4 --gpus-per-node 8 --out train.sbatch -- --config FILE")
-    from jaxpar.cluster.slurm import add_arguments as add_slurm_arguments
-    add_slurm_arguments(p)
-
-    p = sub.add_parser("k8s", help="render Kubernetes manifests (JobSet, or Indexed Job + headless Service)",
-                       description="jaxpar k8s --hosts 4 --gpus-per-host 8 --image IMAGE -- --config FILE")
-    from jaxpar.cluster.k8s import add_arguments as add_k8s_arguments
-    add_k8s_arguments(p)
-
-    p = sub.add_parser("bench", help="microbenchmarks")
-    bench = p.add_subparsers(dest="bench", required=True, parser_class=Parser)
-    p = bench.add_parser("collectives", help="bandwidth and latency of collectives vs theory")
-    from jaxpar.bench.collectives import add_bench_arguments
-    add_bench_arguments(p)
+def add_cpu_devices(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices")
 
-    p = sub.add_parser("dryrun", help="compile a full training step for N devices without allocating it",
-                       description="Per-device memory, collectives by mesh axis, FLOPs and predicted step time "
-                                   "of a config's training step, compiled for a CPU mesh or (deviceless) GPUs.")
-    p.add_argument("--config", metavar="FILE", help="config file defining get_config() (default: the embedded default)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set mesh.fsdp=64 (repeatable)")
-    p.add_argument("--target", choices=("cpu", "h100", "h200", "a100"), default="cpu",
-                   help="cpu: N virtual CPU devices; h100/h200/a100: deviceless XLA:GPU compile (needs the CUDA plugin)")
-    p.add_argument("--devices", type=int, metavar="N", help="device count (cpu: set before JAX starts)")
-    p.add_argument("--topology", metavar="PxHxG", help="GPU targets: partitions x hosts x GPUs per host, e.g. 1x8x8")
-    p.add_argument("--out", metavar="DIR", help="also write dryrun.json and dryrun.md into DIR")
 
-    p = sub.add_parser("memory", help="model-state memory per device of DDP and ZeRO-1/2/3, any model size",
-                       description="The ZeRO formulas for any parameter count and device count, in the ZeRO "
-                                   "paper's accounting and in jaxpar's own (what its step stores).")
-    p.add_argument("--params", required=True, metavar="N", help="parameter count, e.g. 7.5e9 or 7.5B")
-    p.add_argument("--devices", required=True, metavar="N", help="data-parallel devices the state is split over")
-    p.add_argument("--optimizer", default="adam", metavar="NAME", help="adam (default), sgd (momentum), adafactor")
-    p.add_argument("--precision", default="mixed", metavar="NAME",
-                   help="mixed (default: fp16/bf16 params and grads, fp32 optimizer state), fp32, bf16")
-    p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of markdown")
+# (name, one-line help, description, what adds its arguments: a function, or a table of sub-subcommands)
+SUBCOMMANDS = (
+    ("train", "train a model on a device mesh",
+     "Train the configured model. The mesh sizes (mesh.data, fsdp, pipe, expert, tensor) place it; "
+     "parallel.<axis> chooses who runs each axis: auto (the compiler) or a hand-written strategy (ddp, zero1-3, "
+     "manual TP, pipeline schedules, manual EP).", add_train_arguments),
+    ("sample", "generate text from a trained run", None, add_sample_arguments),
+    ("launch", "start N local processes joined by jax.distributed",
+     "jaxpar launch --nproc 2 --cpu-devices 4 -- train --config configs/test.py",
+     defined_in("jaxpar.launch", "add_launch_arguments")),
+    ("slurm", "render an sbatch script for N nodes x G GPUs (preemption, requeue, restarts)",
+     "jaxpar slurm --nodes 4 --gpus-per-node 8 --out train.sbatch -- --config FILE",
+     defined_in("jaxpar.cluster.slurm")),
+    ("k8s", "render Kubernetes manifests (JobSet, or Indexed Job + headless Service, + the checkpoint claim)",
+     "jaxpar k8s --hosts 4 --gpus-per-host 8 --image IMAGE -- --config FILE", defined_in("jaxpar.cluster.k8s")),
+    ("bench", "microbenchmarks", None, bench_table),
+    ("dryrun", "compile a full training step for N devices without allocating it",
+     "Per-device memory, collectives by mesh axis, FLOPs and predicted step time of a config's training step, "
+     "compiled for a CPU mesh or (deviceless) GPUs.", add_dryrun_arguments),
+    ("memory", "model-state memory per device of DDP and ZeRO-1/2/3, any model size",
+     "The ZeRO formulas for any parameter count and device count, in the ZeRO paper's accounting and in "
+     "jaxpar's own (what its step stores).", add_memory_arguments),
+    ("plan", "choose and defend a parallel strategy for a model on a GPU cluster",
+     "Enumerate data/fsdp/tensor/pipe/expert x microbatches x remat x precision x attention; predict memory, "
+     "step time, MFU, days and cost; rank and explain (course module 7, experiments/07_capstone).",
+     defined_in("jaxpar.plan.command")),
+    ("lab", "run a course module's lab (all eight modules: jaxpar lab --help)",
+     "Run a course module's lab: modules 0-7, one command each (jaxpar lab NAME --help).", lab_table),
+    ("capstone", "the same as `jaxpar lab capstone` (module 7's report)", LABS[-1][2],
+     alias_of(defined_in("jaxpar.labs.capstone"), lab="capstone")),
+)
+NESTED_DEST = {"bench": "bench", "lab": "lab"}   # the attribute a nested subcommand's name goes to
 
-    p = sub.add_parser("plan", help="choose and defend a parallel strategy for a model on a GPU cluster",
-                       description="Enumerate data/fsdp/tensor/pipe/expert x microbatches x remat x precision x "
-                                   "attention; predict memory, step time, MFU, days and cost; rank and explain "
-                                   "(course module 7, experiments/07_capstone).")
-    from jaxpar.plan.command import add_arguments as add_plan_arguments
-    add_plan_arguments(p)
 
-    p = sub.add_parser("lab", help="run a course module's lab")
-    labs = p.add_subparsers(dest="lab", required=True, parser_class=Parser)
-    for name, summary, description in LABS:
-        p = labs.add_parser(name, help=summary, description=description)
-        importlib.import_module(f"jaxpar.labs.{name}").add_arguments(p)
-    p = sub.add_parser("capstone", help="the same as `jaxpar lab capstone` (module 7's report)",
-                       description=LABS[-1][2])
-    importlib.import_module("jaxpar.labs.capstone").add_arguments(p)
-    p.set_defaults(lab="capstone")
+def _add_subcommands(parser, table, dest: str, words: list[str] | None) -> None:
+    """Define `table`'s subcommands; only the one `words` chooses (every one when None) gets its arguments."""
+    sub = parser.add_subparsers(dest=dest, required=True, parser_class=Parser)
+    chosen = words[0] if words else None
+    for name, summary, description, add in table:
+        p = sub.add_parser(name, help=summary, description=description or summary)
+        if words is not None and name != chosen:
+            continue
+        if name in NESTED_DEST and dest == "subcommand":
+            _add_subcommands(p, add(), NESTED_DEST[name], None if words is None else words[1:])
+        else:
+            add(p)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given the command line `argv`, only its subcommand's arguments are defined (and imported)."""
+    parser = Parser(prog="jaxpar", description="Distributed training in JAX, measured against theory.")
+    words = None if argv is None else [a for a in argv if not a.startswith("-")][:2]
+    _add_subcommands(parser, SUBCOMMANDS, "subcommand", words)
     return parser
 
 
@@ -154,7 +204,6 @@ def train_config(args):
     from pathlib import Path
 
     from jaxpar.config import apply_overrides
-    from jaxpar.train.rundir import resume_config
     if args.auto_resume:
         if not args.run_dir:
             raise ConfigError("--auto-resume", "needs --run-dir DIR (the run to start or continue)")
@@ -163,6 +212,7 @@ def train_config(args):
     if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port", f"must be in 1..65535, got {args.metrics_port}")
     if args.resume:
+        from jaxpar.train.rundir import resume_config   # imports JAX: only a resumed run needs it here
         if not args.run_dir:
             raise ConfigError("--resume", "needs --run-dir DIR naming the run to continue")
         saved = resume_config(Path(args.run_dir)) if (Path(args.run_dir) / "config.json").is_file() else None
@@ -174,6 +224,38 @@ def train_config(args):
     else:
         config = load(args)
     return config
+
+
+def check(args) -> None:
+    """Refuse what can be refused before JAX or a lab is imported; `args.config_loaded`: train's config."""
+    from jaxpar import checks
+    from jaxpar.config import validate_fields
+    args.config_loaded = None
+    if getattr(args, "out", None):
+        if args.subcommand in ("slurm", "k8s"):
+            checks.writable_file(args.out, "--out")
+        else:
+            checks.writable_dir(args.out, "--out")
+    if args.subcommand == "train":
+        args.config_loaded = train_config(args)
+        validate_fields(args.config_loaded)
+        if args.config_loaded.train.tensorboard:
+            from jaxpar.cluster.metrics import summary_writer_class
+            summary_writer_class()
+    elif args.subcommand == "sample":
+        checks.sample_arguments(args.run_dir, args.prompt, args.temperature, args.top_k)
+    elif args.subcommand == "bench":
+        from jaxpar.bench.options import parse_sweep
+        parse_sweep(args.ops, args.min_bytes, args.max_bytes, args.budget)
+
+
+def check_started(args) -> None:
+    """What needs the started job: the metrics port of this process (PORT + process index) is free."""
+    if args.subcommand == "train" and args.metrics_port is not None:
+        import jax
+
+        from jaxpar.checks import port_free
+        port_free(args.metrics_port + jax.process_index(), "--metrics-port", getattr(args, "metrics_host", "0.0.0.0"))
 
 
 def cmd_train(args) -> int:
@@ -250,13 +332,15 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
+        check(args)
         if args.subcommand not in LOCAL_COMMANDS:
             from jaxpar.mesh import init_distributed, set_cpu_devices
             set_cpu_devices(getattr(args, "cpu_devices", None))
-            args.config_loaded = train_config(args) if args.subcommand == "train" else None
             init_distributed(args.config_loaded.distributed if args.config_loaded else None)
+            check_started(args)
         return COMMANDS[args.subcommand](args)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -272,6 +356,8 @@ def main(argv=None) -> int:
 
 
 def _multi_process() -> bool:
+    if "jax" not in sys.modules:   # refused before JAX was imported: a single process, nothing to wait for
+        return False
     import jax
     return jax.distributed.is_initialized()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import ml_collections
@@ -20,6 +21,9 @@ REMAT_POLICIES = ("none", "full", "dots", "names")
 FAULT_SIGNALS = ("SIGKILL", "SIGTERM", "SIGUSR1")
 MOE_ROUTERS = ("softmax", "noisy", "sigmoid")
 MOE_DISPATCH = ("dropless", "capacity")
+# A source checkout (or editable install) keeps the presets in configs/ beside the package: `--config
+# configs/test.py` and the labs' default configs resolve there from any working directory.
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 class ConfigError(ValueError):
@@ -142,9 +146,11 @@ def load_config(path: str | None) -> ml_collections.ConfigDict:
     if path is None:
         config = base_config()
     else:
-        file = Path(path)
+        file = config_file(path)
         if not file.is_file():
             raise ConfigError("--config", f"no such config file '{path}'")
+        if file.suffix != ".py":
+            raise ConfigError("--config", f"'{path}' is not a Python file; give a .py file defining get_config()")
         spec = importlib.util.spec_from_file_location(f"jaxpar_config_{file.stem}", file)
         module = importlib.util.module_from_spec(spec)
         try:
@@ -163,6 +169,14 @@ def load_config(path: str | None) -> ml_collections.ConfigDict:
             raise ConfigError("--config", f"'{path}' get_config() must return an ml_collections.ConfigDict")
     config.lock()
     return config
+
+
+def config_file(path: str) -> Path:
+    """`path` as given, or a preset path such as configs/test.py resolved from the repository jaxpar is in."""
+    file = Path(path)
+    if not file.exists() and not file.is_absolute() and (REPOSITORY / file).is_file():
+        return REPOSITORY / file
+    return file
 
 
 def config_from_dict(values: dict) -> ml_collections.ConfigDict:
@@ -269,7 +283,13 @@ def mesh_shape(config, num_devices: int) -> dict[str, int]:
 def model_vocab_size(config, tokenizer_vocab: int, tensor: int) -> int:
     """The model's vocabulary: the tokenizer's, padded to a multiple of 128 (shards evenly), or the config's."""
     if config.model.vocab_size == 0:
-        return -(-tokenizer_vocab // 128) * 128
+        padded = -(-tokenizer_vocab // 128) * 128
+        if padded % tensor:   # padding to a tensor-dependent size would tie the checkpoint to the mesh: refuse
+            step = math.lcm(128, tensor)
+            raise ConfigError("model.vocab_size", f"is 0: the tokenizer's {tokenizer_vocab} tokens padded to "
+                              f"{padded} (a multiple of 128), which mesh.tensor={tensor} does not divide; set "
+                              f"model.vocab_size={-(-tokenizer_vocab // step) * step} (a multiple of {step})")
+        return padded
     if config.model.vocab_size < tokenizer_vocab:
         raise ConfigError("model.vocab_size", f"is {config.model.vocab_size} but the tokenizer has "
                           f"{tokenizer_vocab} tokens; use 0 (automatic) or at least {tokenizer_vocab}")
@@ -303,8 +323,53 @@ def _validate_kernels(m) -> None:
         raise ConfigError("model.loss_chunk", f"is {m.loss_chunk}; must be at least 1 sequence position")
 
 
-def validate(config, num_devices: int) -> dict[str, int]:
-    """Check everything that can be checked before compiling; return the mesh sizes."""
+def _finite_in(value, field: str, low: float, high: float = math.inf, *, low_open=False, high_open=False,
+               valid: str = "") -> None:
+    """`value` is a finite number in the interval low..high (open where said)."""
+    below = value <= low if low_open else value < low
+    above = value >= high if high_open else value > high
+    if not math.isfinite(value) or below or above:
+        raise ConfigError(field, f"is {value}; {valid}")
+
+
+def _validate_optimizer(t) -> None:
+    """train.* of AdamW, the schedule and clipping: values that would train nothing, or NaN, at once."""
+    _finite_in(t.lr, "train.lr", 0, low_open=True, valid="must be a finite positive number, e.g. 3e-3")
+    _finite_in(t.eps, "train.eps", 0, low_open=True, valid="Adam's epsilon must be positive, e.g. 1e-8")
+    for field in ("b1", "b2"):
+        _finite_in(t[field], f"train.{field}", 0, 1, high_open=True, valid="Adam's betas are in [0, 1), e.g. 0.9")
+    _finite_in(t.min_lr_ratio, "train.min_lr_ratio", 0, 1, valid="the final lr as a fraction of train.lr: 0..1")
+    _finite_in(t.weight_decay, "train.weight_decay", 0, valid="must be 0 (off) or positive, e.g. 0.1")
+    _finite_in(t.grad_clip, "train.grad_clip", 0, low_open=True, valid="the global-norm clip must be positive, "
+               "e.g. 1.0 (a huge value turns clipping off)")
+    if t.warmup_steps < 0:
+        raise ConfigError("train.warmup_steps", f"is {t.warmup_steps}; must be 0 (no warmup) or positive")
+
+
+def _validate_run_options(config) -> None:
+    """Fault injection, the end-of-run sample, the data order, the distributed timeouts."""
+    t = config.train
+    if t.fault_at_step < 0:
+        raise ConfigError("train.fault_at_step", f"is {t.fault_at_step}; must be 0 (off) or a step number")
+    if t.fault_process < -1:
+        raise ConfigError("train.fault_process", f"is {t.fault_process}; -1 (every process) or a process index")
+    if t.fault_signal not in FAULT_SIGNALS:
+        raise ConfigError("train.fault_signal", f"is '{t.fault_signal}'; valid: {', '.join(FAULT_SIGNALS)}")
+    if t.max_bad_steps < 0:
+        raise ConfigError("train.max_bad_steps", f"is {t.max_bad_steps}; must be 0 (stop at once) or positive")
+    if t.sample_tokens < 0:
+        raise ConfigError("train.sample_tokens", f"is {t.sample_tokens}; must be 0 (no sample) or positive")
+    if t.sample_tokens and not t.sample_prompt.strip():
+        raise ConfigError("train.sample_prompt", "is empty; give text to continue, or train.sample_tokens=0")
+    if config.data.shuffle_seed < 0:
+        raise ConfigError("data.shuffle_seed", f"is {config.data.shuffle_seed}; must be 0 or positive")
+    for field in ("heartbeat_timeout_s", "shutdown_timeout_s"):
+        if config.distributed[field] < 1:
+            raise ConfigError(f"distributed.{field}", f"is {config.distributed[field]}; must be at least 1 second")
+
+
+def validate_fields(config) -> None:
+    """Every check that needs no devices; the command line makes these before JAX is imported."""
     m, t, d = config.model, config.train, config.data
     for field in ("d_model", "layers", "heads", "kv_heads", "mlp_dim", "max_seq_len"):
         if m[field] <= 0:
@@ -318,6 +383,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
         raise ConfigError("model.kv_heads", f"kv_heads={m.kv_heads} must divide heads={m.heads}")
     if head_dim(m) % 2:
         raise ConfigError("model.head_dim", f"is {head_dim(m)}; RoPE needs an even head dimension")
+    _finite_in(m.rope_theta, "model.rope_theta", 0, low_open=True, valid="RoPE's base must be positive, e.g. 1e4")
+    _finite_in(m.norm_eps, "model.norm_eps", 0, low_open=True, valid="must be positive, e.g. 1e-5")
     _validate_kernels(m)
     if d.seq_len <= 0 or d.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", f"is {d.seq_len}; must be in 1..model.max_seq_len={m.max_seq_len}")
@@ -333,16 +400,19 @@ def validate(config, num_devices: int) -> dict[str, int]:
                   "eval_batches", "checkpoint_every", "keep_checkpoints"):
         if t[field] <= 0:
             raise ConfigError(f"train.{field}", f"is {t[field]}; must be positive")
-    if t.fault_signal not in FAULT_SIGNALS:
-        raise ConfigError("train.fault_signal", f"is '{t.fault_signal}'; valid: {', '.join(FAULT_SIGNALS)}")
-    if t.max_bad_steps < 0:
-        raise ConfigError("train.max_bad_steps", f"is {t.max_bad_steps}; must be 0 (stop at once) or positive")
-    for field in ("heartbeat_timeout_s", "shutdown_timeout_s"):
-        if config.distributed[field] < 1:
-            raise ConfigError(f"distributed.{field}", f"is {config.distributed[field]}; must be at least 1 second")
-    if t.lr <= 0:
-        raise ConfigError("train.lr", f"is {t.lr}; must be positive")
+    _validate_optimizer(t)
+    _validate_run_options(config)
 
+
+def validate(config, num_devices: int, processes: int | None = None) -> dict[str, int]:
+    """Check everything that can be checked before compiling; return the mesh sizes.
+
+    `processes`: the job's process count, when the mesh is the run's own (bounds train.fault_process)."""
+    validate_fields(config)
+    m, t, d = config.model, config.train, config.data
+    if processes is not None and t.fault_process >= processes:
+        raise ConfigError("train.fault_process", f"is {t.fault_process} but the job has {processes} process(es); "
+                          f"use -1 (every process) or 0..{processes - 1}")
     sizes = mesh_shape(config, num_devices)
     if sizes["pipe"] > 1 and config.parallel.pipe == "auto":
         raise ConfigError("parallel.pipe", f"is 'auto' but mesh.pipe={sizes['pipe']}; choose a schedule: "

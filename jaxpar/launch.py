@@ -29,10 +29,10 @@ import threading
 import time
 from typing import IO
 
+from jaxpar.checks import non_negative_seconds
+from jaxpar.cluster.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PREEMPTED
 from jaxpar.cluster.goodput import ENV_ATTEMPT_START, ENV_RESTARTS
 from jaxpar.config import ConfigError
-from jaxpar.mesh import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from jaxpar.train.preemption import EXIT_PREEMPTED
 
 # Seconds a child has to exit after SIGTERM before it gets SIGKILL. A process
 # stuck in a JAX collective or inside XLA often does not act on SIGTERM at all.
@@ -280,7 +280,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="when a process fails, restart all of them up to this many times; a train "
                              "command resumes from its last checkpoint (default: 0)")
-    parser.add_argument("--preempt-grace", type=float, default=PREEMPT_GRACE_S,
+    parser.add_argument("--preempt-grace", type=non_negative_seconds, default=PREEMPT_GRACE_S,
                         help="seconds the processes get to save after SIGTERM/SIGUSR1 (default: 300)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="the jaxpar command each process runs, after `--`, e.g. `-- train --set train.steps=20`")

@@ -15,12 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxpar.cluster.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID  # noqa: F401 (re-exported)
 from jaxpar.config import MESH_AXES, ConfigError, validate
-
-# Environment the local launcher (`jaxpar launch`) sets for each process it starts.
-ENV_COORDINATOR = "JAXPAR_COORDINATOR"
-ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
 
 
 def set_cpu_devices(count: int | None) -> None:
@@ -82,8 +78,9 @@ def make_mesh(config, devices=None) -> Mesh:
     Devices are laid out in `jax.devices()` order (process-major), so the innermost
     axis, `tensor`, spans neighbouring devices: on a GPU node these share NVLink.
     """
-    devices = list(jax.devices() if devices is None else devices)
-    sizes = validate(config, len(devices))
+    whole_job = devices is None   # the run's own mesh: its process count bounds train.fault_process
+    devices = list(jax.devices() if whole_job else devices)
+    sizes = validate(config, len(devices), processes=jax.process_count() if whole_job else None)
     shape = tuple(sizes[axis] for axis in MESH_AXES)
     grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -49,18 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from jaxpar.bench.options import OPS, add_bench_arguments, parse_bytes, parse_ops, parse_sweep  # noqa: F401
 from jaxpar.config import ConfigError
 from jaxpar.measure import hardware
 
-OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "permute", "broadcast")
-ALIASES = {
-    "allreduce": "all-reduce", "psum": "all-reduce",
-    "allgather": "all-gather", "all_gather": "all-gather",
-    "reducescatter": "reduce-scatter", "psum_scatter": "reduce-scatter",
-    "alltoall": "all-to-all", "all_to_all": "all-to-all",
-    "ppermute": "permute", "sendrecv": "permute", "collective-permute": "permute",
-    "bcast": "broadcast", "pbroadcast": "broadcast",
-}
 MEMORY_FRACTION = 0.25        # refuse a max size above this share of a device's free memory
 AXIS = "x"
 DTYPE = np.float32
@@ -73,39 +65,6 @@ def bus_factor(op: str, n: int) -> float:
     if op in ("all-gather", "reduce-scatter", "all-to-all"):
         return (n - 1) / n
     return 1.0
-
-
-def parse_ops(text: str | list[str]) -> list[str]:
-    """`"all-reduce,psum_scatter"` or a list of names (aliases allowed; `all` = every op) -> canonical names."""
-    items = text if isinstance(text, list) else [text]
-    names = [name.strip().lower() for item in items for name in item.split(",") if name.strip()]
-    if not names or names == ["all"]:
-        return list(OPS)
-    ops = []
-    for name in names:
-        op = ALIASES.get(name, name)
-        if op not in OPS:
-            raise ConfigError("--ops", f"unknown collective '{name}'; valid: all, {', '.join(OPS)}")
-        if op not in ops:
-            ops.append(op)
-    return ops
-
-
-def parse_bytes(text, field: str) -> int:
-    """`4096`, `64K`, `1MiB`, `2G` (binary multiples) -> bytes."""
-    if isinstance(text, (int, np.integer)):
-        value = int(text)
-    else:
-        s = str(text).strip().upper().removesuffix("IB").removesuffix("B")
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(s[-1:], 1)
-        digits = s[:-1] if scale > 1 else s
-        try:
-            value = int(float(digits) * scale)
-        except ValueError:
-            raise ConfigError(field, f"'{text}' is not a size; use bytes or K/M/G, e.g. 64K or 16M") from None
-    if value <= 0:
-        raise ConfigError(field, f"is {text}; must be positive")
-    return value
 
 
 def available_bytes_per_device() -> tuple[float, str]:
@@ -259,12 +218,7 @@ def run_collectives_bench(ops, min_bytes, max_bytes, time_budget_s, out_dir) -> 
 
     Returns {"meta": ..., "results": [row per op and size], "fits": {op: alpha/beta}}.
     """
-    ops = parse_ops(ops)
-    min_bytes, max_bytes = parse_bytes(min_bytes, "--min-bytes"), parse_bytes(max_bytes, "--max-bytes")
-    if min_bytes > max_bytes:
-        raise ConfigError("--min-bytes", f"{min_bytes} is larger than --max-bytes {max_bytes}")
-    if not time_budget_s > 0:
-        raise ConfigError("--budget", f"is {time_budget_s}; must be a positive number of seconds per size")
+    ops, min_bytes, max_bytes = parse_sweep(ops, min_bytes, max_bytes, time_budget_s)
     devices = jax.devices()
     if len(devices) < 2:
         raise ConfigError("--cpu-devices", f"found {len(devices)} {devices[0].platform} device; a collective needs "
@@ -383,15 +337,6 @@ def plot(result: dict, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- CLI
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", default="all",
-                        help=f"comma-separated collectives, or 'all' (default): {', '.join(OPS)}")
-    parser.add_argument("--min-bytes", default="1K", help="smallest size per device, e.g. 1K (default)")
-    parser.add_argument("--max-bytes", default="16M", help="largest size per device, e.g. 16M (default)")
-    parser.add_argument("--budget", type=float, default=0.2, help="seconds of timing per size (default 0.2)")
-    parser.add_argument("--out", default=None, help="output folder (default runs/bench-collectives-<time>)")
-
 
 def run_bench(args) -> int:
     """`jaxpar bench collectives`: run the sweep, print the markdown table on process 0."""

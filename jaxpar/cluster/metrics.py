@@ -81,14 +81,19 @@ class PrometheusExporter:
         self.server.server_close()
 
 
+def summary_writer_class():
+    """tensorboardX's SummaryWriter; without tensorboardX, a ConfigError (the CLI asks before creating a run)."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise ConfigError("train.tensorboard", "needs tensorboardX: pip install 'jaxpar[ops]' "
+                          "(or set train.tensorboard=false)") from None
+    return SummaryWriter
+
+
 class TensorBoardWriter:
     def __init__(self, directory: Path):
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise ConfigError("train.tensorboard", "needs tensorboardX: pip install 'jaxpar[ops]' "
-                              "(or set train.tensorboard=false)") from None
-        self.writer = SummaryWriter(str(directory))
+        self.writer = summary_writer_class()(str(directory))
 
     def log(self, step: int, record: dict) -> None:
         for key in ("loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s"):

@@ -15,13 +15,17 @@ The script (scripts/slurm/train.sbatch is one rendered with the defaults):
 """
 from __future__ import annotations
 
+import re
 import shlex
 
+from jaxpar.cluster.env import EXIT_PREEMPTED
 from jaxpar.cluster.goodput import ENV_ATTEMPT_START
 from jaxpar.config import ConfigError
-from jaxpar.train.preemption import EXIT_PREEMPTED
 
 PORT_BASE = 20000
+# sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]], or no limit.
+TIME_LIMIT = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE)")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")   # one word on an #SBATCH line and in the output file name
 TEMPLATE = """#!/bin/bash
 # jaxpar training job for Slurm, rendered by `jaxpar slurm` (edit the #SBATCH lines for your site).
 #SBATCH --job-name={job_name}
@@ -68,6 +72,12 @@ def render(*, nodes: int = 2, gpus_per_node: int = 8, tasks_per: str = "node", r
     `tasks_per_node` overrides the task count `tasks_per` implies (e.g. 2 CPU processes on one test node)."""
     if nodes < 1:
         raise ConfigError("--nodes", f"is {nodes}; must be at least 1")
+    if not TIME_LIMIT.fullmatch(time):
+        raise ConfigError("--time", f"is {time!r}; give an sbatch time limit: MINUTES, HH:MM:SS or D-HH:MM:SS")
+    for field, value in (("--job-name", job_name), ("--partition", partition)):
+        if value is not None and not NAME.fullmatch(value):
+            raise ConfigError(field, f"is {value!r}; use letters, digits, '.', '_' and '-' (it is written "
+                              "into an #SBATCH line)")
     if tasks_per not in ("node", "gpu"):
         raise ConfigError("--tasks-per", f"is '{tasks_per}'; valid: node, gpu")
     if cpu_devices is None and gpus_per_node < 1:

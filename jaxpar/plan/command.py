@@ -5,9 +5,9 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxpar.config import ConfigError
+from jaxpar.config import REPOSITORY, ConfigError
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "arabic_7b.py"
+DEFAULT_CONFIG = REPOSITORY / "configs" / "arabic_7b.py"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ import signal
 import jax
 from jax.experimental import multihost_utils
 
-EXIT_PREEMPTED = 75   # EX_TEMPFAIL: "try again later"; the Slurm script requeues on it
+from jaxpar.cluster.env import EXIT_PREEMPTED  # noqa: F401 (re-exported)
 
 
 class Preempted(Exception):

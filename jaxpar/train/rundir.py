@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxpar.checks import writable_dir
 from jaxpar.config import ConfigError, config_from_dict, to_json
 
 # Fields a resumed run may not change: they change array shapes or the data order. Which kernel computes
@@ -27,14 +27,7 @@ def default_run_dir(name: str) -> Path:
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """Refuse to clobber a run, or to resume one that has nothing to resume."""
-    nearest = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
-    try:
-        if not nearest.is_dir():
-            raise NotADirectoryError(nearest)
-        tempfile.TemporaryFile(dir=nearest).close()       # a real probe: permissions, read-only mounts
-    except OSError as err:
-        raise ConfigError("--run-dir", f"'{run_dir}' cannot be written ({nearest}: "
-                          f"{err.strerror or type(err).__name__}); choose another --run-dir") from None
+    writable_dir(run_dir, "--run-dir")
     exists = run_dir.exists() and any(run_dir.iterdir())
     if resume:
         if not (run_dir / "config.json").is_file() or not (run_dir / "checkpoints").is_dir():

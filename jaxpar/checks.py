@@ -1,0 +1,74 @@
+"""Checks of command-line values that can be made before anything is imported, loaded or built.
+
+Each raises `ConfigError` naming the argument, so that bad input costs one line and
+a fraction of a second, and never leaves a file behind. Nothing here imports JAX.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+import tempfile
+from pathlib import Path
+
+from jaxpar.config import ConfigError
+
+
+def writable_dir(path, field: str) -> None:
+    """`path` is, or can become, a directory this process may write (probed with a temporary file)."""
+    path = Path(path)
+    nearest = next(p for p in (path, *path.absolute().parents) if p.exists())
+    try:
+        if not nearest.is_dir():
+            raise NotADirectoryError(nearest)
+        tempfile.TemporaryFile(dir=nearest).close()   # a real probe: permissions, read-only mounts, /proc
+    except OSError as err:
+        raise ConfigError(field, f"'{path}' cannot be written ({nearest}: "
+                          f"{err.strerror or type(err).__name__}); choose another {field}") from None
+
+
+def writable_file(path, field: str) -> None:
+    """`path` names a file (not a folder) in a folder this process may write."""
+    if Path(path).is_dir():
+        raise ConfigError(field, f"'{path}' is a directory; give a file name")
+    writable_dir(Path(path).absolute().parent, field)
+
+
+def port_free(port: int, field: str, host: str = "0.0.0.0") -> None:
+    """Nothing listens on `port` (bound the way an HTTP server binds it, so the answer is the server's)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise ConfigError(field, f"cannot listen on port {port} ({err.strerror}); choose another port") from None
+
+
+def non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"is {text}; give a number of seconds >= 0")
+    return value
+
+
+def sample_arguments(run_dir, prompt: str, temperature: float, top_k: int) -> None:
+    """`jaxpar sample`: the prompt is text, the sampling settings are ones a sampler can use."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError("--prompt", "is not valid UTF-8 text; give the prompt in UTF-8") from None
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError("--temperature", f"is {temperature}; give 0 (greedy) or a positive number, e.g. 0.8")
+    if top_k < 0:
+        raise ConfigError("--top-k", f"is {top_k}; give 0 (every token) or a positive count, e.g. 20")
+    tokenizer = Path(run_dir) / "tokenizer.json"
+    if top_k and tokenizer.is_file():
+        from tokenizers import Tokenizer
+        vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+        if top_k > vocab:
+            raise ConfigError("--top-k", f"is {top_k} but the run's vocabulary has {vocab} tokens; "
+                              f"give 0 (every token) or 1..{vocab}")
