@@ -73,3 +73,23 @@ def test_arabic_7b_has_llama2_7b_shape():
     # Llama-2-7B has 6.74e9 params at vocab 32000; 64000 adds 2 x 32000 x 4096 = 0.26e9.
     total = param_count(ModelConfig.from_config(m))["total"]
     assert total == 6_738_415_616 + 2 * 32000 * 4096
+
+
+def test_automatic_vocabulary_is_refused_where_tensor_does_not_divide_it():
+    from jaxpar.config import model_vocab_size
+    config = base_config()
+    for tensor in (1, 2, 4, 8, 128):
+        assert model_vocab_size(config, 1000, tensor) == 1024     # padded to a multiple of 128, mesh-independent
+    with pytest.raises(ConfigError, match=r"mesh.tensor=3 does not divide; set model.vocab_size=768 "):
+        model_vocab_size(config, 512, 3)
+    with pytest.raises(ConfigError, match=r"set model.vocab_size=1152 \(a multiple of 384\)"):
+        model_vocab_size(config, 1000, 6)
+    config.model.vocab_size = 1152
+    assert model_vocab_size(config, 1000, 6) == 1152
+
+
+def test_presets_resolve_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/mixtral_tiny.py").model.moe.experts == 8
+    with pytest.raises(ConfigError, match="no such config file 'configs/none.py'"):
+        load_config("configs/none.py")
