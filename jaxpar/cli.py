@@ -89,8 +89,9 @@ def alias_of(add, **defaults):
     return add_as
 
 
-# `jaxpar lab NAME`: jaxpar/labs/NAME.py provides add_arguments(parser) and run_from_args(args), and imports
-# nothing heavy (JAX, torch) at the top, since `jaxpar lab NAME --help` imports it. Add a lab with one line.
+# `jaxpar lab NAME`: jaxpar/labs/NAME.py provides run_from_args(args) and add_arguments(parser); where the module
+# imports JAX (or torch) at its top, add_arguments lives in jaxpar/labs/arguments.py as NAME(parser), so that
+# `jaxpar lab NAME --help` stays fast. Add a lab with one line here.
 LABS = (
     ("zero", "module 2: DDP, ZeRO-1/2/3, FSDP: losses, memory, bytes, remat, precision",
      "Lab 02 (experiments/02_zero): same losses, different memory, different bytes."),
@@ -122,9 +123,14 @@ LAB_ALIASES = (
 )
 
 
+def lab_arguments(name: str):
+    """jaxpar/labs/arguments.py defines the arguments of the labs whose module imports JAX; the others their own."""
+    from jaxpar.labs import arguments
+    return getattr(arguments, name, None) or defined_in(f"jaxpar.labs.{name}")
+
+
 def lab_table():
-    return (*LAB_ALIASES, *((name, summary, description, defined_in(f"jaxpar.labs.{name}"))
-                            for name, summary, description in LABS))
+    return (*LAB_ALIASES, *((name, summary, description, lab_arguments(name)) for name, summary, description in LABS))
 
 
 def bench_table():

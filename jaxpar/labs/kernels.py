@@ -18,7 +18,6 @@ Files in the run directory: report.md, results.json, memory.png, compile.png.
 """
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
+from jaxpar.labs.arguments import kernels as add_arguments  # noqa: F401
 from jaxpar.labs.report import md_table, standalone_main, write_report
 
 MIB = 2**20
@@ -362,15 +362,6 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
                                                  for name, _ in plan})
     log(f"wrote {out / 'report.md'}, results.json, memory.png, compile.png")
     return results
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-kernels-<time>)")
-    p.add_argument("--steps", type=int, default=5, help="training steps of the model agreement (default 5)")
-    p.add_argument("--seq-lens", default="128,256,512", help="sequence lengths of the memory part")
-    p.add_argument("--depths", default="2,4,8,16", help="layer counts of the compile-time part")
-    p.add_argument("--gpu-results", metavar="DIR", help="--out directory of benchmarks/attention.py and mfu.py on a GPU")
 
 
 def _ints(text: str, field: str) -> list[int]:

@@ -21,7 +21,6 @@ the run directory: report.md, results.json, config.json and six plots.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import statistics
@@ -33,6 +32,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.labs.arguments import MOE_PARTS as PARTS, MOE_SETTINGS as LAB_SETTINGS, moe as add_arguments  # noqa: F401
 from jaxpar.labs import report
 from jaxpar.labs.report import (
     figure,
@@ -45,9 +45,6 @@ from jaxpar.labs.report import (
 )
 
 TOLERANCE = 1e-4
-# The lab's own settings, applied before --set: configs/mixtral_tiny.py at 2 layers and 64-token sequences
-# keeps the whole lab under 12 minutes on 2 CPU cores (measured: ~0.17 CPU-s per capacity step on one device).
-LAB_SETTINGS = ("model.layers=2", "data.seq_len=64")
 CAPACITY_FACTORS = (1.0, 1.25, 2.0)
 BALANCE_METHODS = {   # name -> overrides (on top of the capacity dispatch at factor 1.25)
     "none": ["model.moe.router=softmax", "model.moe.balance_loss=0", "model.moe.z_loss=0"],
@@ -486,8 +483,6 @@ def plot_moe_vs_dense(result: dict, path: Path) -> None:
 
 # ============================================================================ the whole lab
 
-PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense")
-
 
 def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_steps: int = 150,
             capacity_steps: int = 30, compare_steps: int = 150, bias_rate: float = 0.01, parts=PARTS,
@@ -557,24 +552,6 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
 
 
 # ============================================================================ command line
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default="configs/mixtral_tiny.py",
-                   help="an MoE config (default: configs/mixtral_tiny.py, 8 experts, top-2)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set model.layers=4 (repeatable); applied after the lab's "
-                        f"own settings {', '.join(LAB_SETTINGS)}")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-moe-<time>)")
-    p.add_argument("--steps", type=int, default=5, help="steps of the equivalence part (default 5)")
-    p.add_argument("--balance-steps", type=int, default=150, help="training steps per balancing method (default 150)")
-    p.add_argument("--capacity-steps", type=int, default=30, help="steps per capacity factor (default 30)")
-    p.add_argument("--compare-steps", type=int, default=150, help="steps of MoE and dense each (default 150)")
-    p.add_argument("--parts", default=",".join(PARTS), metavar="LIST",
-                   help=f"comma-separated parts to run (default: all of {','.join(PARTS)})")
-    p.add_argument("--bias-rate", type=float, default=0.01,
-                   help="aux-free bias step per training step in the balance part (default 0.01)")
-
 
 def run_from_args(args) -> int:
     """`jaxpar lab moe` and run.py: the CPU device count must already be set (before JAX started)."""

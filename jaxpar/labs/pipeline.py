@@ -22,7 +22,6 @@ dryrun_7b/ (dryrun.md, dryrun.json). `--parts` runs a subset.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import gzip
 import json
@@ -38,6 +37,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS, pipeline as add_arguments  # noqa: F401
 from jaxpar.labs.report import figure, fmt_bytes, md_table, standalone_main, write_report
 from jaxpar.measure import hlo
 from jaxpar.measure.bubble import bubble_fraction, p2p_bytes
@@ -542,8 +542,6 @@ def plot_bytes(result: dict, path: Path) -> None:
 
 # ============================================================================ the whole lab
 
-PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun")
-
 
 def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int = 5, warmup: int = 2,
             parts: tuple[str, ...] = PARTS, log=print) -> dict:
@@ -600,17 +598,6 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
 
 
 # ============================================================================ command line
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field of the lab's model (configs/test.py + 8 layers, d_model 128)")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-pipeline-<time>)")
-    p.add_argument("--steps", type=int, default=5, help="training steps of the equivalence part (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="steps run before the profiled one (default 2)")
-    p.add_argument("--parts", metavar="LIST", default=",".join(PARTS),
-                   help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
-
 
 def run_from_args(args) -> int:
     parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())

@@ -20,7 +20,6 @@ memory.png.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import time
@@ -33,6 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.labs.arguments import tensor as add_arguments  # noqa: F401
 from jaxpar.labs import report
 from jaxpar.labs.report import (
     figure,
@@ -510,18 +510,6 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
 
 
 # ============================================================================ command line
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="config file (default: the embedded default; configs/test.py with --set model.kv_heads=4: "
-                        "the tiny test model)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set model.layers=4 (repeatable)")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-tensor-<time>)")
-    p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
-    p.add_argument("--tensor", type=int, default=4, help="mesh.tensor (default 4); mesh.data takes the other devices")
-
 
 def run_from_args(args) -> int:
     """`jaxpar lab tensor` and run.py: the CPU device count must already be set (before JAX started)."""

@@ -18,7 +18,6 @@ results.json, config.json, equivalence.png, memory.png, communication.png, remat
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -32,6 +31,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.labs.arguments import zero as add_arguments  # noqa: F401
 from jaxpar.labs import report
 from jaxpar.labs.report import (
     figure,
@@ -745,22 +745,6 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision
 
 
 # ============================================================================ command line
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="config file (default: the embedded default, ~3.4M params; configs/test.py: the tiny "
-                        "test model, ~2x faster)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set model.layers=4 (repeatable)")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-zero-<time>)")
-    p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
-    p.add_argument("--precision-steps", type=int, default=60,
-                   help="training steps of each precision's loss curve (default 60)")
-    p.add_argument("--remat-repeats", type=int, default=10, help="timed steps per remat policy (default 10)")
-    p.add_argument("--precisions", metavar="LIST", default=None,
-                   help="comma-separated compute dtypes (default: float32,bfloat16 and float8 when jaxpar has it)")
-
 
 def run_from_args(args) -> int:
     """`jaxpar lab zero` and run.py: the CPU device count must already be set (before JAX started)."""

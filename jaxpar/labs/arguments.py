@@ -1,0 +1,87 @@
+"""The arguments of the labs whose modules import JAX, defined here without it.
+
+`jaxpar lab NAME --help` and a bad argument then answer in a fraction of a second; each
+lab module re-exports its function as `add_arguments` (for its standalone `run.py`). A lab
+whose module imports nothing heavy keeps `add_arguments` in its own module (ops, capstone).
+"""
+from __future__ import annotations
+
+import argparse
+
+# Lab 04's own settings, applied before --set: configs/mixtral_tiny.py at 2 layers and 64-token sequences
+# keeps the whole lab under 12 minutes on 2 CPU cores (measured: ~0.17 CPU-s per capacity step on one device).
+MOE_SETTINGS = ("model.layers=2", "data.seq_len=64")
+MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense")
+PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun")
+
+
+def zero(p: argparse.ArgumentParser) -> None:
+    """`jaxpar lab zero`."""
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="config file (default: the embedded default, ~3.4M params; configs/test.py: the tiny "
+                        "test model, ~2x faster)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set model.layers=4 (repeatable)")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-zero-<time>)")
+    p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
+    p.add_argument("--precision-steps", type=int, default=60,
+                   help="training steps of each precision's loss curve (default 60)")
+    p.add_argument("--remat-repeats", type=int, default=10, help="timed steps per remat policy (default 10)")
+    p.add_argument("--precisions", metavar="LIST", default=None,
+                   help="comma-separated compute dtypes (default: float32,bfloat16 and float8 when jaxpar has it)")
+
+
+def tensor(p: argparse.ArgumentParser) -> None:
+    """`jaxpar lab tensor`."""
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="config file (default: the embedded default; configs/test.py with --set model.kv_heads=4: "
+                        "the tiny test model)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set model.layers=4 (repeatable)")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-tensor-<time>)")
+    p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
+    p.add_argument("--tensor", type=int, default=4, help="mesh.tensor (default 4); mesh.data takes the other devices")
+
+
+def pipeline(p: argparse.ArgumentParser) -> None:
+    """`jaxpar lab pipeline`."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field of the lab's model (configs/test.py + 8 layers, d_model 128)")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-pipeline-<time>)")
+    p.add_argument("--steps", type=int, default=5, help="training steps of the equivalence part (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="steps run before the profiled one (default 2)")
+    p.add_argument("--parts", metavar="LIST", default=",".join(PIPELINE_PARTS),
+                   help=f"comma-separated parts to run (default all: {','.join(PIPELINE_PARTS)})")
+
+
+def moe(p: argparse.ArgumentParser) -> None:
+    """`jaxpar lab moe`."""
+    p.add_argument("--config", metavar="FILE", default="configs/mixtral_tiny.py",
+                   help="an MoE config (default: configs/mixtral_tiny.py, 8 experts, top-2)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a config field, e.g. --set model.layers=4 (repeatable); applied after the lab's "
+                        f"own settings {', '.join(MOE_SETTINGS)}")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-moe-<time>)")
+    p.add_argument("--steps", type=int, default=5, help="steps of the equivalence part (default 5)")
+    p.add_argument("--balance-steps", type=int, default=150, help="training steps per balancing method (default 150)")
+    p.add_argument("--capacity-steps", type=int, default=30, help="steps per capacity factor (default 30)")
+    p.add_argument("--compare-steps", type=int, default=150, help="steps of MoE and dense each (default 150)")
+    p.add_argument("--parts", default=",".join(MOE_PARTS), metavar="LIST",
+                   help=f"comma-separated parts to run (default: all of {','.join(MOE_PARTS)})")
+    p.add_argument("--bias-rate", type=float, default=0.01,
+                   help="aux-free bias step per training step in the balance part (default 0.01)")
+
+
+def kernels(p: argparse.ArgumentParser) -> None:
+    """`jaxpar lab kernels`."""
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-kernels-<time>)")
+    p.add_argument("--steps", type=int, default=5, help="training steps of the model agreement (default 5)")
+    p.add_argument("--seq-lens", default="128,256,512", help="sequence lengths of the memory part")
+    p.add_argument("--depths", default="2,4,8,16", help="layer counts of the compile-time part")
+    p.add_argument("--gpu-results", metavar="DIR",
+                   help="--out directory of benchmarks/attention.py and mfu.py on a GPU")
