@@ -55,8 +55,13 @@ def non_negative_seconds(text: str) -> float:
     return value
 
 
-def sample_arguments(run_dir, prompt: str, temperature: float, top_k: int) -> None:
-    """`jaxpar sample`: the prompt is text, the sampling settings are ones a sampler can use."""
+def sample_arguments(run_dir, prompt: str, max_tokens: int, temperature: float, top_k: int) -> None:
+    """`jaxpar sample`: a run directory, a prompt that is text, sampling settings a sampler can use."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file() or not (run_dir / "tokenizer.json").is_file():
+        raise ConfigError("--run-dir", f"'{run_dir}' is not a jaxpar run directory (no config.json / tokenizer.json)")
+    if max_tokens <= 0:
+        raise ConfigError("--max-tokens", f"is {max_tokens}; must be positive")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:
@@ -65,10 +70,9 @@ def sample_arguments(run_dir, prompt: str, temperature: float, top_k: int) -> No
         raise ConfigError("--temperature", f"is {temperature}; give 0 (greedy) or a positive number, e.g. 0.8")
     if top_k < 0:
         raise ConfigError("--top-k", f"is {top_k}; give 0 (every token) or a positive count, e.g. 20")
-    tokenizer = Path(run_dir) / "tokenizer.json"
-    if top_k and tokenizer.is_file():
+    if top_k:
         from tokenizers import Tokenizer
-        vocab = Tokenizer.from_file(str(tokenizer)).get_vocab_size()
+        vocab = Tokenizer.from_file(str(run_dir / "tokenizer.json")).get_vocab_size()
         if top_k > vocab:
             raise ConfigError("--top-k", f"is {top_k} but the run's vocabulary has {vocab} tokens; "
                               f"give 0 (every token) or 1..{vocab}")

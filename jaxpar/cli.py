@@ -111,7 +111,14 @@ LABS = (
     ("capstone", "module 7: plan a 7B Arabic LM on H100s, checked by compiles and CPU runs",
      "Lab 07 (experiments/07_capstone): writes report.md and plots into --out."),
 )
-BENCH_COLLECTIVES = defined_in("jaxpar.bench.options", "add_bench_arguments")
+
+
+def add_bench_collectives_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxpar.bench.options import add_bench_arguments
+    add_bench_arguments(p)
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices")
+
+
 # Modules 0 and 1 are commands of their own; `jaxpar lab` lists them too, so that it names all eight modules.
 LAB_ALIASES = (
     ("dryrun", "module 0: read a dry run: per-device memory, collectives, FLOPs of a step (= jaxpar dryrun)",
@@ -119,7 +126,7 @@ LAB_ALIASES = (
      alias_of(add_dryrun_arguments, subcommand="dryrun")),
     ("collectives", "module 1: collectives' bandwidth and latency vs theory (= jaxpar bench collectives)",
      "Lab 01 (experiments/01_collectives): the same as `jaxpar bench collectives`, e.g. --cpu-devices 8.",
-     alias_of(BENCH_COLLECTIVES, subcommand="bench", bench="collectives")),
+     alias_of(add_bench_collectives_arguments, subcommand="bench", bench="collectives")),
 )
 
 
@@ -134,11 +141,7 @@ def lab_table():
 
 
 def bench_table():
-    return (("collectives", "bandwidth and latency of collectives vs theory", None, BENCH_COLLECTIVES),)
-
-
-def add_cpu_devices(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices")
+    return (("collectives", "bandwidth and latency of collectives vs theory", None, add_bench_collectives_arguments),)
 
 
 # (name, one-line help, description, what adds its arguments: a function, or a table of sub-subcommands)
@@ -249,7 +252,7 @@ def check(args) -> None:
             from jaxpar.cluster.metrics import summary_writer_class
             summary_writer_class()
     elif args.subcommand == "sample":
-        checks.sample_arguments(args.run_dir, args.prompt, args.temperature, args.top_k)
+        checks.sample_arguments(args.run_dir, args.prompt, args.max_tokens, args.temperature, args.top_k)
     elif args.subcommand == "bench":
         from jaxpar.bench.options import parse_sweep
         parse_sweep(args.ops, args.min_bytes, args.max_bytes, args.budget)

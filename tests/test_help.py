@@ -63,6 +63,7 @@ def test_lab_aliases_are_the_module_commands():
     argv = ["lab", "dryrun", "--devices", "8"]
     args = build_parser(argv).parse_args(argv)
     assert (args.subcommand, args.devices) == ("dryrun", 8)
-    argv = ["lab", "collectives", "--ops", "psum"]
-    args = build_parser(argv).parse_args(argv)
-    assert (args.subcommand, args.bench, args.ops) == ("bench", "collectives", "psum")
+    for argv in (["lab", "collectives", "--ops", "psum", "--cpu-devices", "8"],
+                 ["bench", "collectives", "--ops", "psum", "--cpu-devices", "8"]):
+        args = build_parser(argv).parse_args(argv)
+        assert (args.subcommand, args.bench, args.ops, args.cpu_devices) == ("bench", "collectives", "psum", 8)

@@ -72,6 +72,7 @@ def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=
 
     from tokenizers import Tokenizer
 
+    from jaxpar.checks import sample_arguments
     from jaxpar.config import MESH_AXES, ConfigError, model_vocab_size
     from jaxpar.mesh import make_mesh
     from jaxpar.parallel.registry import make_trainer
@@ -79,12 +80,7 @@ def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=
     from jaxpar.train.rundir import resume_config
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file() or not (run_dir / "tokenizer.json").is_file():
-        raise ConfigError("--run-dir", f"'{run_dir}' is not a jaxpar run directory (no config.json / tokenizer.json)")
-    if max_tokens <= 0:
-        raise ConfigError("--max-tokens", f"is {max_tokens}; must be positive")
-    if top_k < 0 or temperature < 0:
-        raise ConfigError("--top-k/--temperature", "must not be negative")
+    sample_arguments(run_dir, prompt, max_tokens, temperature, top_k)
     tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
     prompt_len = len(tokenizer.encode(prompt).ids)
     if not prompt_len:
