@@ -221,7 +221,7 @@ def train_config(args):
     if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
         raise ConfigError("--metrics-port", f"must be in 1..65535, got {args.metrics_port}")
     if args.resume:
-        from jaxpar.train.rundir import resume_config   # imports JAX: only a resumed run needs it here
+        from jaxpar.train.rundir import resume_config  # imports JAX: only a resumed run needs it here
         if not args.run_dir:
             raise ConfigError("--resume", "needs --run-dir DIR naming the run to continue")
         saved = resume_config(Path(args.run_dir)) if (Path(args.run_dir) / "config.json").is_file() else None

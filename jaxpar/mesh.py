@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.cluster.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID  # noqa: F401 (re-exported)
+from jaxpar.cluster.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from jaxpar.config import MESH_AXES, ConfigError, validate
 
 

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from jaxpar.cli import main
-from jaxpar.cluster.k8s import INDEX_ANNOTATION, render as render_with_image, to_yaml
+from jaxpar.cluster.k8s import INDEX_ANNOTATION, to_yaml
+from jaxpar.cluster.k8s import render as render_with_image
 from jaxpar.config import ConfigError
 from jaxpar.mesh import distributed_args
 

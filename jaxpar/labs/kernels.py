@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
-from jaxpar.labs.arguments import kernels as add_arguments  # noqa: F401
+from jaxpar.labs.arguments import kernels as add_arguments
 from jaxpar.labs.report import md_table, standalone_main, write_report
 
 MIB = 2**20

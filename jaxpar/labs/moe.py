@@ -32,8 +32,10 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
-from jaxpar.labs.arguments import MOE_PARTS as PARTS, MOE_SETTINGS as LAB_SETTINGS, moe as add_arguments  # noqa: F401
 from jaxpar.labs import report
+from jaxpar.labs.arguments import MOE_PARTS as PARTS
+from jaxpar.labs.arguments import MOE_SETTINGS as LAB_SETTINGS
+from jaxpar.labs.arguments import moe as add_arguments
 from jaxpar.labs.report import (
     figure,
     fmt_bytes,

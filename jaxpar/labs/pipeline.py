@@ -37,7 +37,8 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
-from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS, pipeline as add_arguments  # noqa: F401
+from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
+from jaxpar.labs.arguments import pipeline as add_arguments
 from jaxpar.labs.report import figure, fmt_bytes, md_table, standalone_main, write_report
 from jaxpar.measure import hlo
 from jaxpar.measure.bubble import bubble_fraction, p2p_bytes

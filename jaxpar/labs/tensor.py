@@ -32,8 +32,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
-from jaxpar.labs.arguments import tensor as add_arguments  # noqa: F401
 from jaxpar.labs import report
+from jaxpar.labs.arguments import tensor as add_arguments
 from jaxpar.labs.report import (
     figure,
     fmt_bytes,

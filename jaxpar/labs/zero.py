@@ -31,8 +31,8 @@ import jax
 import numpy as np
 
 from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
-from jaxpar.labs.arguments import zero as add_arguments  # noqa: F401
 from jaxpar.labs import report
+from jaxpar.labs.arguments import zero as add_arguments
 from jaxpar.labs.report import (
     figure,
     fmt_bytes,

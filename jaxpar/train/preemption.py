@@ -18,7 +18,7 @@ import signal
 import jax
 from jax.experimental import multihost_utils
 
-from jaxpar.cluster.env import EXIT_PREEMPTED  # noqa: F401 (re-exported)
+from jaxpar.cluster.env import EXIT_PREEMPTED
 
 
 class Preempted(Exception):
