@@ -333,7 +333,7 @@ def cmd_k8s(args) -> int:
     return run_from_args(args)
 
 
-LOCAL_COMMANDS = ("launch", "slurm", "k8s")   # commands that never start JAX in this process
+LOCAL_COMMANDS = ("launch", "slurm", "k8s", "memory", "plan")   # no JAX set-up here: they import what they use
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
             "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "lab": cmd_lab, "capstone": cmd_lab,
@@ -354,6 +354,9 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return _exit(EXIT_BAD_INPUT)
+    except BrokenPipeError:   # `jaxpar plan | head`: the reader has gone; end as a shell pipeline does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
+        return 128 + 13   # SIGPIPE
     except BaseException as err:
         if isinstance(getattr(err, "exit_code", None), int):   # Preempted, NonFiniteError: one line, own status
             print(err, file=sys.stderr)

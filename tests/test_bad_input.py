@@ -133,7 +133,8 @@ def run_cli(args: list, cwd, *, jax_free: bool = True) -> subprocess.CompletedPr
     (["slurm", "--job-name", "x\n#SBATCH --uid=0"], "--job-name"),
     (["dryrun", "--config", TINY, "--set", "model.vocab_size=512", "--out", "/proc/jaxpar-x"], "--out"),
     (["sample", "--run-dir", "{inputs}/run", "--prompt", b"\xff\xfe"], "--prompt"),
-], ids=["train", "slurm", "dryrun", "sample-bytes"])
+    (["plan", "--tokens", "1e9", "--gpu", "h1000"], "--gpu"),
+], ids=["train", "slurm", "dryrun", "sample-bytes", "plan"])
 def test_a_shell_gets_one_line_and_jax_is_never_imported(tmp_path, args, field):
     make_inputs(tmp_path / "inputs")
     work = tmp_path / "work"
