@@ -5,7 +5,10 @@ The train state and the batch are abstract (ShapeDtypeStructs with shardings), s
 per device: memory (compiler's accounting vs the ZeRO formulas), collectives per
 mesh axis with bytes (vs the 2Ψ/3Ψ theory), FLOPs (vs 6Ψ per token), and a predicted
 step time: the planner's calibrated model (jaxpar.plan.steptime), with the optimistic
-bound (100% of peak, perfect overlap) beside it, labelled.
+bound (100% of peak, perfect overlap) beside it, labelled. The report's headline is
+memory and communication; a GPU target adds the predicted step time. Virtual CPU
+devices share one host's cores, so their time is no prediction for any accelerator:
+it is reported below, labelled as theirs, and never as the headline.
 
 Targets:
   cpu               N virtual CPU devices (`jax_num_cpu_devices`, fixed before JAX starts).
@@ -596,10 +599,25 @@ def _seconds(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def headline(r: dict) -> str:
+    """The report's first claim: memory and communication per device; a GPU target's predicted step time."""
+    mem, col, cal = r["memory"], r["collectives"], r["time"]["calibrated"]
+    text = (f"**Per device: {_gib(mem['compiled']['peak'])} peak memory (compiled)"
+            + (f", {'fits' if mem['compiled']['peak'] <= mem['device_hbm_bytes'] else 'does NOT fit'} in "
+               f"{mem['device_hbm_bytes'] / 1e9:.0f} GB" if mem["device_hbm_bytes"] else "")
+            + f"; {_gib(col['total_bytes'])} sent in collectives per step")
+    if r["machine"]["platform"] == "cpu":
+        return (text + ".** No step time is predicted for virtual CPU devices: they share one host's cores, so "
+                "their time says nothing about an accelerator (`--target h100`, `h200` or `a100` predicts a GPU "
+                "step time).")
+    return text + f"; predicted step time {_seconds(cal['step_s'])}, MFU {cal['mfu']:.1%} (the planner's model).**"
+
+
 def markdown_report(r: dict) -> str:
-    """The dry run as markdown: memory, collectives, FLOPs, predicted step time."""
+    """The dry run as markdown: the headline, memory, collectives, FLOPs, predicted step time."""
     m, mem, col, fl, t = r["model"], r["memory"], r["collectives"], r["flops"], r["time"]
     cal = t["calibrated"]
+    cpu = r["machine"]["platform"] == "cpu"
     cm, st, fz, act = mem["compiled"], mem["state_from_shardings"], mem["zero_formula"], mem["activations_estimate"]
     where = r["machine"]["topology"] and f", topology {r['machine']['topology']}" or ""
     lines = [
@@ -610,6 +628,8 @@ def markdown_report(r: dict) -> str:
         f"attention {m['kernels']['attention']}, norm {m['kernels']['norm']}, loss {m['kernels']['loss']}. "
         f"jax {r['jax']}, {r['date']}. Lowered in {r['timing']['lower_s']:.1f} s, compiled in "
         f"{r['timing']['compile_s']:.1f} s; host peak RSS {r['timing']['host_peak_rss_bytes'] / GIB:.2f} GiB.",
+        "",
+        headline(r),
         "",
         "## Memory per device",
         "",
@@ -683,10 +703,14 @@ def markdown_report(r: dict) -> str:
         "",
         "Compiled > model: remat recomputation, the one-hot embedding matmul, softmax and norms.",
         "",
-        "## Predicted step time (prediction, not a measurement)",
+        *(["## Time on these virtual CPU devices (not a prediction for any accelerator)", "",
+            f"{r['devices']} virtual devices share this host's cores and memory; the figures below are theirs."]
+          if cpu else ["## Predicted step time (prediction, not a measurement)"]),
         "",
-        f"**The planner's step model (jaxpar.plan): {_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}**: "
-        "compute at "
+        (f"The planner's step model (jaxpar.plan) for these {r['devices']} virtual CPU devices: "
+         f"{_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}: " if cpu else
+         f"**The planner's step model (jaxpar.plan): {_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}**: ")
+        + "compute at "
         f"η = {cal['efficiency']:.2f} of peak, {cal['overlap']:.0%} of the hideable collectives overlapped "
         f"({cal['source']}); "
         + ", ".join(f"{name} {_seconds(value)}" for name, value in cal["terms"].items()) + ".",

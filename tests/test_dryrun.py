@@ -83,12 +83,24 @@ def test_ddp_reduces_gradients_once_per_microbatch():
 def test_report_has_every_section(fsdp8):
     text = markdown_report(fsdp8)
     for heading in ("## Memory per device", "## Collectives per step", "## FLOPs per device per step",
-                    "## Predicted step time"):
+                    "## Time on these virtual CPU devices"):
         assert heading in text
     t = fsdp8["time"]
     assert t["overlapped_s"] == max(t["compute_s"], t["communication_s"])
     assert t["serial_s"] == pytest.approx(t["compute_s"] + t["communication_s"])
     json.dumps(fsdp8, default=str)                                   # the --out file is plain JSON
+
+
+def test_cpu_headline_is_memory_and_communication_not_a_step_time(fsdp8):
+    """Virtual CPU devices share one host: their step time is labelled as theirs, never the headline."""
+    text = markdown_report(fsdp8)
+    title, _, _, _, first = text.split("\n")[:5]
+    assert title.startswith("# Dry run:") and first.startswith("**Per device: ")
+    assert "peak memory" in first and "collectives per step" in first and "No step time is predicted" in first
+    assert "per step, MFU" not in first and "**The planner's step model" not in text
+    assert "for these 8 virtual CPU devices: " in text                   # still there, labelled as theirs
+    gpu = {**fsdp8, "machine": {**fsdp8["machine"], "platform": "gpu"}}  # a GPU target's headline has the step
+    assert "predicted step time" in markdown_report(gpu).split("\n")[4]
 
 
 def test_bad_inputs_raise_config_error():

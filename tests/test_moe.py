@@ -15,8 +15,9 @@ from jaxpar.mesh import make_mesh
 from jaxpar.model import moe
 from jaxpar.model.counting import param_count
 from jaxpar.model.ops import Ops
-from jaxpar.model.transformer import ModelConfig, cross_entropy_and_aux, init_params, loss
+from jaxpar.model.transformer import ModelConfig, cross_entropy_and_aux, forward, init_params, loss
 from jaxpar.parallel.registry import make_trainer
+from jaxpar.train.sample import generate
 
 VOCAB = 512
 MOE = ["model.moe.experts=8", "model.moe.top_k=2"]
@@ -101,6 +102,30 @@ def test_capacity_groups_are_whole_sequences():
     assert not np.array_equal(np.asarray(kept_one), np.asarray(kept_two))
     _, kept_pair = dispatch(x[:2], ids[:2], gates[:2], w, two.moe)
     np.testing.assert_array_equal(np.asarray(kept_two)[:2], np.asarray(kept_pair))
+
+
+@pytest.fixture(scope="module")
+def grouped_capacity():
+    """Capacity dispatch counted over pairs of sequences, tight enough that tokens compete for slots."""
+    return model("model.moe.dispatch=capacity", "model.moe.capacity_factor=0.5", "model.moe.group_sequences=2")
+
+
+def test_decoding_a_single_sequence_with_grouped_capacity(grouped_capacity):
+    """group_sequences=2 trains on pairs of sequences; a decode buffer holds one (it crashed: 0 groups)."""
+    _, cfg, params, tokens = grouped_capacity
+    new = generate(params, cfg, [int(t) for t in tokens[0, :5]], 4, buffer_len=16, temperature=0.8, top_k=20)
+    assert len(new) == 4 and all(0 <= t < VOCAB for t in new)
+
+
+def test_padding_after_the_cursor_takes_no_expert_slot(grouped_capacity):
+    """Under capacity dispatch the logits at the cursor are those of the real tokens alone, whatever the
+    buffer's length (the padding after the cursor took expert slots from them)."""
+    _, cfg, params, tokens = grouped_capacity
+    cursor = 12
+    at_cursor = jax.jit(lambda buf: forward(params, buf, cfg, moe.decode_ops(cursor))[0][0, cursor - 1])
+    alone = np.asarray(at_cursor(tokens[:1, :cursor]))                      # no padding at all
+    padded = np.asarray(at_cursor(jnp.zeros((1, 32), jnp.int32).at[0, :cursor].set(tokens[0, :cursor])))
+    np.testing.assert_allclose(padded, alone, rtol=0, atol=1e-5)
 
 
 def aux_gradients(moe_cfg, w, x):

@@ -346,4 +346,5 @@ def test_dry_run_reports_the_calibrated_step(tmp_path):
                               Calibration(compute=1.0, overlap=0.0, memory=1.0))
     assert r["time"]["calibrated"]["step_s"] == pytest.approx(expected.total_s)
     text = markdown_report(r)
-    assert "**The planner's step model (jaxpar.plan):" in text and "Optimistic bound (100% of peak" in text
+    assert "The planner's step model (jaxpar.plan) for these 8 virtual CPU devices:" in text
+    assert "Optimistic bound (100% of peak" in text

@@ -160,3 +160,54 @@ def mfu(model_flops: float, step_time_s: float, num_devices: int, peak_flops_per
     """Model FLOPs utilisation: model FLOPs per second / the devices' summed peak."""
     return model_flops / (step_time_s * num_devices * peak_flops_per_device)
 
+
+class Throughput:
+    """Tokens/s and MFU of single steps against a peak, which a measured peak cannot fall below.
+
+    MFU above 100% is impossible. A measured peak (the CPU probe) can be beaten by the run
+    itself when the probe ran while the host was busier: a step that does so raises the peak
+    to its own rate (the first time with a `notice`; `describe` states the final peak), so
+    the peak is the best of the probe and the run's fastest step. A datasheet peak is never raised: a step
+    above it means the FLOP count or the table is wrong, and its MFU is shown as it is.
+    """
+
+    def __init__(self, flops_per_step: float, tokens_per_step: int, devices: int, peak, notice=print):
+        self.flops_per_step, self.tokens_per_step, self.devices = flops_per_step, tokens_per_step, devices
+        self.peak, self.source, self.measured = peak.per_device, peak.source, peak.measured
+        self.notice, self.above_at = notice, None
+
+    def step(self, step: int, seconds: float | None) -> dict:
+        """step_time_s, tokens_per_s and mfu of one step (None for an untimed step)."""
+        if not seconds:
+            return {"step_time_s": None, "tokens_per_s": None, "mfu": None}
+        rate = self.flops_per_step / seconds / self.devices      # achieved model FLOP/s per device
+        if self.peak and rate > self.peak:
+            self._above_peak(step, rate)
+        return {"step_time_s": seconds, "tokens_per_s": self.tokens_per_step / seconds,
+                "mfu": rate / self.peak if self.peak else None}
+
+    def _above_peak(self, step: int, rate: float) -> None:
+        first, self.above_at = self.above_at is None, step
+        if first:
+            self.notice(f"step {step} ran at {flop_rate(rate)} per device, above the "
+                        + (f"measured peak {flop_rate(self.peak)} (the probe ran while the host was busier): the "
+                           "peak is now the fastest step's rate" if self.measured else
+                           f"datasheet peak {flop_rate(self.peak)}: the model's FLOP count or the peak table is wrong"))
+        if self.measured:
+            self.peak = rate
+
+    def describe(self) -> str:
+        if not self.peak:
+            return f"MFU is not computed: {self.source}"
+        above = ""
+        if self.above_at is not None:
+            above = (f"; raised to the rate of the fastest step (step {self.above_at}), which beat the probe"
+                     if self.measured else f"; step {self.above_at} ran above it")
+        return f"MFU is measured against a peak of {flop_rate(self.peak)} per device: {self.source}{above}"
+
+    def summary(self) -> dict:
+        return {"peak_flops_per_device": self.peak, "peak_source": self.describe()}
+
+
+def flop_rate(per_second: float) -> str:
+    return f"{per_second / 1e12:.4g} TFLOP/s" if per_second >= 1e12 else f"{per_second / 1e9:.4g} GFLOP/s"

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import os
 import re
-import statistics
 import time
 
 import numpy as np
@@ -100,14 +99,19 @@ def lookup(device_kind: str) -> Accelerator | None:
     return None
 
 
-def _median_time(fn, budget_s: float, min_reps: int = 3, max_reps: int = 200) -> float:
+def _best_time(fn, budget_s: float, min_reps: int = 5, max_reps: int = 200) -> tuple[float, int]:
+    """The shortest of repeated runs of `fn` within `budget_s`, and how many ran.
+
+    A peak is what the host can do, so the best run counts: on a shared host every other
+    run is slowed by whatever else was running (the median under load is not a peak).
+    """
     times = []
     deadline = time.perf_counter() + budget_s
     while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < max_reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times), len(times)
 
 
 def _host_memory_bytes() -> float | None:
@@ -121,32 +125,36 @@ def _host_memory_bytes() -> float | None:
 def probe_host(seconds_budget: float = 1.0) -> Accelerator:
     """Measure this host: float32 matmul FLOP/s (jitted 1024^3 jnp.dot on one device) and memcpy bytes/s.
 
-    memcpy bandwidth counts each byte once (bytes copied per second; STREAM's "Copy"
-    would count read + write, 2x this). Cached: the first call costs ~`seconds_budget`.
+    Each is the best of several short runs (`_best_time`). memcpy bandwidth counts each byte
+    once (bytes copied per second; STREAM's "Copy" would count read + write, 2x this).
+    Cached per process: the first call costs ~`seconds_budget`. The device is one of this
+    process's own: in a multi-process job `jax.devices()[0]` belongs to process 0, and a
+    matmul placed there runs nothing here (it timed a peak 20,000x too high).
     """
     import jax
     import jax.numpy as jnp
 
     n = 1024
-    device = jax.devices("cpu")[0]
+    device = jax.local_devices(backend="cpu")[0]
     a = jax.device_put(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32), device)
     b = jax.device_put(np.random.default_rng(1).standard_normal((n, n), dtype=np.float32), device)
     matmul = jax.jit(jnp.dot)
     for _ in range(2):                                # compile and warm up
         matmul(a, b).block_until_ready()
-    t_dot = _median_time(lambda: matmul(a, b).block_until_ready(), seconds_budget / 2)
+    t_dot, dots = _best_time(lambda: matmul(a, b).block_until_ready(), seconds_budget / 2)
 
     src = np.ones(64 * 2**20 // 4, dtype=np.float32)  # 64 MiB: well beyond the last-level cache
     dst = np.empty_like(src)
     np.copyto(dst, src)
-    t_copy = _median_time(lambda: np.copyto(dst, src), seconds_budget / 2)
+    t_copy, copies = _best_time(lambda: np.copyto(dst, src), seconds_budget / 2)
     flops = 2 * n**3 / t_dot
     copy_bw = src.nbytes / t_copy
     return Accelerator(
         name="cpu-host (measured)", bf16_flops=None, fp8_flops=None, fp32_flops=flops, tf32_flops=None,
         hbm_bytes=_host_memory_bytes(), hbm_bw=copy_bw, link_bw=copy_bw, scaleout_bw=None,
-        source=f"measured on this host: f32 {n}^3 jnp.dot {flops / 1e9:.1f} GFLOP/s, "
-               f"numpy 64 MiB copy {copy_bw / GB:.1f} GB/s (the 'link' between virtual CPU devices is memory)")
+        source=f"measured on this host: f32 {n}^3 jnp.dot {flops / 1e9:.1f} GFLOP/s (best of {dots}), "
+               f"numpy 64 MiB copy {copy_bw / GB:.1f} GB/s (best of {copies}; the 'link' between virtual CPU "
+               "devices is memory)")
 
 
 _DTYPE_FIELD = {
@@ -173,8 +181,8 @@ def peak_flops_per_device(dtype: str) -> tuple[float | None, str]:
         host = probe_host()
         n = jax.local_device_count()
         note = "" if dtype.lower() in ("float32", "fp32", "tf32") else f" (only float32 is measured; used for {dtype})"
-        return host.fp32_flops / n, (f"cpu-host (measured) float32 matmul {host.fp32_flops / 1e9:.1f} GFLOP/s "
-                                     f"shared by {n} virtual CPU devices{note}")
+        return host.fp32_flops / n, (f"this host's float32 matmul peak, {host.fp32_flops / 1e9:.1f} GFLOP/s, "
+                                     f"shared by {n} virtual CPU devices{note} ({host.source})")
     kind = jax.devices()[0].device_kind
     acc = lookup(kind)
     if acc is None:
@@ -183,3 +191,30 @@ def peak_flops_per_device(dtype: str) -> tuple[float | None, str]:
     if value is None:
         return None, f"{acc.name} has no {field.replace('_flops', '')} tensor cores ({acc.source})"
     return value, f"{acc.name} {field.replace('_flops', '')} dense peak ({acc.source})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """The peak FLOP/s per device a run's MFU divides by, and where it comes from."""
+
+    per_device: float | None
+    source: str
+    measured: bool        # a probe of this host (which the run itself can beat), not a datasheet figure
+
+
+def run_peak(dtype: str) -> Peak:
+    """The peak for a training run, the same on every process: process 0's.
+
+    Called at the start of the run, before any compile competes with the CPU probe for the
+    cores. Each process probes its own host, but they would report different MFUs for the
+    same global step, so every process takes process 0's figure.
+    """
+    import jax
+    from jax.experimental import multihost_utils
+
+    value, source = peak_flops_per_device(dtype)
+    if jax.process_count() > 1:
+        agreed = float(multihost_utils.broadcast_one_to_all(np.float32(np.nan if value is None else value)))
+        value = None if np.isnan(agreed) else agreed
+        source += f" (process 0's figure, used by all {jax.process_count()} processes)"
+    return Peak(value, source, measured=jax.default_backend() == "cpu")

@@ -24,7 +24,10 @@ Dispatch (`routed_experts`; expert parallelism swaps it through `MoEOps`):
             group, every first choice before any second choice, earlier tokens first. Past C an
             assignment is dropped: it adds nothing, so a token whose k choices are all dropped
             passes through the residual connection unchanged. Written as GShard's einsums with
-            one-hot dispatch and combine tensors [group, token, expert, slot].
+            one-hot dispatch and combine tensors [group, token, expert, slot]. A batch of fewer
+            sequences than a group (decoding: one) is one group. Decoding passes the length of
+            the real tokens (`decode_ops`): the padding after it takes no slot and the capacity
+            counts only the real tokens, so the logits at the cursor do not depend on the buffer.
 
 Auxiliary outputs, per layer (keys ending `_loss` are added to the objective):
   moe_balance_loss  balance_loss · E·Σ_i f_i·P_i (Switch): f_i the fraction of assignments routed
@@ -39,6 +42,7 @@ Fractions rather than counts: a data-parallel trainer averages them over devices
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -223,19 +227,21 @@ def dropless_experts(x, ids, gates, w, ops: Ops, experts: int):
     return combine(out[inverse_permutation(order)].reshape(T, k, -1), gates)
 
 
-def capacity_slots(ids, gates, experts: int, capacity: int):
+def capacity_slots(ids, gates, experts: int, capacity: int, limit=None):
     """Per group, the slot each assignment takes in its expert's buffer.
 
     ids, gates [G, S, k] -> dispatch [G, S, E, C] (1 where token s sits in slot c of expert e),
     combine [G, S, E, C] (the same with the gate as value), kept [G, S, k]. Priority: all
     first choices of the group, in token order, then all second choices, and so on.
+    An id of -1 (padding) takes no slot. `limit` [G]: slots usable per expert in each group
+    (at most `capacity`, the buffer's size); None: all of them.
     """
     G, S, k = ids.shape
-    onehot = jax.nn.one_hot(ids, experts, dtype=jnp.int32)                    # [G, S, k, E]
+    onehot = jax.nn.one_hot(ids, experts, dtype=jnp.int32)                    # [G, S, k, E]; -1: all 0
     by_choice = onehot.transpose(0, 2, 1, 3).reshape(G, k * S, experts)       # choice-major order
     position = (jnp.cumsum(by_choice, axis=1) - 1).reshape(G, k, S, experts).transpose(0, 2, 1, 3)
     position = jnp.sum(position * onehot, axis=-1)                             # [G, S, k]
-    kept = position < capacity
+    kept = position < (capacity if limit is None else limit[:, None, None])
     slot = jax.nn.one_hot(jnp.where(kept, position, capacity), capacity, dtype=jnp.float32)  # dropped: all 0
     chosen = onehot.astype(jnp.float32)
     dispatch = jnp.einsum("gske,gskc->gsec", chosen, slot)
@@ -247,19 +253,27 @@ def _unchanged(slots):
     return slots
 
 
-def capacity_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops, to_experts=_unchanged, from_experts=_unchanged):
+def capacity_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops, to_experts=_unchanged, from_experts=_unchanged,
+                     length=None):
     """x [B, S, D] through capacity-limited experts -> (y [B, S, D], kept [B, S, k]).
 
     `to_experts` / `from_experts` move the slot buffer [E, G, C, D] to the devices holding the
     experts and back: identity on one device (and for the automatic strategies, whose
     partitioner moves it as the `expert_slots` constraint asks); all_to_alls in parallel/expert.py.
+    `length` (decoding): positions from `length` on are padding, routed nowhere and not counted.
     """
     B, S, D = x.shape
     k = ids.shape[-1]
-    G, group_tokens = B // cfg.group_sequences, cfg.group_sequences * S
+    sequences = min(cfg.group_sequences, B)       # decoding: one sequence is a group of its own
+    G, group_tokens = B // sequences, sequences * S
+    limit = None
+    if length is not None:
+        ids = jnp.where((jnp.arange(S) < length)[None, :, None], ids, -1)
+        real = jnp.full((G,), sequences, jnp.float32) * jnp.minimum(length, S)
+        limit = jnp.maximum(1, jnp.ceil(cfg.capacity_factor * real * cfg.top_k / cfg.experts)).astype(jnp.int32)
     dispatch, combine_weights, kept = capacity_slots(ids.reshape(G, group_tokens, k),
                                                      gates.reshape(G, group_tokens, k),
-                                                     cfg.experts, cfg.capacity(group_tokens))
+                                                     cfg.experts, cfg.capacity(group_tokens), limit)
     slots = jnp.einsum("gsec,gsd->egcd", dispatch.astype(x.dtype), x.reshape(G, group_tokens, D))
     slots = to_experts(ops.constrain(slots, ACT["expert_slots"]))
     out = from_experts(ops.constrain(slot_swiglu(slots, w, ops), ACT["expert_slots"]))
@@ -267,13 +281,14 @@ def capacity_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops, to_experts=_unc
     return y.reshape(B, S, D), kept.reshape(B, S, k)
 
 
-def routed_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops):
+def routed_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops, length=None):
     """The reference dispatch (one device; the automatic strategies' global view).
 
     x [B, S, D], ids/gates [B, S, k], w the expert weights [E, ...] -> (y [B, S, D], kept [B, S, k]).
+    `length`: see `capacity_experts` (dropless dispatch treats every token alone: padding is harmless).
     """
     if cfg.dispatch == "capacity":
-        return capacity_experts(x, ids, gates, w, cfg, ops)
+        return capacity_experts(x, ids, gates, w, cfg, ops, length=length)
     B, S, D = x.shape
     k = ids.shape[-1]
     y = dropless_experts(x.reshape(B * S, D), ids.reshape(B * S, k), gates.reshape(B * S, k), w, ops, cfg.experts)
@@ -290,6 +305,11 @@ class MoEOps(Ops):
 def with_routed_experts(ops: Ops, fn: Callable) -> MoEOps:
     """`ops` with its routed-experts implementation replaced by `fn` (same signature as `routed_experts`)."""
     return MoEOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(Ops)}, routed_experts=fn)
+
+
+def decode_ops(length) -> MoEOps:
+    """The reference ops for a decode buffer whose tokens from `length` on are padding (see `capacity_experts`)."""
+    return with_routed_experts(Ops(), functools.partial(routed_experts, length=length))
 
 
 # ============================================================================ the layer

@@ -1,7 +1,8 @@
 """The training loop: run directory, data, sharded state, steps, metrics, checkpoints, sample.
 
-Host work stays off the hot path: step metrics are kept on device and fetched
-once per logging interval, checkpoints are written asynchronously.
+Host work stays off the hot path: each step is timed while the next one is queued
+(train/progress.py), step metrics are kept on device and fetched once per logging
+interval, checkpoints are written asynchronously.
 
 Operations (module 6) live in their own modules and are called from here: a
 non-finite guard (train/guard.py), preemption signals (train/preemption.py),
@@ -9,6 +10,7 @@ goodput accounting (cluster/goodput.py) and metrics sinks (cluster/metrics.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -27,7 +29,8 @@ from jaxpar.cluster.goodput import Goodput, restart_count
 from jaxpar.cluster.metrics import Sinks
 from jaxpar.config import ConfigError, model_vocab_size, to_json
 from jaxpar.data.pipeline import build_token_data, local_rows, to_global, train_dataset, val_batches
-from jaxpar.measure.hardware import peak_flops_per_device
+from jaxpar.measure.flops import Throughput
+from jaxpar.measure.hardware import run_peak
 from jaxpar.measure.profile import StepProfiler, parse_window
 from jaxpar.mesh import describe, make_mesh
 from jaxpar.model.counting import param_count, train_flops_per_token
@@ -37,7 +40,8 @@ from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.guard import NonFiniteGuard
 from jaxpar.train.preemption import Preempted, Preemption
 from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
-from jaxpar.train.sample import complete
+from jaxpar.train.progress import StepClock
+from jaxpar.train.sample import END_OF_RUN, complete, sample_command
 from jaxpar.train.step import learning_rate
 
 console = Console(highlight=False, soft_wrap=True)   # no hard wraps: long lines stay one line under `launch`
@@ -89,6 +93,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
         check_resume_config(config, saved_config)
     mesh = make_mesh(config)  # validates the config against the devices before any compile
     select(config, dict(mesh.shape))  # the strategy exists and accepts this config
+    peak = run_peak(config.train.compute_dtype)   # now, before any compile competes for the cores
     data = build_token_data(config.data)
     model_cfg = ModelConfig.from_config(config.model, model_vocab_size(config, data.stats["vocab_size"],
                                                                        mesh.shape["tensor"]))
@@ -139,7 +144,7 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     goodput.add("startup_compile", time.time() - goodput.start)
     try:
         return _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, validation, checkpoints,
-                    metrics_log, goodput, sinks, guard, preemption, window, counts)
+                     metrics_log, goodput, sinks, guard, preemption, window, counts, peak)
     finally:
         preemption.close()
         checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
@@ -147,11 +152,12 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
 
 
 def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, validation, checkpoints,
-         metrics_log, goodput, sinks, guard, preemption, window, counts) -> dict:
+          metrics_log, goodput, sinks, guard, preemption, window, counts, peak) -> dict:
     """The step loop of `train` (everything it needs is built and checked)."""
     tokens_per_step = config.train.batch_size * config.data.seq_len
-    flops_per_step = train_flops_per_token(model_cfg, config.data.seq_len) * tokens_per_step
-    peak, peak_source = peak_flops_per_device(config.train.compute_dtype)
+    throughput = Throughput(train_flops_per_token(model_cfg, config.data.seq_len) * tokens_per_step,
+                            tokens_per_step, jax.device_count(), peak, notice=say)
+    say(throughput.describe())
     t = config.train
     fault_here = (t.fault_at_step and restart_count() == 0
                   and t.fault_process in (-1, jax.process_index()))   # first attempt only
@@ -167,6 +173,7 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
     step, preempted = start, False
     with progress:
         task = progress.add_task("training", total=t.steps, completed=start)
+        clock = StepClock(lambda finished: progress.update(task, completed=finished))   # the bar moves every step
         for step in range(start + 1, t.steps + 1):
             side_start = time.perf_counter()
             batch = to_global(next(iterator), trainer.batch_sharding, t.batch_size)
@@ -177,10 +184,12 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
             side_start = time.perf_counter()
             profiler.before(step)
             excluded += time.perf_counter() - side_start
+            dispatched = time.perf_counter()
             with profiler.annotate(step):
                 state, metrics = trainer.step(state, batch)
+            clock.dispatched(step, metrics, dispatched)
             if profiler.stops_after(step):
-                jax.block_until_ready(state)   # the traced step's own time stays in the step times
+                clock.wait()   # the traced step's own time stays in the step times
             side_start = time.perf_counter()
             profiled = profiler.after(step, state)
             if profiled and is_main():
@@ -199,7 +208,7 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
             interval_steps += 1
             goodput.stepped(step)
             if compile_s is None:
-                jax.block_until_ready(metrics)
+                clock.wait()
                 compile_s = time.perf_counter() - interval_start
                 goodput.add("startup_compile", compile_s - excluded)
                 say(f"first step (compile + run): {compile_s:.1f} s")
@@ -209,6 +218,7 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
             evaluate = step % t.eval_every == 0 or last
             save = step % t.checkpoint_every == 0 or last or preempted
             if evaluate or save:  # evaluation and checkpointing stay out of the step times
+                clock.wait()
                 jax.block_until_ready(state)
                 guard.flush()     # a non-finite state is never saved
                 side_start = time.perf_counter()
@@ -226,31 +236,31 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
                     sinks.checkpoint(saved_s)
                 excluded += time.perf_counter() - side_start
             if step % t.log_every == 0 or step == start + 1 or last or step == t.fault_at_step or preempted:
+                times = clock.take()      # each step's own time (process 0's on every process)
                 fetched = jax.device_get([m for _, m in pending])
                 elapsed = time.perf_counter() - interval_start - excluded
                 if interval_steps:
                     goodput.add("productive", elapsed)
-                step_time = elapsed / interval_steps if interval_steps else None  # None: the compile step
-                tok_s = tokens_per_step / step_time if step_time else None
-                mfu = flops_per_step / step_time / (peak * jax.device_count()) if step_time and peak else None
                 for (s_, _), m in zip(pending, fetched):
                     losses[s_] = float(m["loss"])
                     record = {"step": s_, **{k: np.asarray(v).tolist() for k, v in m.items()},
-                              "lr": float(schedule(s_ - 1)), "step_time_s": step_time,
-                              "tokens_per_s": tok_s, "mfu": mfu, "time": time.time()}
+                              "lr": float(schedule(s_ - 1)), **throughput.step(s_, times.get(s_)),
+                              "time": time.time()}
                     metrics_log.write(record)
-                sinks.log(step, record)
-                if step_time:
-                    sinks.step_times(step_time, interval_steps)
+                    if record["step_time_s"]:
+                        sinks.step_times(record["step_time_s"], 1)
+                timed = [seconds for seconds in times.values() if seconds]
+                interval = throughput.step(step, float(np.mean(timed))) if timed else {}  # the console's average
+                sinks.log(step, {**record, **interval})
                 sinks.goodput(step, goodput.flush())
                 message = f"step {step:>5}/{t.steps}  loss {losses[step]:.4f}"
                 if evaluated is not None:  # printed once, never repeated stale
                     message += f"  val {evaluated:.4f}"
                     evaluated = None
-                if step_time:
-                    message += f"  {step_time * 1e3:.0f} ms/step  {tok_s:,.0f} tok/s"
-                if mfu is not None:
-                    message += f"  MFU {mfu:.1%}"
+                if interval:
+                    message += f"  {interval['step_time_s'] * 1e3:.0f} ms/step  {interval['tokens_per_s']:,.0f} tok/s"
+                if interval.get("mfu") is not None:
+                    message += f"  MFU {interval['mfu']:.1%}"
                 say(message)
                 progress.update(task, completed=step, description=f"loss {losses[step]:.3f}")
                 pending, interval_start, interval_steps, excluded = [], time.perf_counter(), 0, 0.0
@@ -268,26 +278,30 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
         totals = goodput.flush()
         raise Preempted(f"preempted: saved a checkpoint at step {step} of {t.steps} and stopped "
                         f"(goodput so far {totals['goodput']:.1%}); start the run again to resume")
-    say(f"MFU is measured against {peak_source}")
+    say(throughput.describe())
 
     sample_text = None
     if t.sample_tokens > 0:
         sample_text = sample_from_state(state["params"], model_cfg, data.tokenizer, t.sample_prompt,
                                         t.sample_tokens, config.data.seq_len)
-        say(f"sample: {t.sample_prompt}{sample_text}")
+        say(f"sample ({END_OF_RUN.describe()}): {t.sample_prompt}{sample_text}")
     totals = goodput.flush(finished=True)
     badput = ", ".join(f"{k} {v:.1f} s" for k, v in totals["badput_s"].items())
     say(f"goodput {totals['goodput']:.1%} of {totals['wall_s']:.1f} s wall ({totals['restarts']} restarts, "
         f"{totals['redone_steps']} re-done steps); badput: {badput}")
+    command = sample_command(run_dir, t.sample_prompt, t.sample_tokens, END_OF_RUN)
     summary = {"run_dir": str(run_dir), "losses": losses, "final_val_loss": val_loss, "compile_s": compile_s,
-               "params": counts["total"], "sample": sample_text, "goodput": totals}
+               "params": counts["total"], "sample": sample_text, "sample_command": command,
+               **throughput.summary(), "goodput": totals}
     if is_main():
         (run_dir / "summary.json").write_text(json.dumps(summary, ensure_ascii=False, indent=2))
     say(f"run directory: {run_dir}")
+    say(f"sample again: {command}")
     return summary
 
 
 def sample_from_state(params, model_cfg, tokenizer, prompt: str, max_new_tokens: int, buffer_len: int) -> str:
     """Gather the (possibly sharded, possibly multi-process) params and decode on one device."""
     host_params = multihost_utils.process_allgather(params, tiled=True)
-    return complete(host_params, model_cfg, tokenizer, prompt, max_new_tokens, buffer_len)
+    return complete(host_params, model_cfg, tokenizer, prompt, max_new_tokens, buffer_len,
+                    **dataclasses.asdict(END_OF_RUN))

@@ -2,16 +2,53 @@
 
 Decoding runs the full forward pass over a fixed-length buffer each token (no KV
 cache): one compiled program for any prompt, and the causal mask makes the
-padding after the cursor irrelevant. Fine for the small models trained here.
+padding after the cursor irrelevant (capacity-dispatch MoE layers are told where
+the padding starts, so that it takes no expert slots). Fine for the small models
+trained here.
 """
 from __future__ import annotations
+
+import dataclasses
+import shlex
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.data.tokenizer import EOS
+from jaxpar.model.moe import decode_ops
 from jaxpar.model.transformer import ModelConfig, forward
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen: greedy (temperature 0), or temperature and top-k from a seed."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int = 0
+
+    def describe(self) -> str:
+        if self.temperature <= 0:
+            return "greedy"
+        return f"temperature {self.temperature:g}, top-k {self.top_k or 'all'}, seed {self.seed}"
+
+    def flags(self) -> list[str]:
+        """The `jaxpar sample` flags that choose the same way."""
+        return ["--temperature", repr(float(self.temperature)), "--top-k", str(self.top_k), "--seed", str(self.seed)]
+
+
+# The end-of-run sample uses the README's settings: greedy decoding of a small model repeats itself.
+END_OF_RUN = Sampling(temperature=0.8, top_k=20, seed=0)
+
+
+def sample_command(run_dir, prompt: str, max_tokens: int, sampling: Sampling) -> str:
+    """The `jaxpar sample` command line (shell-quoted, pasteable) that decodes the same way from `run_dir`.
+
+    `max_tokens` 0 leaves `--max-tokens` at its default.
+    """
+    tokens = ["--max-tokens", str(max_tokens)] if max_tokens else []
+    return shlex.join(["jaxpar", "sample", "--run-dir", str(run_dir), "--prompt", prompt, *tokens, *sampling.flags()])
 
 
 def generate(params, model_cfg: ModelConfig, prompt_ids: list[int], max_new_tokens: int, *,
@@ -28,7 +65,7 @@ def generate(params, model_cfg: ModelConfig, prompt_ids: list[int], max_new_toke
 
     @jax.jit
     def next_token(params, tokens, position, key):
-        logits = forward(params, tokens, model_cfg)[0][0, position - 1]
+        logits = forward(params, tokens, model_cfg, decode_ops(position))[0][0, position - 1]
         if temperature <= 0:
             return jnp.argmax(logits).astype(jnp.int32)
         logits = logits / temperature
