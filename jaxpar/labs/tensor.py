@@ -524,11 +524,11 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
         results[name] = result
         parts.append(result["markdown"])
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    report.draw_plots(results, out, PLOTS)
     footer = write_report(out, parts, results, start,
                           {k: results[k]["seconds"] for k in ("equivalence", "communication", "memory")},
                           compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
     log(footer)
+    report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and 3 plots")
     return results
 
