@@ -417,7 +417,7 @@ def plot_communication(result: dict, path: Path):
     x, w = np.arange(len(rows)), 0.2
     ax.bar(x - 1.5 * w, [r["all_to_all"] / scale for r in rows.values()], w, label="compiled all_to_all")
     ax.bar(x - 0.5 * w, [r["formula"] / scale for r in rows.values()], w, color="0.75", hatch="..", edgecolor="0.3",
-           label="course formula 2·T·k·h·4 B x 2 (fwd + bwd)")
+           label="course formula 2·T·k·h·4 B x 2 (fwd + bwd):\nT tokens per device, k experts per token, h = d_model")
     ax.bar(x + 0.5 * w, [(r["predicted"] if r["manual"] else 0) / scale for r in rows.values()], w, color="0.35",
            label="jaxpar's buffers, manual EP (dryrun)")
     ax.bar(x + 1.5 * w, np.array(every) / scale, w, color="#c44e52", label="every compiled collective over `expert`")
@@ -428,9 +428,7 @@ def plot_communication(result: dict, path: Path):
                     transform=at_bottom)
     ax.set_yscale("log")
     ax.set_xticks(x, _wrapped(rows))
-    ax.set(ylabel=f"{unit} per device per step (log)",
-           title="all_to_all per step: compiled vs formula (T tokens per device, k experts per token, h = d_model)")
-    ax.title.set_wrap(True)
+    ax.set(ylabel=f"{unit} per device per step (log)", title="Expert-parallel all_to_all per step: compiled vs formula")
     legend_below(ax, ncols=2, gap=0.3)
     return save(fig, path)
 
@@ -444,6 +442,7 @@ def plot_balance(result: dict, path: Path):
         cv.plot(steps, np.mean(r["cv"], axis=1), lw=1.5, label=method)
         dropped.plot(steps, np.mean(r["dropped"], axis=1), lw=1.5, label=method)
     cv.set(xlabel="step", ylabel="CV of expert load (0 = balanced)", title="load imbalance")
+    report.integer_steps(cv, dropped)
     dropped.set(xlabel="step", ylabel="fraction of assignments dropped", title="dropped at capacity factor 1.25")
     handles, labels = cv.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), title="balancing method")
@@ -482,8 +481,13 @@ def plot_capacity(result: dict, path: Path):
     fig = figure(10, 4.8)
     drop, t = fig.subplots(1, 2)
     labels = _wrapped(rows, 10)
-    drop.bar(labels, [r["dropped_mean"] for r in rows.values()], color="#dd8452")
-    t.bar(labels, [r["step_ms"] for r in rows.values()], color="#4c72b0")
+    bars = drop.bar(labels, [r["dropped_mean"] for r in rows.values()], color="#dd8452")
+    drop.bar_label(bars, [f"{r['dropped_mean']:.3f}" if r["dropped_mean"] else "0: drops none"
+                          for r in rows.values()], padding=2)
+    bars = t.bar(labels, [r["step_ms"] for r in rows.values()], color="#4c72b0")
+    t.bar_label(bars, [f"{r['step_ms']:.0f}" for r in rows.values()], padding=2)
+    drop.margins(y=0.12)
+    t.margins(y=0.12)
     drop.set(ylabel="fraction of assignments dropped", title="dropped (mean over steps, layers)")
     t.set(ylabel="step time, median (ms, measured)", title="step time")
     fig.suptitle("Capacity factor: each expert takes factor x its even share of a group's tokens")
@@ -498,6 +502,7 @@ def plot_moe_vs_dense(result: dict, path: Path):
         ax.plot(np.arange(1, len(r["ce"]) + 1), r["ce"], lw=1.5,
                 label=f"{label}: validation CE after training {r['val_loss']:.3f}")
     ax.set(xlabel="step", ylabel="training cross-entropy", title="MoE vs dense, the same active FLOPs per token")
+    report.integer_steps(ax)
     legend_below(ax, gap=0.16)
     return save(fig, path)
 

@@ -103,6 +103,19 @@ def _wrap(text: str, width: int = 44) -> str:
     return "\n".join(textwrap.wrap(text, width))
 
 
+def _short(label: str, ref: str) -> str:
+    """`label` without the part before ': ' that it shares with its reference ('dropless: manual EP' -> 'manual EP')."""
+    prefix = ref.split(": ")[0] + ": "
+    return label[len(prefix):] if ": " in ref and label.startswith(prefix) else label
+
+
+def integer_steps(*axes) -> None:
+    """Step axes tick at whole steps."""
+    from matplotlib.ticker import MaxNLocator
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _groups(items: list[tuple[str, np.ndarray]]) -> list[tuple[list[str], np.ndarray]]:
     """Items whose curves coincide on a log axis (within 1%, or both below ZERO_LINEAR) as one group."""
     groups: list[tuple[list[str], np.ndarray]] = []
@@ -131,15 +144,20 @@ def plot_equivalence(path, runs: list[tuple[str, list[float], str | None]], tole
     followers = {label: ref for label, _, ref in runs if ref is not None}
     gaps = {label: np.abs(losses[label] - losses[ref]) for label, ref in followers.items()}
     span = np.ptp(np.concatenate(list(losses.values()))) or 1.0
+    drawn: list[str] = []
     for ref in (label for label, _, r in runs if r is None):
-        hidden = [f for f, r in followers.items() if r == ref and gaps[f].max() < VISIBLE * span]
+        hidden = [_short(f, ref) for f, r in followers.items() if r == ref and gaps[f].max() < VISIBLE * span]
         text = f"{ref} = the {reference}" + (f"; overlapping it: {', '.join(hidden)}" if hidden else "")
+        under = [d for d in drawn if np.max(np.abs(losses[d] - losses[ref])) < VISIBLE * span]
+        text += f" (overlapping {', '.join(under)})" if under else ""
         ax.plot(np.arange(1, len(losses[ref]) + 1), losses[ref], marker="o", label=_wrap(text))
+        drawn.append(ref)
     for label in (f for f in followers if gaps[f].max() >= VISIBLE * span):
         ax.plot(np.arange(1, len(losses[label]) + 1), losses[label], ls="--", marker="s", label=_wrap(label))
     deviations = {label: gaps[label] / np.abs(losses[ref]) for label, ref in followers.items()}
     ax.set(xlabel="step", ylabel="training loss", title="loss")
     legend_below(ax)
+    integer_steps(ax, dev)
     for (names, curve), marker in zip(_groups(list(deviations.items())), "osD^v<>ph*"):
         label = ", ".join(names) + (" (overlapping)" if len(names) > 1 else "")
         dev.plot(np.arange(1, len(curve) + 1), curve, marker=marker, label=_wrap(label))
@@ -151,6 +169,8 @@ def plot_equivalence(path, runs: list[tuple[str, list[float], str | None]], tole
     dev.set(xlabel="step", ylabel=f"|loss - {reference}| / {reference}", title=f"deviation from the {reference}")
     legend_below(dev)
     fig.suptitle(title)
+    rows = max(sum(t.get_text().count("\n") + 1 for t in a.get_legend().get_texts()) for a in (ax, dev))
+    fig.set_figheight(4 + 0.3 * rows)          # room for the legends' rows under the axes
     return save(fig, path)
 
 
