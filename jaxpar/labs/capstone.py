@@ -233,10 +233,10 @@ def run_lab(args) -> dict:
     results = {"plan": plan_summary(p), "anchors": anchors, "compiler": compiler_json(compiler),
                "reality": reality, "fertility": fert, "risks": risks,
                "elapsed_s": time.perf_counter() - started}
-    plots(p, reality, fert, out)
     report = markdown(p, config, anchors, compiler, reality, fert, risks, results["elapsed_s"])
     (out / "report.md").write_text(report)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    plots(p, reality, fert, out)
     log(report)
     log(f"wrote {out}/report.md, results.json and plots ({results['elapsed_s']:.0f} s)")
     return results

@@ -482,7 +482,7 @@ def plot_capacity(result: dict, path: Path):
     drop, t = fig.subplots(1, 2)
     labels = _wrapped(rows, 10)
     bars = drop.bar(labels, [r["dropped_mean"] for r in rows.values()], color="#dd8452")
-    drop.bar_label(bars, [f"{r['dropped_mean']:.3f}" if r["dropped_mean"] else "0: drops none"
+    drop.bar_label(bars, [f"{r['dropped_mean']:.3f}" if r["dropped_mean"] else "0\n(drops none)"
                           for r in rows.values()], padding=2)
     bars = t.bar(labels, [r["step_ms"] for r in rows.values()], color="#4c72b0")
     t.bar_label(bars, [f"{r['step_ms']:.0f}" for r in rows.values()], padding=2)

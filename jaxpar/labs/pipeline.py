@@ -43,6 +43,7 @@ from jaxpar.labs.report import (
     draw_plots,
     figure,
     fmt_bytes,
+    integer_steps,
     legend_below,
     md_table,
     save,
@@ -504,10 +505,10 @@ def plot_timeline(result: dict, path: Path):
         cells = [{"stage": s, "kind": row[s].kind, "x": t, "w": 1} for t, row in enumerate(table.grid)
                  for s in range(r["p"]) if row[s] is not None]
         _draw(fig.add_subplot(len(schedules), 2, 2 * i + 1), cells, r["p"],
-              f"{name} table: bubble {r['formula']:.3f}", "tick" if i == len(schedules) - 1 else "")
+              f"{name} table: bubble {r['formula']:.3f} (formula)", "tick" if i == len(schedules) - 1 else "")
         measured = [{**b, "x": b["start_ms"], "w": b["ms"]} for b in r["boxes"]]
         _draw(fig.add_subplot(len(schedules), 2, 2 * i + 2), measured, r["p"],
-              f"{name} measured: idle {r['measured_idle']:.3f}", "ms" if i == len(schedules) - 1 else "")
+              f"{name} measured: idle share {r['measured_idle']:.3f}", "ms" if i == len(schedules) - 1 else "")
     kinds = sorted({b["kind"] for r in schedules.values() for b in r["boxes"]} | {"F", "B"}, key="FBW".index)
     fig.legend([Patch(color=COLOURS[k]) for k in kinds] + [Patch(facecolor="white", edgecolor="0.5")],
                [KIND_MEANING[k] for k in kinds] + ["blank: idle (the bubble)"], loc="outside lower center", ncols=2)
@@ -519,10 +520,13 @@ def plot_timeline(result: dict, path: Path):
 def plot_tables(result: dict, path: Path):
     fig = figure(8, 5.2)
     ax = fig.add_subplot(1, 1, 1)
+    markers = {"gpipe": {"marker": "o", "ms": 14, "mfc": "none", "mew": 2}, "1f1b": {"marker": "o", "ms": 6}}
     for name, v in TABLE_CASES:
         points = [r for r in result["sweep"] if r["schedule"] == name and r["p"] == 4]
-        (dots,) = ax.plot([r["m"] for r in points], [r["table"] for r in points], "o",
-                          label=f"{name}" + (f" v={v}" if v > 1 else "") + (" (= gpipe)" if name == "1f1b" else ""))
+        (dots,) = ax.plot([r["m"] for r in points], [r["table"] for r in points], ls="none",
+                          **markers.get(name, {"marker": "s"}),
+                          label=f"{name}" + (f" v={v}" if v > 1 else "")
+                          + (" (overlapping gpipe: the same bubble)" if name == "1f1b" else ""))
         ms = range(4, 17)
         ax.plot(ms, [float(bubble_fraction(name, 4, x, v)) for x in ms], "-", alpha=0.5, color=dots.get_color())
     ax.plot([], [], "ko", label="points: the schedule's table")
@@ -530,6 +534,7 @@ def plot_tables(result: dict, path: Path):
     ax.set(xlabel="microbatches m (p = 4 stages)", ylabel="bubble fraction (idle share of stage-ticks)",
            title="Bubble of each schedule: tables on their formulas")
     legend_below(ax, ncols=2, gap=0.16)
+    integer_steps(ax)
     return save(fig, path)
 
 
