@@ -51,6 +51,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxpar.bench.options import OPS, add_bench_arguments, parse_bytes, parse_ops, parse_sweep  # noqa: F401
 from jaxpar.config import ConfigError
+from jaxpar.labs.report import figure, save, styled
 from jaxpar.measure import hardware
 
 MEMORY_FRACTION = 0.25        # refuse a max size above this share of a device's free memory
@@ -309,31 +310,39 @@ def write_outputs(result: dict, out_dir: Path) -> None:
     plot(result, out_dir / "collectives.png")
 
 
-def plot(result: dict, path: Path) -> None:
-    """Log-log busbw against size, one line per collective, the theory figure dashed."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+def _size_label(x, _pos=None) -> str:
+    """An axis tick in the --min-bytes/--max-bytes notation: 1K, 64K, 1M (binary)."""
+    for suffix, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if x >= scale:
+            return f"{x / scale:g}{suffix}"
+    return f"{x:g}"
 
-    fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
+
+@styled
+def plot(result: dict, path: Path):
+    """Log-log busbw against size, one line per collective, the theory figure dashed."""
+    import textwrap
+
+    from matplotlib.ticker import FuncFormatter
+    fig = figure(9, 6)
     ax = fig.add_subplot()
     for op in dict.fromkeys(r["op"] for r in result["results"]):
         points = [(r["bytes"], r["busbw_GBps"]) for r in result["results"] if r["op"] == op and r["busbw_GBps"] > 0]
         if points:
             ax.plot(*zip(*points), marker="o", label=op)
-    theory = result["meta"]["theory_GBps"]
-    if theory:
-        ax.axhline(theory, linestyle="--", color="gray", label="theory")
+    meta = result["meta"]
+    if meta["theory_GBps"]:
+        ax.axhline(meta["theory_GBps"], linestyle="--", color="gray",
+                   label="\n".join(textwrap.wrap(f"theory: {meta['theory_source']}", 60)))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("size per device (bytes, nccl-tests convention)")
-    ax.set_ylabel("busbw (GB/s)")
-    meta = result["meta"]
-    ax.set_title(f"collectives, {meta['n_devices']} x {meta['device_kind']}")
+    ax.xaxis.set_major_formatter(FuncFormatter(_size_label))
+    ax.set_xlabel("size per device (K = 2^10 bytes, M = 2^20; nccl-tests convention)")
+    ax.set_ylabel("busbw (GB/s): algbw x the op's bus factor")
+    ax.set_title(f"Collectives, {meta['n_devices']} x {meta['device_kind']}: bus bandwidth vs size")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=3)
+    return save(fig, path)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from jaxpar.config import ConfigError
+from jaxpar.labs.report import figure, legend_below, save, styled
 
 GB, GIB = 1e9, 2**30
 WITHIN = 0.30                     # the reality check's tolerance: |measured / predicted - 1| <= 30%
@@ -232,10 +233,10 @@ def run_lab(args) -> dict:
     results = {"plan": plan_summary(p), "anchors": anchors, "compiler": compiler_json(compiler),
                "reality": reality, "fertility": fert, "risks": risks,
                "elapsed_s": time.perf_counter() - started}
-    plots(p, reality, fert, out)
     report = markdown(p, config, anchors, compiler, reality, fert, risks, results["elapsed_s"])
     (out / "report.md").write_text(report)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    plots(p, reality, fert, out)
     log(report)
     log(f"wrote {out}/report.md, results.json and plots ({results['elapsed_s']:.0f} s)")
     return results
@@ -447,68 +448,80 @@ def risk_section(risks, p) -> list[str]:
 # ============================================================================ plots
 
 def plots(p, reality, fert, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """The report's figures (they need the plan object, so they are drawn here, not from results.json)."""
+    plot_plan(p, out / "plan.png")
+    plot_breakdown(p.best.label, p.best.memory.parts(), "GB per device (prediction)", GB, out / "memory.png",
+                   limit=p.best.memory.limit)
+    plot_breakdown(p.best.label, p.best.time.terms(), "seconds per step (prediction)", 1.0, out / "steptime.png")
+    if reality:
+        plot_cpu_check(reality, out / "cpu_check.png")
+    plot_fertility(fert, out / "fertility.png")
 
+
+@styled
+def plot_plan(p, path: Path):
     top = p.ranked[:10]
     names = sorted({k for r in top for k in r.time.terms()}, key=lambda k: (k != "compute", k))
-    fig, ax = plt.subplots(figsize=(10, 5))
+    fig = figure(10, 6.5)
+    ax = fig.add_subplot()
     bottom = [0.0] * len(top)
     for name in names:
         values = [r.time.terms().get(name, 0.0) for r in top]
         ax.barh(range(len(top)), values, left=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_yticks(range(len(top)), [r.label for r in top], fontsize=7)
+    ax.set_yticks(range(len(top)), [f"#{i} {r.label}" for i, r in enumerate(top, 1)], fontsize=10)
     ax.invert_yaxis()
     ax.set_xlabel("predicted seconds per step")
-    ax.set_title("the ten best candidates: step time by term (prediction)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "plan.png", dpi=110)
-    plt.close(fig)
+    ax.set_title("The ten best candidates: step time by term (prediction)")
+    legend_below(ax, ncols=3, gap=0.12)
+    return save(fig, path)
 
-    best = p.best
-    for name, parts, unit, scale in (("memory", best.memory.parts(), "GB", GB),
-                                     ("steptime", best.time.terms(), "s", 1.0)):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        left = 0.0
-        for k, v in parts.items():
-            ax.barh([0], [v / scale], left=left, label=k)
-            left += v / scale
-        if name == "memory":
-            ax.axvline(best.memory.limit / GB, color="k", linestyle="--", label="usable")
-        ax.set_yticks([])
-        ax.set_xlabel(unit)
-        ax.set_title(f"{best.label}: {name} (prediction)", fontsize=9)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=110)
-        plt.close(fig)
 
-    if reality:
-        rows = reality["rows"]
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["predicted_s"] for r in rows], 0.4, label="predicted")
-        ax.bar([i + 0.2 for i in x], [r["measured_s"] for r in rows], 0.4, label="measured (median)")
-        ax.set_xticks(list(x), [r["strategy"].replace(" remat=", "\nremat=") for r in rows], fontsize=6, rotation=30)
-        ax.set_ylabel("seconds per step")
-        ax.set_title("CPU check: predicted vs measured step time")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "cpu_check.png", dpi=110)
-        plt.close(fig)
+@styled
+def plot_breakdown(label: str, parts: dict, unit: str, scale: float, path: Path, limit: float | None = None):
+    """One stacked bar of the best plan: its memory parts or its step-time terms."""
+    fig = figure(8, 4.2)
+    ax = fig.add_subplot()
+    left = 0.0
+    for k, v in parts.items():
+        ax.barh([0], [v / scale], left=left, label=k)
+        left += v / scale
+    if limit is not None:
+        ax.axvline(limit / scale, color="k", linestyle="--", lw=2.5, label="usable memory per device")
+    ax.set_yticks([])
+    ax.set_xlabel(unit)
+    ax.set_title(label)
+    legend_below(ax, ncols=2, gap=0.3)
+    return save(fig, path)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+
+@styled
+def plot_cpu_check(reality: dict, path: Path):
+    rows = reality["rows"]
+    fig = figure(10, 5.8)
+    ax = fig.add_subplot()
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["predicted_s"] for r in rows], 0.4, color="0.6", hatch="..", edgecolor="0.3",
+           label="predicted")
+    ax.bar([i + 0.2 for i in x], [r["measured_s"] for r in rows], 0.4, label="measured (median of the rounds)")
+    ax.set_xticks(list(x), [r["strategy"].replace(" ", "\n") + ("\n(calibration)" if r["calibration"] else "")
+                            for r in rows], fontsize=10)
+    ax.set_ylabel("seconds per step")
+    ax.set_title("CPU check: predicted vs measured step time; η is fitted on the calibration strategy")
+    ax.title.set_wrap(True)
+    legend_below(ax, ncols=2, gap=0.3)
+    return save(fig, path)
+
+
+@styled
+def plot_fertility(fert: dict, path: Path):
+    fig = figure(7, 4.8)
+    ax = fig.add_subplot()
     for normalize, label in ((False, "diacritics kept"), (True, "diacritics stripped")):
         rows = [r for r in fert["rows"] if r["normalize"] == normalize]
         ax.plot([r["vocab_requested"] for r in rows], [r["tokens_per_word"] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("BPE vocabulary asked for")
-    ax.set_ylabel("tokens per word (held-out)")
-    ax.set_title(f"fertility on '{fert['corpus']}' (measured)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "fertility.png", dpi=110)
-    plt.close(fig)
+    ax.set(xlabel="BPE vocabulary asked for", ylabel="tokens per word (held-out text)",
+           title=f"Tokenizer fertility on '{fert['corpus']}' (measured)")
+    legend_below(ax, ncols=2, gap=0.18)
+    return save(fig, path)

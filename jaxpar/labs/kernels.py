@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.labs.arguments import kernels as add_arguments
-from jaxpar.labs.report import md_table, standalone_main, write_report
+from jaxpar.labs.report import draw_plots, figure, legend_below, md_table, save, standalone_main, styled, write_report
 
 MIB = 2**20
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -285,33 +285,44 @@ def gpu_tables(results_dir: str | None) -> dict:
 
 # ============================================================================ plots
 
-def plot(results: dict, out: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+VARIANTS = ((("dot", "none"), "#c44e52"), (("pallas", "none"), "#4c72b0"), (("dot", "full"), "#dd8452"),
+            (("pallas", "full"), "#55a868"))
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (attention, remat), color in ((("dot", "none"), "#c44e52"), (("pallas", "none"), "#4c72b0"),
-                                      (("dot", "full"), "#dd8452"), (("pallas", "full"), "#55a868")):
-        rows = [r for r in results["memory"]["rows"] if r["attention"] == attention and r["remat"] == remat]
+
+@styled
+def plot_memory(result: dict, path: Path):
+    """Train-step temp against S for each attention x remat: compiled (solid) beside the formula (dashed),
+    in MiB like the lab's tables."""
+    fig = figure(8, 5.8)
+    ax = fig.add_subplot()
+    for (attention, remat), color in VARIANTS:
+        rows = [r for r in result["rows"] if r["attention"] == attention and r["remat"] == remat]
         s = [r["seq_len"] for r in rows]
-        ax.plot(s, [r["temp"] / MIB for r in rows], "o-", color=color, label=f"{attention}, remat {remat}: compiled")
-        ax.plot(s, [r["predicted"] / MIB for r in rows], "--", color=color, alpha=0.6, label="formula")
-    ax.set(xlabel="sequence length", ylabel="temp per device (MiB)", xscale="log", yscale="log",
-           title="train step temp: dot vs flash attention")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "memory.png", dpi=110)
+        name = "flash (Pallas)" if attention == "pallas" else "dot (XLA)"
+        ax.plot(s, [r["temp"] / MIB for r in rows], "o-", color=color, label=f"{name}, remat {remat}")
+        ax.plot(s, [r["predicted"] / MIB for r in rows], "--", color=color, alpha=0.7)
+    ax.plot([], [], "k-", label="solid: compiled temp")
+    ax.plot([], [], "k--", label="dashed: formula (grads + activations)")
+    ax.set(xlabel="sequence length S", ylabel="temp per device (MiB)", xscale="log", yscale="log",
+           title="Train step temp: dot vs flash attention (attention x remat)")
+    legend_below(ax, ncols=2, gap=0.16)
+    return save(fig, path)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    rows = results["compilation"]["depth"]
-    for unrolled, label in ((False, "layer scan"), (True, "unrolled")):
+
+@styled
+def plot_compile(result: dict, path: Path):
+    fig = figure(7, 4.8)
+    ax = fig.add_subplot()
+    rows = result["depth"]
+    for unrolled, label in ((False, "layer scan: one layer compiled, looped"), (True, "unrolled: every layer compiled")):
         own = [r for r in rows if r["unrolled"] == unrolled]
         ax.plot([r["layers"] for r in own], [r["compile_s"] for r in own], "o-", label=label)
-    ax.set(xlabel="layers", ylabel="XLA compile (s)", title="compile time vs depth")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "compile.png", dpi=110)
+    ax.set(xlabel="layers", ylabel="XLA compile time (s, measured)", title="Compile time vs depth")
+    legend_below(ax, gap=0.16)
+    return save(fig, path)
+
+
+PLOTS = {"memory.png": ("memory", plot_memory), "compile.png": ("compilation", plot_compile)}
 
 
 # ============================================================================ the whole lab
@@ -348,7 +359,6 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
         results[name.replace(": ", "_").replace(" ", "_")] = result
         parts[name] = result["markdown"]
         log(result["markdown"] + f"\n({name}: {result['seconds']:.0f} s)\n")
-    plot(results, out)
     sections = [f"# Lab 05: fused kernels and compilation, {len(devices)} x {devices[0].platform}",
                 (f"jax {jax.__version__}, {results['date']}; Pallas kernels interpreted on CPU. Measured values come "
                  "from the compiled programs and the clock, predictions from the formulas named beside them."),
@@ -360,6 +370,7 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
                 "## d. GPU benchmarks", parts["gpu"]]
     write_report(out, sections, results, start, {name: results[name.replace(": ", "_").replace(" ", "_")]["seconds"]
                                                  for name, _ in plan})
+    draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json, memory.png, compile.png")
     return results
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.labs.report import figure, save, styled
 
 LAB_DEFAULTS = ["train.steps=40", "train.checkpoint_every=10", "train.eval_every=20", "train.log_every=1",
                 "train.sample_tokens=0"]
@@ -85,30 +86,30 @@ def predicted_loss(fault_step: int, checkpoint_every: int, step_time_s: float, r
             "lost_s": redone * step_time_s + stop_s + restart_s}
 
 
-def plot_timeline(ledger: dict, path: Path, fault_step: int | None = None) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+@styled
+def plot_timeline(ledger: dict, path: Path, fault_step: int | None = None):
+    """The failure drill's goodput ledger: productive seconds and the step reached against wall time, the
+    stretch from the failure to the restarted attempt's first flush shaded."""
+    from matplotlib.ticker import MaxNLocator
     points = np.array([[0.0, 0, 0.0, 0], *ledger["timeline"]], dtype=float)   # [wall s, step, productive s, restarts]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(points[:, 0], points[:, 0], color="0.7", linestyle="--", label="wall time (100% goodput)")
-    ax.plot(points[:, 0], points[:, 2], color="tab:green", label="productive time")
-    ax.set_xlabel("wall time since the job started (s)")
-    ax.set_ylabel("seconds")
+    fig = figure(9, 5.6)
+    ax = fig.add_subplot()
+    ax.plot(points[:, 0], points[:, 0], color="0.6", linestyle="--", label="wall time (= 100% goodput)")
+    ax.plot(points[:, 0], points[:, 2], color="tab:green", label="productive time (steps kept, not re-done)")
+    ax.set(xlabel="wall time since the job started (s)", ylabel="seconds")
     steps = ax.twinx()
-    steps.plot(points[:, 0], points[:, 1], ".", color="tab:blue", markersize=3, label="step reached")
+    steps.grid(False)
+    steps.plot(points[:, 0], points[:, 1], "o", color="tab:blue", markersize=4, label="step reached (right axis)")
     steps.set_ylabel("step")
-    restarted = np.flatnonzero(np.diff(points[:, 3]) > 0)
-    for i in restarted:
+    steps.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for i in np.flatnonzero(np.diff(points[:, 3]) > 0):
         ax.axvspan(points[i, 0], points[i + 1, 0], color="tab:red", alpha=0.15,
-                   label=f"failure after step {fault_step}, restart" if fault_step else "restart")
-    lines = ax.get_legend_handles_labels()
-    more = steps.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left", fontsize=8)
-    ax.set_title("goodput timeline of the failure drill")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+                   label=f"killed after step {fault_step}, then restarted" if fault_step else "restart")
+    lines, labels = ax.get_legend_handles_labels()
+    more, more_labels = steps.get_legend_handles_labels()
+    ax.legend(lines + more, labels + more_labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=2)
+    ax.set_title("Goodput timeline of the failure drill (goodput = productive / wall)")
+    return save(fig, path)
 
 
 def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | None) -> dict:

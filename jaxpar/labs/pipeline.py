@@ -39,7 +39,19 @@ import numpy as np
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
-from jaxpar.labs.report import figure, fmt_bytes, md_table, standalone_main, write_report
+from jaxpar.labs.report import (
+    byte_unit,
+    draw_plots,
+    figure,
+    fmt_bytes,
+    integer_steps,
+    legend_below,
+    md_table,
+    save,
+    standalone_main,
+    styled,
+    write_report,
+)
 from jaxpar.measure import hlo
 from jaxpar.measure.bubble import bubble_fraction, p2p_bytes
 from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W, executed_collectives
@@ -469,76 +481,97 @@ def dryrun_7b(lab: Lab, out: Path) -> dict:
 
 # ============================================================================ plots
 
+KIND_MEANING = {"F": "F: forward", "B": "B: backward (input gradients; all gradients outside ZB-H1)",
+                "W": "W: weight gradients (ZB-H1)"}
+
+
 def _draw(ax, boxes, p, title, x_label):
     for box in boxes:
         ax.broken_barh([(box["x"], box["w"])], (p - 1 - box["stage"] - 0.4, 0.8), color=COLOURS[box["kind"]],
                        edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(p))
-    ax.set_yticklabels([f"stage {p - 1 - i}" for i in range(p)])
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel(x_label, fontsize=8)
+    ax.set_yticks(range(p), [f"stage {p - 1 - i}" for i in range(p)])
+    ax.grid(False)
+    ax.set_title(title)
+    ax.set_xlabel(x_label)
 
 
-def plot_timeline(result: dict, path: Path) -> None:
+@styled
+def plot_timeline(result: dict, path: Path):
+    """Each schedule's table (left, in ticks) beside what the CPU mesh ran (right, profiler, in ms)."""
+    from matplotlib.patches import Patch
     schedules = result["schedules"]
-    fig = figure(13, 2.3 * len(schedules))
+    fig = figure(10, 2.4 * len(schedules) + 1.2)
     for i, (name, r) in enumerate(schedules.items()):
         table = build(name, r["p"], r["m"], r["v"])
         cells = [{"stage": s, "kind": row[s].kind, "x": t, "w": 1} for t, row in enumerate(table.grid)
                  for s in range(r["p"]) if row[s] is not None]
         _draw(fig.add_subplot(len(schedules), 2, 2 * i + 1), cells, r["p"],
-              f"{name}: table, bubble {r['formula']:.3f}", "tick")
+              f"{name} table: bubble {r['formula']:.3f} (formula)", "tick" if i == len(schedules) - 1 else "")
         measured = [{**b, "x": b["start_ms"], "w": b["ms"]} for b in r["boxes"]]
         _draw(fig.add_subplot(len(schedules), 2, 2 * i + 2), measured, r["p"],
-              f"{name}: measured on the CPU mesh, idle {r['measured_idle']:.3f}", "ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+              f"{name} measured: idle share {r['measured_idle']:.3f}", "ms" if i == len(schedules) - 1 else "")
+    kinds = sorted({b["kind"] for r in schedules.values() for b in r["boxes"]} | {"F", "B"}, key="FBW".index)
+    fig.legend([Patch(color=COLOURS[k]) for k in kinds] + [Patch(facecolor="white", edgecolor="0.5")],
+               [KIND_MEANING[k] for k in kinds] + ["blank: idle (the bubble)"], loc="outside lower center", ncols=2)
+    fig.suptitle("Pipeline schedules: the table (left) vs the CPU mesh's profile (right)")
+    return save(fig, path)
 
 
-def plot_tables(result: dict, path: Path) -> None:
-    fig = figure(7.5, 4.5)
+@styled
+def plot_tables(result: dict, path: Path):
+    fig = figure(8, 5.2)
     ax = fig.add_subplot(1, 1, 1)
+    markers = {"gpipe": {"marker": "o", "ms": 14, "mfc": "none", "mew": 2}, "1f1b": {"marker": "o", "ms": 6}}
     for name, v in TABLE_CASES:
         points = [r for r in result["sweep"] if r["schedule"] == name and r["p"] == 4]
-        (dots,) = ax.plot([r["m"] for r in points], [r["table"] for r in points], "o",
-                          label=f"{name} table" + (" (= gpipe)" if name == "1f1b" else ""))
+        (dots,) = ax.plot([r["m"] for r in points], [r["table"] for r in points], ls="none",
+                          **markers.get(name, {"marker": "s"}),
+                          label=f"{name}" + (f" v={v}" if v > 1 else "")
+                          + (" (overlapping gpipe: the same bubble)" if name == "1f1b" else ""))
         ms = range(4, 17)
         ax.plot(ms, [float(bubble_fraction(name, 4, x, v)) for x in ms], "-", alpha=0.5, color=dots.get_color())
-    ax.set_xlabel("microbatches m (p = 4)")
-    ax.set_ylabel("bubble fraction")
-    ax.legend(fontsize=8)
-    ax.set_title("Bubble: tables (points) on their formulas (lines)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.plot([], [], "ko", label="points: the schedule's table")
+    ax.plot([], [], "k-", alpha=0.5, label="lines: the formula")
+    ax.set(xlabel="microbatches m (p = 4 stages)", ylabel="bubble fraction (idle share of stage-ticks)",
+           title="Bubble of each schedule: tables on their formulas")
+    legend_below(ax, ncols=2, gap=0.16)
+    integer_steps(ax)
+    return save(fig, path)
 
 
-def plot_memory(result: dict, path: Path) -> None:
-    fig = figure(7.5, 4.5)
+@styled
+def plot_memory(result: dict, path: Path):
+    unit, scale = byte_unit([s["temp"] for r in result["schedules"].values() for s in r["series"]])
+    fig = figure(8, 5)
     ax = fig.add_subplot(1, 1, 1)
     for name, r in result["schedules"].items():
-        ax.plot([s["m"] for s in r["series"]], [s["temp"] / 2**20 for s in r["series"]], "o-", label=name)
-    ax.set_xlabel("microbatches m (fixed microbatch size)")
-    ax.set_ylabel("compiled temp per stage (MiB)")
-    ax.legend(fontsize=8)
-    ax.set_title("Activation memory vs m: 1F1B stays flat, GPipe grows", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        ax.plot([s["m"] for s in r["series"]], [s["temp"] / scale for s in r["series"]], "o-",
+                label=name + (f" v={r['v']}" if r.get("v", 1) > 1 else ""))
+    ax.set(xlabel="microbatches m (fixed microbatch size)", ylabel=f"compiled temp per stage ({unit})",
+           title="Activation memory vs m: 1F1B stays flat, GPipe grows")
+    legend_below(ax, ncols=4, gap=0.16)
+    return save(fig, path)
 
 
-def plot_bytes(result: dict, path: Path) -> None:
-    fig = figure(7.5, 4.5)
-    ax = fig.add_subplot(1, 1, 1)
-    names = list(result["schedules"])
-    x = np.arange(len(names))
+@styled
+def plot_bytes(result: dict, path: Path):
     rows = result["schedules"]
-    ax.bar(x - 0.2, [rows[n]["formula"] / 2**20 for n in names], 0.4, label="formula 2(K-1)·m·b·s·h·e")
-    ax.bar(x + 0.2, [rows[n]["compiled"] / 2**20 for n in names], 0.4, label="compiled permutes")
-    ax.set_xticks(x)
-    ax.set_xticklabels(names, fontsize=8)
-    ax.set_ylabel("MiB per step over pipe")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    names = list(rows)
+    unit, scale = byte_unit([rows[n][k] for n in names for k in ("formula", "compiled")])
+    fig = figure(8, 5)
+    ax = fig.add_subplot(1, 1, 1)
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, [rows[n]["formula"] / scale for n in names], 0.4, color="0.6", hatch="..", edgecolor="0.3",
+           label="formula 2(K-1)·m·b·s·h·e (K = p·v model stages)")
+    ax.bar(x + 0.2, [rows[n]["compiled"] / scale for n in names], 0.4, label="compiled permutes (HLO)")
+    ax.set_xticks(x, [n + (f" v={rows[n]['v']}" if rows[n].get("v", 1) > 1 else "") for n in names])
+    ax.set(ylabel=f"{unit} per step over pipe", title="Point-to-point bytes between stages per step")
+    legend_below(ax, gap=0.12)
+    return save(fig, path)
+
+
+PLOTS = {"tables.png": ("tables", plot_tables), "timeline.png": ("timeline", plot_timeline),
+         "memory.png": ("memory", plot_memory), "bytes.png": ("p2p", plot_bytes)}
 
 
 # ============================================================================ the whole lab
@@ -588,12 +621,9 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
         results[name] = result
         report.append(result["markdown"])
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    plots = {"tables": plot_tables, "timeline": plot_timeline, "memory": plot_memory, "p2p": plot_bytes}
-    for name, plot in plots.items():
-        if name in results:
-            plot(results[name], out / f"{'bytes' if name == 'p2p' else name}.png")
     footer = write_report(out, report, results, start, {k: results[k]["seconds"] for k, _ in steps_plan})
     log(footer)
+    draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and the plots")
     return results
 

@@ -3,9 +3,12 @@ that `experiments/NN_*/run.py` calls (parse, set the CPU devices, run; bad input
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
+import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -22,14 +25,22 @@ def md_table(header: list[str], rows: list[list], align: str | None = None) -> s
                       *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)])
 
 
+UNITS = (("GiB", 2**30), ("MiB", MIB), ("KiB", 2**10))
+
+
+def byte_unit(values) -> tuple[str, float]:
+    """The unit fmt_bytes gives the largest of `values` (and its size in bytes): a plot's axis in the unit its
+    table's largest entries use."""
+    top = max((abs(v) for v in values if v is not None), default=0)
+    return next(((unit, scale) for unit, scale in UNITS if top >= scale), ("B", 1))
+
+
 def fmt_bytes(x) -> str:
     """Bytes in the largest binary unit that keeps the number >= 1 ('-' for None)."""
     if x is None:
         return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", MIB), ("KiB", 2**10)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3f} {unit}"
-    return f"{x:.0f} B"
+    unit, scale = byte_unit([x])
+    return f"{x:.0f} B" if unit == "B" else f"{x / scale:.3f} {unit}"
 
 
 def ratio(measured, predicted) -> str:
@@ -43,35 +54,127 @@ def max_rel_dev(got, want) -> float:
     return float(np.max(np.abs(got - want) / np.abs(want)))
 
 
-def figure(width: float = 7.5, height: float = 4.5):
-    """A matplotlib Figure drawn off-screen (no display, no global pyplot state)."""
+# ---------------------------------------------------------------------------- figures
+
+# One style for every lab's figures. Figures are at most 10 inches wide at 100 dpi (1000 px), so a README
+# (about 880 px wide) shows 12-point text at about 15 px.
+STYLE = {"font.size": 12, "axes.titlesize": 13, "axes.labelsize": 12, "xtick.labelsize": 12, "ytick.labelsize": 12,
+         "legend.fontsize": 11, "figure.titlesize": 14, "lines.linewidth": 2, "lines.markersize": 7,
+         "axes.grid": True, "grid.alpha": 0.3, "savefig.dpi": 100}
+MAX_WIDTH = 10
+VISIBLE = 0.03      # a gap under 3% of an axis's span hides under a marker at a README's size
+ZERO_LINEAR = 1e-9  # deviation axes: symlog, linear below this so that an exact 0 is drawn at 0
+
+
+def styled(plot):
+    """Decorator for a plot function: it draws under STYLE (matplotlib reads fonts when text is created)."""
+    @functools.wraps(plot)
+    def draw(*args, **kwargs):
+        import matplotlib
+        with matplotlib.rc_context(STYLE):
+            return plot(*args, **kwargs)
+    return draw
+
+
+def figure(width: float = 8, height: float = 4.5):
+    """A matplotlib Figure drawn off-screen (no display, no global pyplot state), laid out by matplotlib's
+    constrained layout so legends placed outside the axes keep their room."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    fig = Figure(figsize=(width, height))
+    if width > MAX_WIDTH:
+        raise ValueError(f"figure width {width} in: at most {MAX_WIDTH} (README width)")
+    fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
-def plot_equivalence(path, runs: list[tuple[str, list[float], list[float] | None]], tolerance: float) -> None:
-    """Losses of every run (left) and each run's relative deviation from its oracle (right, log scale,
-    with the tolerance); `runs` holds (label, losses, the oracle's losses or None for an oracle)."""
-    fig = figure(11, 4.2)
-    ax, dev = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
-    for label, losses, oracle in runs:
-        steps = np.arange(1, len(losses) + 1)
-        ax.plot(steps, losses, marker="o", ms=3, lw=1, label=label, alpha=0.8, linestyle="-" if oracle is None else "--")
-        if oracle is not None:
-            d = np.abs(np.asarray(losses) - np.asarray(oracle)) / np.asarray(oracle)
-            dev.plot(steps, np.maximum(d, 1e-10), marker="o", ms=3, lw=1, label=label)
-    dev.axhline(tolerance, color="k", ls=":", label="tolerance")
-    dev.set_yscale("log")
-    ax.set(xlabel="step", ylabel="loss", title="loss: every run")
-    dev.set(xlabel="step", ylabel="|loss - oracle| / oracle (0 drawn at 1e-10)", title="deviation from one device")
-    size = 7 if len(runs) <= 6 else 6
-    ax.legend(fontsize=size)
-    dev.legend(fontsize=size)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def save(fig, path):
+    """Write `fig` to `path` (STYLE's dpi) and return it (tests read its labels)."""
+    fig.savefig(path)
+    return fig
+
+
+def legend_below(ax, ncols: int = 1, gap: float = 0.16):
+    """The axes' legend under it (`gap`: the drop below the axes, a fraction of their height), off the data."""
+    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, -gap), ncols=ncols)
+
+
+def _wrap(text: str, width: int = 44) -> str:
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def _short(label: str, ref: str) -> str:
+    """`label` without the part before ': ' that it shares with its reference ('dropless: manual EP' -> 'manual EP')."""
+    prefix = ref.split(": ")[0] + ": "
+    return label[len(prefix):] if ": " in ref and label.startswith(prefix) else label
+
+
+def integer_steps(*axes) -> None:
+    """Step axes tick at whole steps."""
+    from matplotlib.ticker import MaxNLocator
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _groups(items: list[tuple[str, np.ndarray]]) -> list[tuple[list[str], np.ndarray]]:
+    """Items whose curves coincide on a log axis (within 1%, or both below ZERO_LINEAR) as one group."""
+    groups: list[tuple[list[str], np.ndarray]] = []
+    for label, curve in items:
+        for names, first in groups:
+            if np.allclose(curve, first, rtol=1e-2, atol=ZERO_LINEAR):
+                names.append(label)
+                break
+        else:
+            groups.append(([label], curve))
+    return groups
+
+
+@styled
+def plot_equivalence(path, runs: list[tuple[str, list[float], str | None]], tolerance: float | None,
+                     title: str = "Same batches, same losses? The oracle is the single-device run",
+                     reference: str = "oracle"):
+    """Same losses? `runs` holds (label, losses, the label of its reference run, or None for a reference:
+    the oracle, a single-device run). Left: each reference's loss; a run within VISIBLE of the loss axis's span is
+    named in the reference's entry ('overlapping') instead of hiding under it. Right: each run's
+    |loss - reference| / reference (symlog, so an exact 0 is at 0), runs with the same deviations as one
+    line marked '(overlapping)', and the tolerance."""
+    fig = figure(10, 5.6)
+    ax, dev = fig.subplots(1, 2)
+    losses = {label: np.asarray(values, dtype=np.float64) for label, values, _ in runs}
+    followers = {label: ref for label, _, ref in runs if ref is not None}
+    gaps = {label: np.abs(losses[label] - losses[ref]) for label, ref in followers.items()}
+    span = np.ptp(np.concatenate(list(losses.values()))) or 1.0
+    drawn: list[str] = []
+    for ref in (label for label, _, r in runs if r is None):
+        hidden = [_short(f, ref) for f, r in followers.items() if r == ref and gaps[f].max() < VISIBLE * span]
+        text = f"{ref} = the {reference}" + (f"; overlapping it: {', '.join(hidden)}" if hidden else "")
+        under = [d for d in drawn if np.max(np.abs(losses[d] - losses[ref])) < VISIBLE * span]
+        text += f" (overlapping {', '.join(under)})" if under else ""
+        ax.plot(np.arange(1, len(losses[ref]) + 1), losses[ref], marker="o", label=_wrap(text))
+        drawn.append(ref)
+    for label in (f for f in followers if gaps[f].max() >= VISIBLE * span):
+        ax.plot(np.arange(1, len(losses[label]) + 1), losses[label], ls="--", marker="s", label=_wrap(label))
+    deviations = {label: gaps[label] / np.abs(losses[ref]) for label, ref in followers.items()}
+    ax.set(xlabel="step", ylabel="training loss", title="loss")
+    legend_below(ax)
+    integer_steps(ax, dev)
+    for (names, curve), marker in zip(_groups(list(deviations.items())), "osD^v<>ph*"):
+        label = ", ".join(names) + (" (overlapping)" if len(names) > 1 else "")
+        dev.plot(np.arange(1, len(curve) + 1), curve, marker=marker, label=_wrap(label))
+    top = max([10 * d.max() for d in deviations.values()] + ([10 * tolerance] if tolerance else []) + [1e-6])
+    if tolerance:
+        dev.axhline(tolerance, color="k", ls=":", label=f"tolerance {tolerance:.0e} (pass bound)".replace("e-0", "e-"))
+    dev.set_yscale("symlog", linthresh=ZERO_LINEAR, linscale=0.3)
+    dev.set_ylim(bottom=0, top=top)
+    dev.set(xlabel="step", ylabel=f"|loss - {reference}| / {reference}", title=f"deviation from the {reference}")
+    legend_below(dev)
+    fig.suptitle(title)
+    rows = max(sum(t.get_text().count("\n") + 1 for t in a.get_legend().get_texts()) for a in (ax, dev))
+    fig.set_figheight(4 + 0.3 * rows)          # room for the legends' rows under the axes
+    return save(fig, path)
+
+
+# ---------------------------------------------------------------------------- results and report
 
 
 def json_default(x):
@@ -94,6 +197,17 @@ def write_report(out, sections: list[str], results: dict, start: float, part_sec
     (out / "report.md").write_text("\n\n".join([*sections, footer]) + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
     return footer
+
+
+def draw_plots(results: dict, out, plots: dict) -> list[str]:
+    """Write each figure of `plots` ({file name: (results key, plot(result, path))}) whose part is in
+    `results` (key None: the whole results); the lab's run and `jaxpar.labs.replot` both call this."""
+    written = []
+    for name, (key, plot) in plots.items():
+        if key is None or key in results:
+            plot(results if key is None else results[key], Path(out) / name)
+            written.append(name)
+    return written
 
 
 def standalone_main(description: str, add_arguments, run_from_args, argv=None) -> int:

@@ -34,12 +34,16 @@ from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_con
 from jaxpar.labs import report
 from jaxpar.labs.arguments import zero as add_arguments
 from jaxpar.labs.report import (
+    byte_unit,
     figure,
     fmt_bytes,
+    legend_below,
     max_rel_dev,
     md_table,
     ratio,
+    save,
     standalone_main,
+    styled,
     write_report,
 )
 from jaxpar.parallel.zero import STAGE_NAMES
@@ -47,7 +51,6 @@ from jaxpar.parallel.zero import STAGE_NAMES
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_zero.py uses the same)
 REMATS = ("none", "full", "dots", "names")
 PRECISIONS = (("float32", "fp32"), ("bfloat16", "bf16 (fp32 master weights)"), ("float8", "fp8"))
-MIB = 2**20
 MANUAL = ("ddp", "zero1", "zero2", "zero3")
 
 
@@ -609,78 +612,98 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
 
 # ============================================================================ plots
 
-def plot_equivalence(result: dict, path: Path) -> None:
-    oracle = result["runs"]["single"]["losses"]
-    report.plot_equivalence(path, [(r["label"], r["losses"], None if key == "single" else oracle)
-                                   for key, r in result["runs"].items()], result["tolerance"])
+def plot_equivalence(result: dict, path: Path):
+    return report.plot_equivalence(path, [(r["label"], r["losses"], None if key == "single" else
+                                           result["runs"]["single"]["label"]) for key, r in result["runs"].items()],
+                                   result["tolerance"])
 
 
-def plot_memory(result: dict, path: Path) -> None:
+def _strategy_ticks(ax, rows) -> None:
+    ax.set_xticks(np.arange(len(rows)), [r["label"].replace("manual ", "").replace(" ", "\n", 1) for r in rows])
+
+
+@styled
+def plot_memory(result: dict, path: Path):
+    """Per strategy, the prediction (solid) beside the compiled step (hatched): state and temporaries."""
     rows = list(result["rows"].values())
-    fig = figure(10, 4.8)
+    state = np.array([r["formula"]["params"] + r["formula"]["optimizer"] for r in rows])
+    temp = np.array([r["temp_predicted"] for r in rows])
+    args = np.array([r["compiled"]["argument"] for r in rows])
+    ctemp = np.array([r["compiled"]["temp"] for r in rows])
+    unit, scale = byte_unit([*(state + temp), *(args + ctemp)])
+    fig = figure(10, 5.6)
     ax = fig.add_subplot()
-    x = np.arange(len(rows))
-    w = 0.38
-    bottom = np.zeros(len(rows))
-    for part, color in (("params", "#4c72b0"), ("grads", "#dd8452"), ("optimizer", "#55a868")):
-        vals = np.array([r["formula"][part] for r in rows]) / MIB
-        ax.bar(x - w / 2, vals, w, bottom=bottom, color=color, label=f"formula: {part}")
-        bottom += vals
-    args = np.array([r["compiled"]["argument"] for r in rows]) / MIB
-    temp = np.array([r["compiled"]["temp"] for r in rows]) / MIB
-    ax.bar(x + w / 2, args, w, color="#8172b3", label="compiled: arguments (params + Adam + batch)")
-    ax.bar(x + w / 2, temp, w, bottom=args, color="#c4ad66", label="compiled: temp (grads + activations)")
-    ax.set_xticks(x, [r["label"].replace("manual ", "") for r in rows], fontsize=8)
-    ax.set(ylabel="MiB per device", title="per-device memory: ZeRO formula (left) vs compiled step (right)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    x, w = np.arange(len(rows)), 0.38
+    ax.bar(x - w / 2, state / scale, w, color="#4c72b0", label="predicted state: params + Adam (ZeRO formula)")
+    ax.bar(x - w / 2, temp / scale, w, bottom=state / scale, color="#dd8452",
+           label="predicted temp: grads (formula) + activations (estimate)")
+    ax.bar(x + w / 2, args / scale, w, color="#4c72b0", hatch="//", edgecolor="k", alpha=0.6,
+           label="compiled arguments: params + Adam + batch")
+    ax.bar(x + w / 2, ctemp / scale, w, bottom=args / scale, color="#dd8452", hatch="//", edgecolor="k", alpha=0.6,
+           label="compiled temp (memory_analysis)")
+    _strategy_ticks(ax, rows)
+    ax.set(ylabel=f"{unit} per device", title="Memory per device: predicted (left bar) vs compiled (right bar)")
+    legend_below(ax, ncols=2, gap=0.2)
+    return save(fig, path)
 
 
-def plot_communication(result: dict, path: Path) -> None:
+@styled
+def plot_communication(result: dict, path: Path):
+    """Per strategy, the compiled collectives by op (stacked) beside the course's and jaxpar's formulas."""
     rows = [r for r in result["rows"].values() if r["label"] != "single device"]
-    fig = figure(10, 4.5)
-    ax = fig.add_subplot()
-    x = np.arange(len(rows))
-    w = 0.27
     ops = sorted({op for r in rows for op in r["by_op"]})
+    unit, scale = byte_unit([r[k] for r in rows for k in ("compiled_bytes", "course_bytes", "written_bytes")])
+    fig = figure(10, 5.6)
+    ax = fig.add_subplot()
+    x, w = np.arange(len(rows)), 0.27
     bottom = np.zeros(len(rows))
     for op in ops:
-        vals = np.array([r["by_op"].get(op, {}).get("bytes", 0.0) for r in rows]) / MIB
+        vals = np.array([r["by_op"].get(op, {}).get("bytes", 0.0) for r in rows]) / scale
         ax.bar(x - w, vals, w, bottom=bottom, label=f"compiled: {op}")
         bottom += vals
-    ax.bar(x, np.array([r["course_bytes"] for r in rows]) / MIB, w, color="0.6", label="course theory (2Ψ / 3Ψ)")
-    ax.bar(x + w, np.array([r["written_bytes"] for r in rows]) / MIB, w, color="0.35", label="jaxpar as written")
-    ax.set_xticks(x, [r["label"].replace("manual ", "") for r in rows], fontsize=8)
-    ax.set(ylabel="MiB sent per device per step", title="collectives per step: compiled vs theory")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.bar(x, np.array([r["course_bytes"] for r in rows]) / scale, w, color="0.75", hatch="..", edgecolor="0.3",
+           label="course formula: 2Ψ (DDP, ZeRO-1/2), 3Ψ (ZeRO-3, FSDP)")
+    ax.bar(x + w, np.array([r["written_bytes"] for r in rows]) / scale, w, color="0.4",
+           label="formula for jaxpar's code as written")
+    _strategy_ticks(ax, rows)
+    ax.set(ylabel=f"{unit} sent per device per step",
+           title="Collectives per step: compiled (left) vs the formulas (middle, right)")
+    legend_below(ax, ncols=2, gap=0.2)
+    return save(fig, path)
 
 
-def plot_remat(result: dict, path: Path) -> None:
-    fig = figure(6.5, 4.5)
+REMAT_MEANING = {"none": "keeps every activation", "full": "recomputes the whole layer",
+                 "dots": "keeps matmul outputs", "names": "keeps the named tensors"}
+
+
+@styled
+def plot_remat(result: dict, path: Path):
+    """Each remat policy (what jax.checkpoint keeps for the backward pass) as a point: time vs temp."""
+    unit, scale = byte_unit([r["temp"] for r in result["rows"].values()])
+    fig = figure(8, 5.5)
     ax = fig.add_subplot()
-    for policy, r in result["rows"].items():
-        ax.scatter(r["step_ms"], r["temp"] / MIB, s=50)
-        ax.annotate(policy, (r["step_ms"], r["temp"] / MIB), textcoords="offset points", xytext=(6, 4))
-    ax.set(xlabel="step time, median (ms)", ylabel="temp per device (MiB, compiled)",
-           title="activation checkpointing: memory vs time")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    for (policy, r), marker in zip(result["rows"].items(), "osD^v"):
+        ax.scatter(r["step_ms"], r["temp"] / scale, s=90, marker=marker,
+                   label=f"{policy}: {REMAT_MEANING.get(policy, '')}")
+    ax.margins(0.15)
+    legend_below(ax, ncols=2, gap=0.18)
+    ax.set(xlabel="step time, median (ms, measured)", ylabel=f"temp per device ({unit}, compiled)",
+           title="Activation checkpointing (remat policy): memory vs time")
+    return save(fig, path)
 
 
-def plot_precision(result: dict, path: Path) -> None:
-    fig = figure(7.5, 4.5)
-    ax = fig.add_subplot()
-    for r in result["runs"].values():
-        ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"], lw=1.2, label=r["label"])
-    ax.set(xlabel="step", ylabel="training loss", title="loss by compute dtype (same batches)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def plot_precision(result: dict, path: Path):
+    runs = result["runs"]
+    ref = runs["float32"]["label"] if "float32" in runs else None
+    return report.plot_equivalence(path, [(r["label"], r["losses"], None if r["label"] == ref else ref)
+                                          for r in runs.values()], None,
+                                   title="Compute dtypes on the same batches: loss and deviation from fp32",
+                                   reference="reference")
+
+
+PLOTS = {"equivalence.png": ("equivalence", plot_equivalence), "memory.png": ("memory", plot_memory),
+         "communication.png": ("communication", plot_communication), "remat.png": ("remat", plot_remat),
+         "precision.png": ("precision", plot_precision)}
 
 
 # ============================================================================ the whole lab
@@ -731,15 +754,12 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision
         results[name] = result
         parts.append(result["markdown"])
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    for name, plot in (("equivalence", plot_equivalence), ("memory", plot_memory),
-                       ("communication", plot_communication), ("remat", plot_remat),
-                       ("precision", plot_precision)):
-        plot(results[name], out / f"{name}.png")
     footer = write_report(out, parts, results, start,
                           {k: results[k]["seconds"] for k in ("equivalence", "memory", "communication", "remat",
                                                                "precision")},
                           compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
     log(footer)
+    report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and 5 plots")
     return results
 
