@@ -550,6 +550,8 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     comm_s = sum(row["time_s"] for row in axes.values())
     overlap_s, serial_s = max(compute_s, comm_s), compute_s + comm_s
     calibrated = calibrated_step(config, sizes, model_cfg.vocab_size, machine, n)
+    from jaxpar.measure import overlap
+    hidden = overlap.analyse(hlo_text, mesh, machine, peak)
     usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
     hbm = hardware.ACCELERATORS[machine["accelerator"]].hbm_bytes if machine["accelerator"] else None
     return {
@@ -574,6 +576,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
                  "serial_s": serial_s,
                  "mfu_overlapped": mfu(model_flops, overlap_s, n, peak),
                  "mfu_serial": mfu(model_flops, serial_s, n, peak), "calibrated": calibrated},
+        "overlap": hidden,
     }
 
 
@@ -725,6 +728,9 @@ def markdown_report(r: dict) -> str:
         f"| optimistic bound: perfect overlap, max | {_seconds(t['overlapped_s'])} | {t['mfu_overlapped']:.1%} |",
         f"| step, no overlap: sum | {_seconds(t['serial_s'])} | {t['mfu_serial']:.1%} |",
     ]
+    if r.get("overlap"):
+        from jaxpar.measure import overlap
+        lines += ["", *overlap.markdown(r["overlap"])]
     return "\n".join(lines)
 
 

@@ -83,8 +83,10 @@ def test_ddp_reduces_gradients_once_per_microbatch():
 def test_report_has_every_section(fsdp8):
     text = markdown_report(fsdp8)
     for heading in ("## Memory per device", "## Collectives per step", "## FLOPs per device per step",
-                    "## Time on these virtual CPU devices"):
+                    "## Time on these virtual CPU devices", "## Communication hidden behind compute"):
         assert heading in text
+    fsdp = fsdp8["overlap"]["by_axis"]["fsdp"]                      # XLA:CPU collectives are synchronous
+    assert fsdp["collectives"] > 0 and fsdp["async"] == 0 and fsdp["hidden_s"] == 0.0
     t = fsdp8["time"]
     assert t["overlapped_s"] == max(t["compute_s"], t["communication_s"])
     assert t["serial_s"] == pytest.approx(t["compute_s"] + t["communication_s"])
@@ -206,6 +208,8 @@ def test_h100_deviceless_fsdp(tmp_path):
     mem = r["memory"]["compiled"]
     assert mem["peak"] == mem["peak_reported"] >= mem["temp"]            # GPU peak includes temporaries
     assert r["flops"]["cost_analysis"] is None and r["flops"]["corrected"] > 0
+    hidden = r["overlap"]["by_axis"]["fsdp"]                             # async pairs, some compute between
+    assert hidden["async"] == hidden["collectives"] > 0 and 0 < hidden["hidden_s"] < hidden["comm_s"]
 
 
 # ----------------------------------------------------------------------------- the 7B model on 64 devices
