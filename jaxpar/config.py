@@ -92,6 +92,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.expert = "auto"    # auto: experts split over `expert` by the rules | manual: all_to_all in shard_map
     c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
+    c.parallel.tensor_overlap = "none"   # none | collective_matmul | bidirectional (SP's collectives as ppermute rings)
     c.parallel.rules = ""         # logical-axis rule overrides, e.g. "length=tensor,embed=fsdp+data"
 
     c.data = ml_collections.ConfigDict()
@@ -404,6 +405,20 @@ def validate_fields(config) -> None:
     _validate_run_options(config)
 
 
+def validate_tensor_overlap(config) -> None:
+    """parallel.tensor_overlap decomposes sequence parallelism's collectives (parallel/collective_matmul.py)."""
+    mode = config.parallel.get("tensor_overlap", "none")
+    valid = ("none", "collective_matmul", "bidirectional")
+    if mode not in valid:
+        raise ConfigError("parallel.tensor_overlap", f"is '{mode}'; valid: {', '.join(valid)}")
+    if mode != "none" and not (config.parallel.tensor == "manual" and config.parallel.sequence):
+        raise ConfigError("parallel.tensor_overlap", f"'{mode}' overlaps sequence parallelism's all-gather and "
+                          "reduce-scatter: set parallel.tensor=manual and parallel.sequence=true, or 'none'")
+    if mode == "bidirectional" and config.model.d_model % 2:
+        raise ConfigError("parallel.tensor_overlap", f"'bidirectional' splits d_model={config.model.d_model} in "
+                          "halves (one ring each way); use an even d_model or 'collective_matmul'")
+
+
 def validate(config, num_devices: int, processes: int | None = None) -> dict[str, int]:
     """Check everything that can be checked before compiling; return the mesh sizes.
 
@@ -439,6 +454,7 @@ def validate(config, num_devices: int, processes: int | None = None) -> dict[str
         if d.seq_len % tp:
             raise ConfigError("data.seq_len", f"seq_len={d.seq_len} is not divisible by mesh.tensor={tp} "
                               "(parallel.sequence splits the sequence over tensor)")
+    validate_tensor_overlap(config)
     if m.d_model % sizes["fsdp"]:
         raise ConfigError("model.d_model", f"d_model={m.d_model} is not divisible by mesh.fsdp={sizes['fsdp']}")
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
+from jaxpar.parallel.collective_matmul import collective_matmul_ops, ring_policy
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
 from jaxpar.train.step import accumulate, clip_to_norm
 from jaxpar.train.strategy import Strategy
@@ -79,6 +80,10 @@ class TensorTrainer(Strategy):
             self.ops = sequence_parallel_ops(self.ops, AXIS)
             if regather:
                 self.policy = sequence_parallel_policy(self.policy)
+            self.overlap = config.parallel.get("tensor_overlap", "none")
+            if self.overlap != "none":   # the gathers and reduce-scatters as ppermute rings beside matmuls
+                self.ops = collective_matmul_ops(self.ops, AXIS, self.overlap)
+                self.policy = ring_policy(self.policy) if regather else self.policy
         else:
             self.ops = tensor_parallel_ops(self.ops, AXIS)
 
