@@ -1,6 +1,5 @@
 """Collective matmul (parallel/collective_matmul.py): the ppermute rings give the all-gather / reduce-scatter
 matmuls exactly, forward and backward, and the manual TP+SP trainer with them reproduces one device."""
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +35,9 @@ def _rings(mode):
         return col, jax.lax.psum_scatter(jnp.einsum("bsf,fd->bsd", y, w_row), "tensor", scatter_dimension=1,
                                          tiled=True)
 
-    specs = dict(mesh=mesh, in_specs=(P(None, "tensor"), P(None, "tensor"), P(None, None, "tensor"),
+    specs = {"mesh": mesh, "in_specs": (P(None, "tensor"), P(None, "tensor"), P(None, None, "tensor"),
                                       P("tensor", None)),
-                 out_specs=(P(None, None, "tensor"), P(None, "tensor")), check_vma=False)
+                 "out_specs": (P(None, None, "tensor"), P(None, "tensor")), "check_vma": False}
     return [jax.jit(jax.shard_map(f, **specs)) for f in (ring, plain)]
 
 

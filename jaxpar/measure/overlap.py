@@ -257,9 +257,9 @@ def markdown(result: dict) -> list[str]:
     for axis, a in sorted(result["by_axis"].items()):
         lines.append(f"| {axis} | {a['collectives']} ({a['async']}) | {a['comm_s'] * 1e3:.3f} ms | "
                      f"{a['hidden_s'] * 1e3:.3f} ms | {a['exposed_s'] * 1e3:.3f} ms | {a['hidden_fraction']:.1%} |")
-    lines += ["", f"Replayed step (compute at roofline + exposed waits): {result['replayed_step_s'] * 1e3:.3f} ms; "
+    lines += ["", (f"Replayed step (compute at roofline + exposed waits): {result['replayed_step_s'] * 1e3:.3f} ms; "
               f"{result['hidden_fraction']:.1%} of the α-β collective time hidden. A model of the schedule "
-              "(jaxpar/measure/overlap.py), not a measurement."]
+              "(jaxpar/measure/overlap.py), not a measurement.")]
     return lines
 
 
