@@ -92,6 +92,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.expert = "auto"    # auto: experts split over `expert` by the rules | manual: all_to_all in shard_map
     c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
+    c.parallel.prefetch = False   # parallel.data=zero3: gather layer i+1 while layer i computes (parallel/prefetch.py)
     c.parallel.tensor_overlap = "none"   # none | collective_matmul | bidirectional (SP's collectives as ppermute rings)
     c.parallel.rules = ""         # logical-axis rule overrides, e.g. "length=tensor,embed=fsdp+data"
 
@@ -414,6 +415,9 @@ def validate_tensor_overlap(config) -> None:
     if mode != "none" and not (config.parallel.tensor == "manual" and config.parallel.sequence):
         raise ConfigError("parallel.tensor_overlap", f"'{mode}' overlaps sequence parallelism's all-gather and "
                           "reduce-scatter: set parallel.tensor=manual and parallel.sequence=true, or 'none'")
+    if config.parallel.get("prefetch", False) and config.parallel.data != "zero3":
+        raise ConfigError("parallel.prefetch", f"prefetches ZeRO-3's layer gathers, but parallel.data="
+                          f"{config.parallel.data}; set parallel.data=zero3 or parallel.prefetch=false")
     if mode == "bidirectional" and config.model.d_model % 2:
         raise ConfigError("parallel.tensor_overlap", f"'bidirectional' splits d_model={config.model.d_model} in "
                           "halves (one ring each way); use an even d_model or 'collective_matmul'")

@@ -98,6 +98,8 @@ class Ops:
     column_in: Callable = _identity            # before column-parallel matmuls (Megatron's f)
     row_out: Callable = _identity              # after row-parallel matmuls (Megatron's g)
     constrain: Callable = _no_constraint       # (x, logical names) -> x pinned to the mesh
+    layers: Callable | None = None             # (stored dense blocks, x, block(x, w)) -> (x, aux): a hand-written
+                                               # layer loop (ZeRO-3 prefetch); None: jax.lax.scan
 
     def weights(self, name: str, stored):
         """The weights a layer computes with: `stored` cast to the compute dtype, then fetched."""

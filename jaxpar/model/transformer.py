@@ -223,6 +223,8 @@ def run_blocks(blocks, x, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_poli
     `remat_policy`: None keeps every activation; else a `jax.checkpoint` policy for the body.
     `seeds` [B]: the noisy router's per-sequence noise seeds (training only; MoE blocks).
     """
+    if ops.layers is not None and "router" not in blocks:   # a strategy's own loop (parallel/prefetch.py)
+        return ops.layers(blocks, x, lambda x, w: block(x, w, cfg, ops))
     if "router" not in blocks:
         def body(x, stored):
             return block(x, ops.weights("blocks", stored), cfg, ops)

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
+from jaxpar.parallel.prefetch import prefetching_layers
 from jaxpar.train.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
 from jaxpar.train.strategy import Strategy
 
@@ -240,6 +241,8 @@ class ZeroTrainer(Strategy):
         ops, policy = self.ops.replace(fetch=fetch), refetch_policy(self.policy)
         if self.stage == "zero3":
             stored = params
+            if self.config.parallel.get("prefetch", False):   # layer i+1 gathered before layer i (prefetch.py)
+                ops = ops.replace(layers=prefetching_layers(self._dims("blocks"), ops.dtype))
             objective = partial(loss, cfg=self.model_cfg, ops=ops, remat_policy=policy)
         else:
             stored = self.my_slice(params)
