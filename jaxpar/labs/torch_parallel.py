@@ -5,8 +5,8 @@ Each strategy is one function that takes the unwrapped model (`torch_llama.Llama
 holding the same initial weights) and returns a `Parallel`: the module whose parameters the
 optimizer updates and `loss_and_backward(tokens)`, which takes the *global* batch [B, s+1]
 (every rank reads the same one) and returns the global mean loss, gradients in place. The
-code between `# parallel: NAME` and `# end parallel` is what the user writes for that strategy
-(the lab counts it); the optimizer and the loop (`torch_train.py`) are the same for all.
+code between `# parallel: NAME` and `# end parallel` is what the user writes for that strategy beyond
+the one-process program (the lab counts it); the optimizer and the loop (`torch_train.py`) are the same.
 """
 from __future__ import annotations
 
@@ -27,26 +27,33 @@ class Parallel:
     norm_group: object = None                           # ranks whose gradients are disjoint parts (pipeline)
 
 
+def forward_backward(model, tokens):
+    """What every strategy's step does on the rows it gets: the mean loss, gradients in place."""
+    loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    return loss.detach()
+
+
 def single(model) -> Parallel:
-    def step(tokens):
-        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        return loss.detach()
-    return Parallel(model, step)
+    return Parallel(model, lambda tokens: forward_backward(model, tokens))
 
 
 def ddp(model) -> Parallel:
     # parallel: ddp
     from torch.nn.parallel import DistributedDataParallel
-    model = DistributedDataParallel(model)
+    model = DistributedDataParallel(model)     # all-reduces (averages) the gradient buckets in backward
+    # end parallel
 
     def step(tokens):
+        # parallel: ddp
         tokens = tokens.chunk(dist.get_world_size())[dist.get_rank()]   # this rank's rows
-        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()                        # DDP all-reduces (averages) the gradient buckets here
-        return loss.detach()
-    # end parallel
-    return Parallel(model.module, lambda tokens: _mean_over_ranks(step(tokens)))
+        # end parallel
+        loss = forward_backward(model, tokens)
+        # parallel: ddp
+        dist.all_reduce(loss)                  # the global mean, for the log
+        return loss / dist.get_world_size()
+        # end parallel
+    return Parallel(model.module, step)
 
 
 def fsdp2(model) -> Parallel:
@@ -57,14 +64,18 @@ def fsdp2(model) -> Parallel:
     for block in model.model.layers.values():
         fully_shard(block, mesh=mesh)          # one all-gather / reduce-scatter group per block
     fully_shard(model, mesh=mesh)              # the rest: embedding, final norm, head
+    # end parallel
 
     def step(tokens):
+        # parallel: fsdp2
         tokens = tokens.chunk(dist.get_world_size())[dist.get_rank()]
-        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        return loss.detach()
-    # end parallel
-    return Parallel(model, lambda tokens: _mean_over_ranks(step(tokens)))
+        # end parallel
+        loss = forward_backward(model, tokens)
+        # parallel: fsdp2
+        dist.all_reduce(loss)
+        return loss / dist.get_world_size()
+        # end parallel
+    return Parallel(model, step)
 
 
 def tensor(model, sequence: bool = False) -> Parallel:
@@ -98,12 +109,13 @@ def tensor(model, sequence: bool = False) -> Parallel:
             plan.update({"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()})
         parallelize_module(block, mesh, plan)
 
-    def step(tokens):                          # every rank reads the whole batch
-        with loss_parallel():                  # cross-entropy over vocabulary-sharded logits
-            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
-        return loss.detach().full_tensor()
     # end parallel
+
+    def step(tokens):                          # every rank reads the whole batch
+        # parallel: tp
+        with loss_parallel():                  # cross-entropy over vocabulary-sharded logits
+            return forward_backward(model, tokens).full_tensor()
+        # end parallel
     return Parallel(model, step)
 
 
@@ -128,12 +140,6 @@ def pipeline(model, schedule: str, microbatches: int) -> Parallel:
         return loss
     # end parallel
     return Parallel(model, step, norm_group=dist.group.WORLD)
-
-
-def _mean_over_ranks(loss):
-    """The global mean of a data-parallel step's per-rank losses (equal row counts per rank)."""
-    dist.all_reduce(loss)
-    return loss / dist.get_world_size()
 
 
 STRATEGIES = {

@@ -29,8 +29,10 @@ def run_rank(rank: int, spec: dict, out: str) -> None:
 
     torch.set_num_threads(1)                    # one core's worth per rank: N ranks share the machine
     n = spec["processes"]
+    # parallel: setup
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     dist.init_process_group("gloo", rank=rank, world_size=n)
+    # end parallel
     batches = [torch.from_numpy(b.astype(np.int64)) for b in np.load(spec["batches"])["batches"]]
     hp = Hyper(**spec["hyper"])
     results = {}
