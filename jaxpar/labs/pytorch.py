@@ -35,7 +35,7 @@ from jaxpar.labs import report
 TOLERANCE = 1e-4
 PROFILED_STEP = 2          # the torch step run under the profiler (bytes, memory), left out of the times
 REPO = Path(__file__).resolve().parents[2]
-TORCH_CODE = Path(__file__).with_name("torch_parallel.py")
+TORCH_CODE = (Path(__file__).with_name("torch_parallel.py"), Path(__file__).with_name("torch_worker.py"))
 
 # key: (PyTorch API, torch strategy, jaxpar automatic, jaxpar hand-written); {n}, {m}: processes, microbatches
 PAIRS = {
@@ -138,7 +138,8 @@ def run_torch(inputs: dict, strategies: list[str], n: int, m: int, work: Path, l
               check_transformers: bool = True) -> dict:
     """Every strategy on n gloo processes ("single": rank 0 alone, the one-device oracle); results by rank."""
     spec = {**inputs, "processes": n, "port": _free_port(), "microbatches": m, "strategies": strategies,
-            "profile_step": PROFILED_STEP, "check_transformers": check_transformers}
+            "profile_step": PROFILED_STEP, "check_transformers": check_transformers,
+            "comm_debug_mode": ["fsdp2", "tp", "tp-sp"]}     # the DTensor strategies
     (work / "torch_spec.json").write_text(json.dumps(spec))
     seconds = _run(["jaxpar.labs.torch_worker", str(work / "torch_spec.json"), str(work)], "PyTorch", log)
     ranks = [json.loads((work / f"torch-rank{r}.json").read_text()) for r in range(n)]
@@ -155,7 +156,7 @@ def run_jaxpar(config_path, overrides: list[str], inputs: dict, runs: dict, n: i
 
 # ============================================================================ 3. comparing
 
-def code_lines(paths=(TORCH_CODE, TORCH_CODE.with_name("torch_worker.py"))) -> dict[str, int]:
+def code_lines(paths=TORCH_CODE) -> dict[str, int]:
     """Lines a PyTorch user writes per strategy: between `# parallel: NAME` and `# end parallel` (every
     block of that name) in torch_parallel.py, and the process group's (`setup`) in torch_worker.py;
     blank and comment-only lines left out."""
@@ -189,7 +190,7 @@ def torch_summary(ranks: list[dict], key: str, n: int) -> dict:
             asked[kind] = asked.get(kind, 0.0) + value / len(runs)
     return {"losses": runs[0]["losses"], "grad_norms": runs[0]["grad_norms"],
             "step_ms": max(median_ms(r["step_s"]) for r in runs),
-            "sent": sent, "calls": calls, "asked": asked,
+            "sent": sent, "calls": calls, "asked": asked, "comm_debug_mode": runs[0]["trace"].get("comm_debug_mode"),
             "state_bytes": max(sum(r["state"].values()) for r in runs),
             "state": runs[0]["state"],
             "peak_step_bytes": max(r["trace"]["peak_allocated"] for r in runs)}
@@ -280,7 +281,11 @@ def md_communication(rows: dict, predicted: dict, n: int) -> str:
         for r in group:
             total = sum(r["sent"].values())
             torch_side = r["side"] == "PyTorch"
-            asked = ", ".join(f"{k} {v:g}x" for k, v in sorted(r["asked"].items())) if torch_side else "-"
+            asked = "-"
+            if torch_side and r["comm_debug_mode"]:   # under it the profiler records each c10d call twice
+                asked = "CommDebugMode: " + ", ".join(f"{k} {v}x" for k, v in sorted(r["comm_debug_mode"].items()))
+            elif torch_side:
+                asked = ", ".join(f"{k} {v:g}x" for k, v in sorted(r["asked"].items()))
             want = gloo if torch_side else course
             table.append([r["side"], r["name"] if torch_side else f"`{r['name']}`", _kinds(r["sent"], r["calls"]),
                           asked, report.fmt_bytes(total), report.fmt_bytes(want), report.ratio(total, want)])
@@ -290,7 +295,8 @@ def md_communication(rows: dict, predicted: dict, n: int) -> str:
         "",
         f"4Ψ = {report.fmt_bytes(predicted['_W'])}, u = (N-1)/N·4·b·s·h = {report.fmt_bytes(predicted['_u'])}. "
         "PyTorch: the gloo calls of one profiled step (torch.profiler: `gloo:*` events are what ran, `c10d::*` "
-        "what the torch.distributed API was asked for), mean over ranks. jaxpar: the compiled step's collectives "
+        "what the torch.distributed API was asked for; for the DTensor strategies the counts of DTensor's "
+        "`CommDebugMode` instead, rank 0), mean over ranks. jaxpar: the compiled step's collectives "
         "(`measure.hlo`), per device (a pipeline's: per stage as executed, averaged). Both under "
         "`hlo.ring_factor`'s model; a send counts once, a receive 0. Formula column: the course's for jaxpar's "
         "rows, what the PyTorch code as written sends on gloo for PyTorch's (both named below each pair).",
@@ -378,6 +384,10 @@ NOTES = """## f. What runs, what does not, and why
   `reduce_scatter_tensor_coalesced_` call, part b): FSDP2's gradient reduce-scatter and SP's reduce-scatters
   cost 2(N-1)/N instead of (N-1)/N of their buffer. This is the PyTorch twin of XLA:CPU spelling the automatic
   FSDP's reduce-scatter as all-reduce + slice (lab 02). On NCCL both are real reduce-scatters.
+- **Counting PyTorch's bytes.** The profiler's `gloo:*` events carry each call's buffer on every strategy.
+  DTensor's `CommDebugMode` counts the DTensor strategies' collectives (FSDP2, TP, SP: the same calls, by the
+  name the API was asked for); under `DistributedDataParallel` its module-tracking hook raised an IndexError
+  in torch 2.13 while this lab was built, so DDP and the pipelines are counted by the profiler alone.
 - **DDP broadcasts its buffers every forward** (`broadcast_buffers=True`): the RoPE frequency buffer, 32 B
   per step here. jaxpar has no such buffer: RoPE tables are computed in the step.
 - **TP's first plan sent 7 all-reduces per layer, not 4.** With only `ColwiseParallel` on q, k, v (and gate,

@@ -11,6 +11,7 @@ to the root.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
@@ -120,18 +121,23 @@ def step_trace(events: list[dict], n: int) -> dict:
             "peak_allocated": max(allocated, default=0), "start_allocated": allocated[0] if allocated else 0}
 
 
-def profiled(fn, n: int) -> dict:
-    """Run fn() under torch.profiler (CPU, shapes, memory) and read its trace (`step_trace`)."""
+def profiled(fn, n: int, dtensor: bool = False) -> dict:
+    """Run fn() under torch.profiler (CPU, shapes, memory) and read its trace (`step_trace`); also under
+    DTensor's CommDebugMode when `dtensor` (tensor parallelism: its module hooks fail under DDP in torch
+    2.13), whose counts of DTensor's collectives are kept beside the trace's."""
+    from torch.distributed.tensor.debug import CommDebugMode
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof:
+    with (profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as prof,
+          CommDebugMode() if dtensor else contextlib.nullcontext() as comm):
         fn()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
-    return step_trace(events, n)
+    counted = {str(op).split(".")[-1]: count for op, count in comm.get_comm_counts().items()} if dtensor else None
+    return {**step_trace(events, n), "comm_debug_mode": counted}
 
 
-def train(parallel, batches, hp: Hyper, world: int, profile_step: int = 2) -> dict:
+def train(parallel, batches, hp: Hyper, world: int, profile_step: int = 2, dtensor: bool = False) -> dict:
     """Train `parallel` over `batches` (global [B, s+1] int64): per-step losses and times; step
     `profile_step` runs under the profiler (bytes, allocator peak) and is left out of the times."""
     module = parallel.module
@@ -149,7 +155,7 @@ def train(parallel, batches, hp: Hyper, world: int, profile_step: int = 2) -> di
 
     for i, batch in enumerate(batches):
         if i == profile_step:
-            trace = profiled(partial(one_step, i, batch), world)
+            trace = profiled(partial(one_step, i, batch), world, dtensor)
             continue
         start = time.perf_counter()
         one_step(i, batch)

@@ -53,7 +53,8 @@ def run_rank(rank: int, spec: dict, out: str) -> None:
         else:
             parallel = torch_parallel.STRATEGIES[key](model)
         start = time.perf_counter()
-        results[key] = train(parallel, batches, hp, world=n, profile_step=spec["profile_step"])
+        results[key] = train(parallel, batches, hp, world=n, profile_step=spec["profile_step"],
+                             dtensor=key in spec.get("comm_debug_mode", ()))
         results[key]["seconds"] = time.perf_counter() - start
     dist.barrier()
     results["_process"] = {"rank": rank, "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
