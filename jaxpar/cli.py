@@ -111,6 +111,9 @@ LABS = (
     ("pytorch", "the same model in PyTorch and jaxpar: DDP, FSDP2, TP(+SP), pipelines on N CPU processes",
      "Lab 08 (experiments/08_pytorch): losses, bytes per collective, memory, step time and lines of code of "
      "each PyTorch strategy beside jaxpar's automatic and hand-written counterpart."),
+    ("overlap", "communication hidden behind compute: XLA's scheduler, collective matmul, ZeRO-3 prefetch",
+     "Lab 09 (experiments/09_overlap): per mesh axis, the communication each compiled schedule hides (7B on 64 H100, "
+     "deviceless) and the hand-written versions on CPU (same losses, profiled timelines)."),
     ("capstone", "module 7: plan a 7B Arabic LM on H100s, checked by compiles and CPU runs",
      "Lab 07 (experiments/07_capstone): writes report.md and plots into --out."),
 )

@@ -93,3 +93,9 @@ def test_transfer_carried_across_the_loop_boundary_is_hidden_by_the_previous_tri
     records, _ = _replay(body)
     # issued after the dot, in flight during the all-reduce's exposed wait, done at the next trip's top
     assert records["ag-start"].exposed_s == 0.0 and records["ag-start"].hidden_s == pytest.approx(TEN_US)
+
+
+def test_a_pair_marked_synchronous_is_exposed():
+    text = HLO.replace("dimensions={0}\n", 'dimensions={0}, backend_config={"is_sync":true}\n', 1)
+    records, _ = _replay(text)
+    assert not records["ag-start"].is_async and records["ag-start"].exposed_s == pytest.approx(TEN_US)

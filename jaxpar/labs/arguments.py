@@ -85,3 +85,21 @@ def kernels(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", default="2,4,8,16", help="layer counts of the compile-time part")
     p.add_argument("--gpu-results", metavar="DIR",
                    help="--out directory of benchmarks/attention.py and mfu.py on a GPU")
+
+
+OVERLAP_PARTS = ("gpu", "cpu")
+
+
+def overlap(p: argparse.ArgumentParser) -> None:
+    """`jaxpar lab overlap`."""
+    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-overlap-<time>)")
+    p.add_argument("--parts", metavar="LIST", default=",".join(OVERLAP_PARTS),
+                   help="comma-separated parts: gpu (deviceless 7B compiles on 64 H100s, needs the CUDA plugin "
+                        "wheels, ~2 min each) and cpu (the default model on 8 CPU devices); default both")
+    p.add_argument("--layouts", metavar="LIST", default=None,
+                   help="GPU part: comma-separated layout names (default all; see jaxpar/labs/overlap.py LAYOUTS)")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--steps", type=int, default=5, help="CPU part: training steps compared with one device "
+                                                        "(default 5)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="CPU part: override a field of the default model, e.g. --set model.layers=2")

@@ -11,7 +11,7 @@ stream (each collective costs α + bytes / β on the link its group crosses, and
 queue behind each other, as NCCL's do on one stream). At a `-done` the compute stream waits
 until the transfer ends: that wait is the collective's *exposed* time, the rest of its α-β
 time is *hidden*. A synchronous collective (CPU; or a GPU one XLA did not make async) is
-fully exposed. A `while` loop costs its trip count x its body's replayed time; a transfer
+fully exposed, and so is a start/done pair XLA marks `"is_sync":true` in its backend config. A `while` loop costs its trip count x its body's replayed time; a transfer
 started at the end of a loop body and finished at the top of the next trip (XLA's
 collective pipeliner) is replayed across the boundary.
 
@@ -168,7 +168,7 @@ class _Replay:
         compute = 0.0
         for ins in self.s.by_computation.get(comp, []):
             c = self.collectives.get(ins.name)
-            if c is not None and c.is_async:
+            if c is not None and c.is_async and '"is_sync":true' not in ins.line:
                 begin = max(clock, link)
                 link = begin + self.duration(c)
                 inflight[ins.name] = (link, compute)
@@ -176,7 +176,7 @@ class _Replay:
                 begin = max(clock, link)
                 link = clock = begin + self.duration(c)
                 if record:
-                    self._record(c, 0.0, self.duration(c))
+                    self._record(c, 0.0, self.duration(c), asynchronous=False)
             elif ins.opcode.endswith("-done") and _done_operand(ins) in self.collectives:
                 start = _done_operand(ins)
                 if start in inflight:
@@ -196,10 +196,10 @@ class _Replay:
                 compute += cost
         return clock, {name: end for name, (end, _) in inflight.items()}
 
-    def _record(self, c, between: float, wait: float) -> None:
+    def _record(self, c, between: float, wait: float, asynchronous: bool = True) -> None:
         duration = self.duration(c)
         self.records[c.name] = Record(c.name, c.op, c.axis_label, duration, between, min(wait, duration),
-                                      self.runs(c.computation)[0], c.is_async)
+                                      self.runs(c.computation)[0], asynchronous)
 
 
 def replay(hlo_text: str, hardware: Hardware, duration, mesh=None) -> tuple[list[Record], float]:
