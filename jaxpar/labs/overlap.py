@@ -23,21 +23,23 @@ import time
 from pathlib import Path
 
 from jaxpar.labs.arguments import OVERLAP_PARTS
-from jaxpar.labs.arguments import overlap as add_arguments  # noqa: F401 - run.py's parser
+from jaxpar.labs.arguments import overlap as add_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 SEVEN_B = str(ROOT / "configs" / "arabic_7b.py")
 TOPOLOGY = "1x8x8"                      # 8 hosts x 8 H100s
 HAND_TP = ["mesh.fsdp=1", "mesh.data=8", "mesh.tensor=8", "parallel.tensor=manual", "parallel.sequence=true"]
-LAYOUTS = {                             # name -> (overrides of the 7B config, the planner's strategy key)
+# name -> (overrides of the 7B config, the planner's strategy key: the candidate's data_impl, "+tensor" when
+# mesh.tensor > 1; the hand-written TP keys are recorded for the sheet, the planner has no such candidate)
+LAYOUTS = {
     "fsdp (XLA)": (["mesh.data=1", "mesh.fsdp=64"], "auto"),
-    "fsdp x tensor (XLA)": (["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8"], "auto"),
+    "fsdp x tensor (XLA)": (["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8"], "auto+tensor"),
     "zero3 (by hand)": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3"], "zero3"),
     "zero3 + prefetch": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3", "parallel.prefetch=true"],
                          "zero3+prefetch"),
     "tp+sp (by hand)": (HAND_TP, "tensor-manual"),
-    "tp+sp + collective matmul": ([*HAND_TP, "parallel.tensor_overlap=collective_matmul"], "tensor-cm"),
-    "tp+sp + bidirectional": ([*HAND_TP, "parallel.tensor_overlap=bidirectional"], "tensor-bidir"),
+    "tp+sp + collective matmul": ([*HAND_TP, "parallel.tensor_overlap=collective_matmul"], "tensor-manual+cm"),
+    "tp+sp + bidirectional": ([*HAND_TP, "parallel.tensor_overlap=bidirectional"], "tensor-manual+bidir"),
 }
 FLAGS = {                               # XLA_FLAGS of each variant (names as XLA 0.10.2 spells them)
     "scheduler on": "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -66,7 +68,7 @@ def compile_7b(name: str, flags: str, out: Path, log=print) -> dict:
         args += ["--set", o]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAGS[flags]}"}
     start = time.perf_counter()
-    run = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT)
+    run = subprocess.run(args, check=False, capture_output=True, text=True, env=env, cwd=ROOT)
     if run.returncode:
         log(f"  {name}, {flags}: failed: {run.stderr.strip().splitlines()[-1][:200]}")
         return {"layout": name, "flags": flags, "error": run.stderr.strip().splitlines()[-1][:400]}
@@ -149,14 +151,46 @@ def _intervals_overlap(a, b) -> float:
     return total
 
 
+def lanes_of(events: list[dict]) -> dict[str, dict[str, list]]:
+    """Per device, the (start, end) µs intervals of its compute and of its collectives in a trace.
+
+    XLA:CPU: host events carrying `hlo_op` and `device_ordinal`. GPU: kernel events on a device's
+    stream threads (process `/device:GPU:k`, thread `Stream ...`); NCCL kernels are the collectives."""
+    from jaxpar.measure.profile import COLLECTIVE
+    processes = {e["pid"]: e["args"].get("name", "") for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"].get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    lanes: dict[str, dict[str, list]] = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or not e.get("dur"):
+            continue
+        if "hlo_op" in args and "device_ordinal" in args:
+            lane, label = f"cpu:{args['device_ordinal']}", args["hlo_op"]
+        elif processes.get(e["pid"], "").startswith("/device:GPU") and \
+                threads.get((e["pid"], e.get("tid")), "").startswith("Stream"):
+            lane, label = processes[e["pid"]], f"{e['name']} {args.get('hlo_op', '')}"
+        else:
+            continue
+        kind = "collective" if COLLECTIVE.search(label) else "compute"
+        lanes.setdefault(lane, {"compute": [], "collective": []})[kind].append((e["ts"], e["ts"] + e["dur"]))
+    return lanes
+
+
+def overlap_of(lanes: dict) -> dict:
+    collective = sum(b - a for lane in lanes.values() for a, b in lane["collective"])
+    beside = sum(_intervals_overlap(lane["collective"], lane["compute"]) for lane in lanes.values())
+    return {"lanes": dict(sorted(lanes.items())), "collective_us": collective, "overlapped_us": beside,
+            "overlapped_fraction": beside / collective if collective else 0.0}
+
+
 def profile_step(trainer, step, state, batch) -> dict:
-    """One profiled step: per device its compute and collective ops (µs intervals), and how much of the
-    collective time a compute op of the same device ran beside."""
+    """One profiled step: per device its compute and collective ops, and how much of the collective time
+    a compute op of the same device ran beside."""
     import gzip
 
     import jax
-
-    from jaxpar.measure.profile import COLLECTIVE
     with tempfile.TemporaryDirectory() as directory:
         options = jax.profiler.ProfileOptions()
         options.host_tracer_level = 3          # on CPU, XLA's ops are host events
@@ -164,19 +198,9 @@ def profile_step(trainer, step, state, batch) -> dict:
             jax.profiler.start_trace(directory, profiler_options=options, create_perfetto_trace=True)
             jax.block_until_ready(step(state, batch))
             jax.profiler.stop_trace()
-        with gzip.open(sorted(Path(directory).rglob("*.trace.json.gz"))[-1]) as f:
+        with gzip.open(max(Path(directory).rglob("*.trace.json.gz"))) as f:
             events = json.load(f)["traceEvents"]
-    lanes = {}
-    for e in events:
-        args = e.get("args") or {}
-        if e.get("ph") == "X" and "hlo_op" in args and "device_ordinal" in args and e.get("dur"):
-            kind = "collective" if COLLECTIVE.search(args["hlo_op"]) else "compute"
-            lane = lanes.setdefault(int(args["device_ordinal"]), {"compute": [], "collective": []})
-            lane[kind].append((e["ts"], e["ts"] + e["dur"]))
-    collective = sum(b - a for lane in lanes.values() for a, b in lane["collective"])
-    beside = sum(_intervals_overlap(lane["collective"], lane["compute"]) for lane in lanes.values())
-    return {"lanes": {str(k): v for k, v in sorted(lanes.items())}, "collective_us": collective,
-            "overlapped_us": beside, "overlapped_fraction": beside / collective if collective else 0.0}
+    return overlap_of(lanes_of(events))
 
 
 def cpu_part(out: Path, steps: int, overrides: list[str], log=print) -> dict:
@@ -232,7 +256,7 @@ def plot_timelines(cpu: dict, path: Path) -> None:
     for ax, name in zip(axes[:, 0], names):
         lanes = cpu[name]["profile"]["lanes"]
         t0 = min(a for lane in lanes.values() for kind in lane.values() for a, _ in kind)
-        for row, (device, lane) in enumerate(sorted(lanes.items(), key=lambda kv: int(kv[0]))):
+        for row, (device, lane) in enumerate(sorted(lanes.items())):
             for kind, colour in (("compute", "0.6"), ("collective", "tab:red")):
                 ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in lane[kind]], (row - 0.4, 0.8),
                                facecolors=colour)
@@ -252,10 +276,10 @@ def cpu_table(cpu: dict) -> list[str]:
         p, sch = r["profile"], r["schedule"]
         rows.append([name, f"{r['max_loss_rel_dev']:.1e}", f"{r['temp_bytes'] / 2**20:.2f} MiB",
                      f"{p['collective_us'] / 1e3:.1f} ms", f"{p['overlapped_fraction']:.1%}",
-                     f"{sum(a['async'] for a in sch['by_axis'].values())} of "
-                     f"{sum(a['collectives'] for a in sch['by_axis'].values())}"])
-    return [md_table(["hand-written", "max loss rel. dev. vs one device", "compiled temp", "collective time "
-                      "(profile, all devices)", "of it beside compute (same device)", "async collectives"], rows)]
+                     (f"{sum(a['async'] for a in sch['by_axis'].values())} of "
+                     f"{sum(a['collectives'] for a in sch['by_axis'].values())}")])
+    return [md_table(["hand-written", "max loss rel. dev. vs one device", "compiled temp", ("collective time "
+                      "(profile, all devices)"), "of it beside compute (same device)", "async collectives"], rows)]
 
 
 SHEET_HEADER = """# Lab 09: communication hidden behind computation
@@ -273,6 +297,10 @@ def run_lab(out, parts, layouts, steps: int, overrides: list[str], log=print) ->
         log(f"GPU part: the 7B on {TOPOLOGY} H100s, deviceless")
         results["gpu"] = gpu_part(out, layouts, log)
         results["measured_fractions"] = measured_fractions(results["gpu"])
+        (out / "overlap_measured.json").write_text(json.dumps(      # copy to jaxpar/plan/ to update the planner
+            {"source": f"jaxpar lab overlap, {time.strftime('%Y-%m-%d')}: 7B on {TOPOLOGY} H100 deviceless, "
+                       "XLA's scheduler on, schedules replayed (measure/overlap.py)",
+             "hidden_fraction": results["measured_fractions"]}, indent=2) + "\n")
         lines += ["", "## 7B on 64 H100 (deviceless compiles)", "", *gpu_table(results["gpu"])]
     if "cpu" in parts:
         log("CPU part: the default model on 8 CPU devices")

@@ -31,8 +31,10 @@ Calibration (ASSUMPTIONS unless said otherwise; the lab prints them with the anc
   FP8_EFFICIENCY      η of fp8 matmuls relative to the fp8 peak (0.7 x η: fp8 GEMMs reach a lower
                       fraction of their doubled peak, and casts and scaling cost extra).
   OVERLAP             fraction of the hideable communication XLA overlaps with the layers' compute on
-                      GPU (lab 02: the compiled 7B ZeRO-3 step overlaps 5 of 8 forward and 4 of 8
-                      backward gathers per layer with matmuls of the same layer).
+                      GPU, where no measurement exists: `GPU_CALIBRATION.measured` holds the fraction of
+                      each (strategy, axis) replayed from compiled H100 schedules (plan/overlap.py, lab 09).
+                      (lab 02: the compiled 7B ZeRO-3 step overlaps 5 of 8 forward and 4 of 8 backward
+                      gathers per layer with matmuls of the same layer).
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ from fractions import Fraction
 
 from jaxpar.plan.cluster import Cluster
 from jaxpar.plan.comm import Flow, flows, rows_per_microbatch
+from jaxpar.plan.overlap import hidden_fraction
+from jaxpar.plan.overlap import measured as measured_overlap
 from jaxpar.plan.shape import ModelShape
 from jaxpar.plan.space import Candidate
 
@@ -74,9 +78,13 @@ class Calibration:
     overlap: float = OVERLAP
     memory: float = MEMORY_EFFICIENCY
     source: str = "assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py)"
+    measured: tuple = ()    # ((strategy, axis), hidden fraction): compiled schedules (plan/overlap.py)
 
 
-GPU_CALIBRATION = Calibration()
+GPU_CALIBRATION = Calibration(measured=measured_overlap(),
+                              source="assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py); "
+                                     "overlap per strategy and axis from compiled H100 schedules where measured "
+                                     "(jaxpar/plan/overlap_measured.json)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +187,11 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
         link = cluster.link(_span(cand, f.axis))
         t = link.time(f.op, f.bytes, f.count)
         comm[f.axis] = comm.get(f.axis, 0.0) + t
-        if f.hideable and cluster.platform != "cpu":
+        strategy = cand.data_impl + ("+tensor" if cand.tensor > 1 else "")
+        known = hidden_fraction(calibration.measured, strategy, f.axis) if cluster.platform != "cpu" else None
+        if known is not None:                   # the compiled schedule's own fraction (lab 09)
+            exposed[f.axis] = exposed.get(f.axis, 0.0) + t * (1 - known)
+        elif f.hideable and cluster.platform != "cpu":
             hideable += t
             exposed[f.axis] = exposed.get(f.axis, 0.0) + t * (1 - calibration.overlap)
         else:
