@@ -399,9 +399,6 @@ def validate_moe(config, sizes: dict[str, int]) -> None:
     if sizes["pipe"] > 1:
         raise ConfigError("mesh.pipe", f"is {sizes['pipe']}, but MoE models do not run in a pipeline yet (the "
                           "aux losses and router statistics are not carried across stages); use mesh.pipe=1")
-    if config.parallel.tensor == "manual":
-        raise ConfigError("parallel.tensor", "is 'manual', but the manual Megatron trainer has no MoE layer; "
-                          "use parallel.tensor=auto (experts are split over tensor inside each expert)")
     if moe.experts % ep:
         raise ConfigError("model.moe.experts", f"{moe.experts} experts are not divisible by mesh.expert={ep}")
     if not 1 <= moe.top_k <= moe.experts:
