@@ -81,7 +81,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel = ml_collections.ConfigDict()   # which implementation runs each mesh axis (parallel/registry.py)
     c.parallel.data = "auto"      # auto (XLA all-reduces) | ddp | zero1 | zero2 | zero3 (shard_map, parallel/zero.py)
     c.parallel.fsdp = "auto"      # auto: params, grads, Adam state split on `embed`; XLA gathers and scatters
-    c.parallel.pipe = "auto"      # mesh.pipe > 1: gpipe | 1f1b | interleaved | zb-h1 | dualpipev (parallel/pipeline.py) |
+    c.parallel.pipe = "auto"      # mesh.pipe > 1: gpipe | 1f1b | interleaved | zb-h1 | dualpipev | pipedream-2bw
+                                  # (asynchronous: one step of weight staleness) (parallel/pipeline.py) |
                                   # circular (compiler-driven, parallel/circular.py)
     c.parallel.pipe_microbatches = 0   # the pipeline's own microbatches m (0: 2 x mesh.pipe)
     c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved and dualpipev, else 1; circular: repeats)
@@ -346,7 +347,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
     sizes = mesh_shape(config, num_devices)
     if sizes["pipe"] > 1 and config.parallel.pipe == "auto":
         raise ConfigError("parallel.pipe", f"is 'auto' but mesh.pipe={sizes['pipe']}; choose a schedule: "
-                          "gpipe, 1f1b, interleaved, zb-h1, dualpipev, or circular (the compiler-driven pipeline)")
+                          "gpipe, 1f1b, interleaved, zb-h1, dualpipev, pipedream-2bw, or circular (the compiler-driven "
+                          "pipeline)")
     for field in ("pipe_microbatches", "pipe_virtual"):
         if config.parallel[field] < 0:
             raise ConfigError(f"parallel.{field}", f"is {config.parallel[field]}; must be positive, or 0 (default)")

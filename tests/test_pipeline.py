@@ -333,3 +333,21 @@ def test_1f1b_and_3d_on_two_processes_match_one_device(monkeypatch, runs, oracle
     assert set(found) == set(WORKER_CASES)
     for name, losses in found.items():
         np.testing.assert_allclose(losses, oracle[0], rtol=1e-4, err_msg=name)
+
+
+def test_pipedream_2bw_applies_each_gradient_one_step_late():
+    """W(t+1) = W(t) - lr·g(W(t-1)): the first step applies nothing, every later step the gradient before it."""
+    import optax
+
+    from jaxpar.parallel.pipedream import delayed_gradient
+    optimizer = delayed_gradient(optax.sgd(0.5))
+    params = {"w": jnp.ones(3)}
+    state = optimizer.init(params)
+    grads = [{"w": jnp.full(3, float(i + 1))} for i in range(3)]
+    applied = []
+    for g in grads:
+        updates, state = optimizer.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        applied.append(float(updates["w"][0]))
+    assert applied == [0.0, -0.5 * 1, -0.5 * 2]     # nothing, then gradient 1, then gradient 2
+    assert build("pipedream-2bw", 4, 8).grid == build("1f1b", 4, 8).grid

@@ -28,7 +28,7 @@ from fractions import Fraction
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
     """The textbook bubble fraction of a schedule with p stages, m microbatches, v chunks per stage."""
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in ("gpipe", "1f1b", "pipedream-2bw"):   # 2BW: 1F1B's table per step (parallel/pipedream.py)
         return Fraction(p - 1, m + p - 1)
     if schedule in ("interleaved", "circular"):
         return Fraction(p - 1, v * m + p - 1)

@@ -51,6 +51,7 @@ from jaxpar.measure import hlo
 from jaxpar.model.transformer import embed, head_loss, run_blocks
 from jaxpar.parallel import deferred
 from jaxpar.parallel.megatron import tensor_parallel_ops
+from jaxpar.parallel.pipedream import delayed_gradient
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import NAMES, Schedule, build, run_orders, validate
 from jaxpar.train.strategy import Strategy
@@ -466,7 +467,8 @@ def _dim_of(spec: P, axis: str):
 
 
 class PipelineTrainer(Strategy):
-    """GPipe, 1F1B, interleaved 1F1B, ZB-H1 and DualPipeV over `pipe`, with data / fsdp / tensor around them."""
+    """GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV and PipeDream-2BW over `pipe`, with data / fsdp / tensor
+    around them."""
 
     RUNS = {"pipe": NAMES, "tensor": ("manual",)}   # tensor: Megatron's f/g inside every stage either way
 
@@ -495,6 +497,8 @@ class PipelineTrainer(Strategy):
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
+        if config.parallel.pipe == "pipedream-2bw":      # asynchronous: one step of weight staleness
+            self.optimizer = delayed_gradient(self.optimizer)
         sizes = {axis: int(size) for axis, size in mesh.shape.items()}
         self.p, self.v = sizes[AXIS], pipe_virtual(config)
         self.m = pipe_microbatches(config, self.p)

@@ -26,7 +26,7 @@ from collections import Counter, deque
 from fractions import Fraction
 from typing import NamedTuple
 
-NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "pipedream-2bw")
 SHAPES = ("loop", "v")
 
 
@@ -316,6 +316,8 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
         return zb_h1(p, m)
     if name == "dualpipev":
         return dualpipev(p, m)
+    if name == "pipedream-2bw":      # 1F1B's table per step; the staleness is the optimizer's (parallel/pipedream.py)
+        return dataclasses.replace(one_f_one_b(p, m), name="pipedream-2bw")
     raise ScheduleError(f"unknown schedule '{name}'; valid: {', '.join(NAMES)}")
 
 
