@@ -174,6 +174,24 @@ def test_collective_bytes_match_the_formula(variant, built):
     assert len(data) == 1 and data[0].runs_per_step == 1
 
 
+def test_fsdp_gathers_each_layer_where_it_runs_and_sends_the_predicted_bytes(built):
+    """TP x FSDP: the weights' all-gathers over fsdp run inside the layer loops (forward and the backward's
+    re-gather), their gradients reduce-scatter there; bytes per axis as `manual_tensor_bytes` predicts."""
+    compiled, _ = built("tp-fsdp")
+    t = compiled.trainer
+    found = compiled.collectives()
+    L = t.model_cfg.layers
+    in_loops = {c.op for c in found if c.axes == ("fsdp",) and c.runs_per_step == L}
+    assert {"all-gather", "reduce-scatter"} <= in_loops
+    total = defaultdict(float)
+    for c in found:
+        total[c.axis_label] += c.bytes_per_step
+    predicted = manual_tensor_bytes(t.config, t.model_cfg, dict(t.mesh.shape), "cpu")
+    assert set(predicted) == {"tensor", "fsdp", "data"}
+    for axis, value in predicted.items():    # the loss and norm scalars reduce over two axes at once: 4-8 bytes
+        assert total[axis] == pytest.approx(value, rel=1e-4), axis
+
+
 def test_sp_keeps_a_t_th_of_the_sequence_region():
     """The activations SP splits (norm inputs and outputs, residual stream) are 1/t of TP's per layer;
     the attention and MLP ones are the same. Keeping the gathered matmul inputs loses part of it."""
