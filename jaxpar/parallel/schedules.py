@@ -238,14 +238,15 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb-h1", p, m, 1, True, p, run_orders(orders, 1, True))
 
 
-def dualpipev(p: int, m: int) -> Schedule:
+def dualpipev(p: int, m: int, blocks: bool = True) -> Schedule:
     """DualPipeV (DeepSeek-V3's DualPipe cut in half, as in deepseek-ai/DualPipe and torchtitan's
     ScheduleDualPipeV): 2p model stages in a V over p stages, chunk 0 going down, chunk 1 coming back.
     Stage r warms up with 2(p-r-1) forwards of chunk 0, then r+1 pairs F0 F1, then p-r-1 rounds of
     zero-bubble I1 W F1; the steady state alternates "F0 & B1" and "F1 & B0" (a forward of one chunk
     overlapped with a full backward of the other in DualPipe; here one after the other: F, B, W);
     the drain splits the backward (B now, W later) to fill the bubbles. Needs m >= 2p.
-    A full backward is B then W at once; a split one queues its W for the next free slot."""
+    A full backward is B then W at once; a split one queues its W for the next free slot.
+    `blocks=False` (lab only) runs the same orders with each action sending as soon as it is done."""
     if m < 2 * p:
         raise ScheduleError(f"dualpipev needs at least 2p = {2 * p} microbatches, got {m}")
     orders = []
@@ -273,7 +274,8 @@ def dualpipev(p: int, m: int) -> Schedule:
             start = len(order)
             run("F", forward_chunk)
             backward(backward_chunk)
-            order[start:] = [tuple(order[start:])]
+            if blocks:
+                order[start:] = [tuple(order[start:])]
 
         for _ in range(2 * (p - r - 1)):
             run("F", 0)
