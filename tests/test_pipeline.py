@@ -39,11 +39,11 @@ CASES = {
     "circular p=4 m=8": (["mesh.data=1", "mesh.pipe=4", "parallel.pipe=circular", "parallel.pipe_microbatches=8"], 4),
     "3d data=2 pipe=2 tensor=2": (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b",
                                    "parallel.pipe_microbatches=4"], 8),
-    # the V: device 0 holds model stages 0 and 3, device 1 stages 1 and 2 (sends down, up and to itself)
-    "dualpipev p=2 m=4": (["mesh.data=1", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=4"], 2),
-    "manual tp fsdp=2 pipe=2 tensor=2": (["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.tensor=2",
-                                          "parallel.pipe=zb-h1", "parallel.tensor=manual",
-                                          "parallel.pipe_microbatches=4"], 8),
+    # DualPipeV's V (device 0 holds model stages 0 and 3, device 1 stages 1 and 2: sends down, up and to itself)
+    # with manual TP x FSDP inside its stages
+    "dualpipev, manual tp: fsdp=2 pipe=2 tensor=2": (["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.tensor=2",
+                                                      "parallel.pipe=dualpipev", "parallel.tensor=manual",
+                                                      "parallel.pipe_microbatches=4"], 8),
 }
 
 

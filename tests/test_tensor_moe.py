@@ -1,6 +1,6 @@
 """An MoE model under manual Megatron TP x FSDP (data=2 x fsdp=2 x tensor=2): every expert's hidden split over
 tensor (Megatron-Core's default expert tensor parallelism), the router replicated. One device is the oracle:
-losses, gradient norms, the per-layer router telemetry, the aux-free bias and every gradient of one batch.
+losses, gradient norms, the per-layer router telemetry, the parameters and the aux-free bias.
 
 The Switch balance loss E·Σ f_i·P_i is a product of two batch means: each batch shard computes its own, as
 every data-parallel trainer (and Megatron-Core) does, which is not the whole batch's. It is switched off
@@ -11,11 +11,12 @@ from synthetic import counting_batches
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.mesh import make_mesh
-from jaxpar.model.transformer import ModelConfig, loss
+from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_trainer
 from jaxpar.parallel.tensor import TensorTrainer
 
 VOCAB, STEPS = 512, 3
+FAST = {"xla_backend_optimization_level": 0}   # LLVM's -O0: faster compiles, the same HLO and numbers
 # fine-grained experts plus a shared one, the sigmoid router with its bias update; clipping below every norm
 MOE = ["model.moe.experts=4", "model.moe.router=sigmoid", "model.moe.bias_rate=0.01", "model.moe.balance_loss=0",
        "model.moe.shared_experts=1",
@@ -30,14 +31,19 @@ def make(overrides, devices):
 
 
 def train(trainer):
+    with jax.set_mesh(trainer.mesh):
+        step = trainer.lower_step().compile(compiler_options=FAST)
     state, records = trainer.init_state(), []
     for batch in counting_batches(trainer.config, STEPS, VOCAB):
-        state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+        with jax.set_mesh(trainer.mesh):
+            state, metrics = step(state, jax.device_put(batch, trainer.batch_sharding))
         records.append({k: np.asarray(metrics[k]) for k in TELEMETRY})
     return state, records
 
 
 def test_moe_with_manual_tp_and_fsdp_matches_one_device():
+    """Every step's loss, gradient norm (the gradient check: the router's reaches the gates through Megatron's
+    f) and router telemetry per layer; the parameters after the steps, the aux-free bias included."""
     single = make(["mesh.data=1"], 1)
     manual = make(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.tensor=manual"], 8)
     assert isinstance(manual, TensorTrainer)
@@ -51,12 +57,4 @@ def test_moe_with_manual_tp_and_fsdp_matches_one_device():
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_state["params"]),
                             jax.tree.leaves(want_state["params"])):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-5,
-                                   err_msg=jax.tree_util.keystr(path))
-    # every gradient of one batch, the router's included (it reaches the gates through Megatron's f)
-    params, batch = single.init_state()["params"], counting_batches(single.config, 1, VOCAB)[0]
-    oracle = jax.jit(jax.grad(lambda p, x: loss(p, x, single.model_cfg, single.ops)[0]))(params, batch)
-    with jax.set_mesh(manual.mesh):
-        _, grads = manual.grad_fn(manual.init_state()["params"], jax.device_put(batch, manual.batch_sharding))
-    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(oracle)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-7,
                                    err_msg=jax.tree_util.keystr(path))
