@@ -514,7 +514,8 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
         if name in results:
             plot(results[name], out / f"{name}.png")
     footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in PARTS if k in results},
-                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
+                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values()))
+                          if lab._cache else None)     # (part d compiles its own programs, not cached)
     log(footer)
     log(f"wrote {out / 'report.md'}, results.json and the plots")
     return results
