@@ -190,7 +190,7 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     from jaxpar.model.counting import param_count
     from jaxpar.train.step import activation_dtype
 
-    if config.parallel.tensor == "manual":
+    if config.parallel.tensor == "manual" and sizes.get("pipe", 1) == 1:
         return manual_tensor_bytes(config, model_cfg, sizes, platform)
     counts = param_count(model_cfg)
     psi, psi_layers = counts["total"], counts["blocks"]
@@ -268,16 +268,21 @@ def manual_tensor_bytes(config, model_cfg, sizes: dict[str, int], platform: str,
            Both, per microbatch: the cross-entropy's three fp32 reductions (max, sum of exponentials,
                target logit) 3·2(T-1)/T·4·b·s; once per step: the grad-norm scalar 2(T-1)/T·4.
     data:  DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(Ψ_split/T + Ψ_norms), plus
-           the loss 2(D-1)/D·4.
+           the loss 2(D-1)/D·4 (with fsdp F > 1: this device's share of each parameter, Ψ_leaf/(T·F)).
+    fsdp:  F > 1, per parameter split over fsdp, fp32, g = its size / T if split over tensor:
+           (F-1)/F·4·g for each all-gather, 3 per layer weight (forward, the backward's re-gather, the
+           gradient's reduce-scatter), 2 for the embedding and head (gathered once; a tied one twice); the parameters
+           fsdp does not split (norms, the router bias) all-reduce their gradient, 2(F-1)/F·4·size.
+           The scalars (loss, norm) that reduce over data x fsdp together are left out.
     """
     import numpy as np
 
     from jaxpar.model.counting import param_count
     from jaxpar.train.step import activation_dtype
 
-    T, D = sizes.get("tensor", 1), sizes.get("data", 1)
+    T, D, F = sizes.get("tensor", 1), sizes.get("data", 1), sizes.get("fsdp", 1)
     m, L, h, s = config.train.microbatches, model_cfg.layers, model_cfg.d_model, config.data.seq_len
-    b = config.train.batch_size // m // D
+    b = config.train.batch_size // m // (D * F)
     e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
     norms = (2 * L + 1) * h
     out = {}
@@ -287,10 +292,40 @@ def manual_tensor_bytes(config, model_cfg, sizes: dict[str, int], platform: str,
         ring = 2 * (T - 1) / T
         out["tensor"] = (m * ((per_layer * L + 4) * u + ring * 4 * 3 * b * s) + ring * 4
                          + (ring * 4 * norms if config.parallel.sequence else 0))
-    if D > 1:
+    if F > 1:
+        out["fsdp"], stored = _fsdp_bytes(model_cfg, T, F)
+        if D > 1:
+            out["data"] = 2 * (D - 1) / D * 4 * (stored + 1)
+    elif D > 1:
         psi = param_count(model_cfg)["total"]
         out["data"] = 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1)
     return out
+
+
+def _fsdp_bytes(model_cfg, T: int, F: int) -> tuple[float, float]:
+    """(fsdp bytes per device per step, elements this device stores) of manual TP x FSDP (default rules)."""
+    import jax
+    import numpy as np
+
+    from jaxpar.model.transformer import init_params
+    from jaxpar.parallel.rules import DEFAULT
+
+    shapes = jax.eval_shape(lambda: init_params(model_cfg, 0))
+    specs = DEFAULT.tree_specs(model_cfg.param_axes(), ("tensor", "fsdp"))
+    sent = stored = 0.0
+    for (path, shape), spec in zip(jax.tree_util.tree_leaves_with_path(shapes),
+                                   jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+        axes = jax.tree.leaves(tuple(spec))
+        size = float(np.prod(shape.shape)) / (T if "tensor" in axes else 1)
+        name = jax.tree_util.keystr(path[:1], simple=True)
+        gathers = 3 if name in ("blocks", "moe_blocks") else 4 if name == "embed" and model_cfg.tie_embeddings else 2
+        if "fsdp" in axes:
+            sent += (F - 1) / F * 4 * size * gathers
+            stored += size / F
+        else:
+            sent += 2 * (F - 1) / F * 4 * size
+            stored += size
+    return sent, stored
 
 
 def _pipeline_collective_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:

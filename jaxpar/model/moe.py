@@ -318,10 +318,12 @@ def moe_feed_forward(x, w, cfg: MoEConfig, ops: Ops, noise=None):
     """The routed experts of one MoE layer: x [B, S, D] (normed) -> (output [B, S, D], aux).
 
     The router sees x itself; the experts see ops.column_in(x) and their combined output goes
-    through ops.row_out, like the dense MLP's column- and row-parallel matmuls.
+    through ops.row_out, like the dense MLP's column- and row-parallel matmuls. The gates enter
+    that parallel region too (through column_in: Megatron's f): under manual TP each device
+    combines its partial expert outputs with them, so their gradient is summed over `tensor`.
     """
     w = weights_in_use(w, ops)
     logits, probs, ids, gates = route(x, w, cfg, noise)
     dispatch = ops.routed_experts if isinstance(ops, MoEOps) else routed_experts
-    y, kept = dispatch(ops.column_in(x), ids, gates, expert_weights(w), cfg, ops)
+    y, kept = dispatch(ops.column_in(x), ids, ops.column_in(gates), expert_weights(w), cfg, ops)
     return ops.row_out(y), router_outputs(logits, probs, ids, kept, cfg)

@@ -13,7 +13,8 @@ microbatch and chunk, and which buffer slot it reads and writes. The step is a
   1. runs its cell with `lax.switch` (idle, F, B or W; the first and last model stages
      have their own F and B, which embed or take the loss),
   2. sends its forward output to the next stage and its input gradient to the previous
-     one (two `ppermute`s over `pipe`),
+     one (two `ppermute`s over `pipe`; under DualPipeV's V a chunk-1 cell sends the other way
+     round, and the V's bottom hands over to itself),
   3. files what arrived into the slot the table names.
 
 F is `jax.vjp` of the chunk: the output goes on, the residuals (activations) are kept
@@ -50,6 +51,7 @@ from jaxpar.measure import hlo
 from jaxpar.model.transformer import embed, head_loss, run_blocks
 from jaxpar.parallel import deferred
 from jaxpar.parallel.megatron import tensor_parallel_ops
+from jaxpar.parallel.pipedream import delayed_gradient
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import NAMES, Schedule, build, run_orders, validate
 from jaxpar.train.strategy import Strategy
@@ -68,8 +70,8 @@ def pipe_microbatches(config, p: int) -> int:
 
 
 def pipe_virtual(config) -> int:
-    """parallel.pipe_virtual, 0 meaning 2 for the interleaved schedule and 1 otherwise."""
-    return config.parallel.pipe_virtual or (2 if config.parallel.pipe == "interleaved" else 1)
+    """parallel.pipe_virtual, 0 meaning 2 for the interleaved and DualPipeV schedules and 1 otherwise."""
+    return config.parallel.pipe_virtual or (2 if config.parallel.pipe in ("interleaved", "dualpipev") else 1)
 
 
 def check_pipeline(config, sizes: dict[str, int], name: str, virtual_ok: bool, min_microbatches: int) -> None:
@@ -106,7 +108,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     orders = [[row[s] for row in schedule.grid if row[s] is not None and row[s].kind == "F"]
               for s in range(schedule.stages)]
     return dataclasses.replace(schedule, name=f"{schedule.name} forward", split_backward=False,
-                               grid=run_orders(orders, schedule.virtual, False))
+                               grid=run_orders(orders, schedule.virtual, False, schedule.shape))
 
 
 # ============================================================================ table -> program
@@ -136,8 +138,11 @@ class Program:
     branch, microbatch, chunk: what the stage runs. act / grad: the slot of the activation
     F reads / the gradient B reads (F on the last model stage writes its dy there). stash:
     where F keeps its residuals and B finds them; wstash: where B keeps the taps for W.
-    act_in / grad_in: the slot an arriving activation / gradient is filed into (the extra
-    last slot of the buffer takes what arrives when nothing was sent).
+    <route>_act_in / <route>_grad_in: the slot an activation / gradient arriving by that route is
+    filed into (the extra last slot of the buffer takes what arrives when nothing was sent).
+    Routes: `down` (from stage s-1: activations, and DualPipeV's chunk-1 gradients), `up` (from
+    s+1: gradients, and DualPipeV's chunk-1 activations), `local` (the V's bottom hands its
+    chunk 0 to its own chunk 1). flip: this cell's send travels against the usual direction.
     """
 
     schedule: Schedule
@@ -149,13 +154,24 @@ class Program:
         return self.schedule.ticks
 
 
-FIELDS = ("branch", "microbatch", "chunk", "act", "grad", "stash", "wstash", "act_in", "grad_in")
+ROUTES = ("down", "up", "local")
+ARRIVALS = tuple(f"{route}_{buffer}_in" for route in ROUTES for buffer in ("act", "grad"))
+FIELDS = ("branch", "microbatch", "chunk", "act", "grad", "stash", "wstash", "flip", *ARRIVALS)
+
+
+def _route(schedule: Schedule, buffer: str, sender: int, receiver: int, flip: bool) -> str:
+    """How a send reaches `receiver`: activations go down the stages and gradients up, reversed on the V's
+    way back (flip); a stage sending to itself keeps it (the V's bottom)."""
+    if sender == receiver and schedule.shape == "v":
+        return "local"
+    return ("down" if buffer == "act" else "up") if not flip else ("up" if buffer == "act" else "down")
 
 
 def compile_program(schedule: Schedule) -> Program:
     p, K, T = schedule.stages, schedule.model_stages, schedule.ticks
     table = {f: np.zeros((T, p), np.int32) for f in FIELDS}
-    table["act_in"][:] = table["grad_in"][:] = -1
+    for field in ARRIVALS:
+        table[field][:] = -1
     pools = [{b: _Slots() for b in ("act", "grad", "stash", "wstash")} for _ in range(p)]
     for t, row in enumerate(schedule.grid):
         arrivals = []
@@ -164,6 +180,8 @@ def compile_program(schedule: Schedule) -> Program:
                 continue
             k, key, pool = schedule.model_stage(s, action.chunk), (action.microbatch, action.chunk), pools[s]
             table["microbatch"][t, s], table["chunk"][t, s] = action.microbatch, action.chunk
+            flip = schedule.shape == "v" and action.chunk == 1
+            table["flip"][t, s] = flip
             if action.kind == "F":
                 table["branch"][t, s] = F_FIRST if k == 0 else F_LAST if k == K - 1 else F_MID
                 if k > 0:
@@ -172,7 +190,7 @@ def compile_program(schedule: Schedule) -> Program:
                 if k == K - 1:
                     table["grad"][t, s] = pool["grad"].take(key)
                 else:
-                    arrivals.append(("act", (s + 1) % p, (action.microbatch, (k + 1) // p)))
+                    arrivals.append(("act", s, schedule.placement(k + 1), action.microbatch, flip))
             elif action.kind == "B":
                 table["branch"][t, s] = B_FIRST if k == 0 else B_MID
                 table["grad"][t, s] = pool["grad"].free(key)
@@ -180,15 +198,16 @@ def compile_program(schedule: Schedule) -> Program:
                 if schedule.split_backward:
                     table["wstash"][t, s] = pool["wstash"].take(key)
                 if k > 0:
-                    arrivals.append(("grad", (s - 1) % p, (action.microbatch, (k - 1) // p)))
+                    arrivals.append(("grad", s, schedule.placement(k - 1), action.microbatch, flip))
             else:
                 table["branch"][t, s] = W
                 table["wstash"][t, s] = pool["wstash"].free(key)
-        for buffer, s, key in arrivals:
-            table[f"{buffer}_in"][t, s] = pools[s][buffer].take(key)
+        for buffer, sender, (s, chunk), microbatch, flip in arrivals:
+            route = _route(schedule, buffer, sender, s, flip)
+            table[f"{route}_{buffer}_in"][t, s] = pools[s][buffer].take((microbatch, chunk))
     slots = {b: max(pool[b].size for pool in pools) for b in ("act", "grad", "stash", "wstash")}
-    for buffer in ("act", "grad"):
-        table[f"{buffer}_in"][table[f"{buffer}_in"] < 0] = slots[buffer]     # nothing sent: the spare slot
+    for field in ARRIVALS:
+        table[field][table[field] < 0] = slots[field.split("_")[1]]     # nothing sent: the spare slot
     return Program(schedule, table, slots)
 
 
@@ -396,9 +415,26 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
         if sched.split_backward:
             carry["wstash"] = {k: tuple(jnp.zeros((slots["wstash"], stage.chunk_layers, *s.shape), s.dtype)
                                         for s in (site.x, site.y)) for k, site in stage.sites.items()}
-    forward_pairs = [(s, (s + 1) % p) for s in range(p if v > 1 else p - 1)]     # v > 1: a ring
+    ring = v > 1 and sched.shape == "loop"
+    forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]     # interleaved: a ring
     backward_pairs = [(b, a) for a, b in forward_pairs]
+    used = [f for f in ARRIVALS if (program.table[f] != slots[f.split("_")[1]]).any()]   # routes in use
+    flips = bool(program.table["flip"].any())
     table = {k: jnp.asarray(t) for k, t in program.table.items()}
+
+    def deliver(carry, row, out):
+        """The tick's sends: one ppermute down the stages, one up, and the V's hand-over to itself."""
+        down, up = out["send_act"], out["send_grad"]
+        if flips:
+            down, up = jnp.where(row["flip"], up, down), jnp.where(row["flip"], down, up)
+        arrived = {"down": lambda: jax.lax.ppermute(down, AXIS, forward_pairs),
+                   "up": lambda: jax.lax.ppermute(up, AXIS, backward_pairs), "local": lambda: down}
+        received = {route: arrived[route]() for route in ROUTES if any(f.startswith(route) for f in used)}
+        for field in used:
+            route, buffer = field.split("_")[:2]
+            name = "acts" if buffer == "act" else "grads_in"
+            carry[name] = carry[name].at[row[field]].set(received[route])
+        return carry
 
     def tick(carry, t):
         row = {k: column[t, me] for k, column in table.items()}
@@ -417,10 +453,7 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
             carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], out["d_outer"])
             if sched.split_backward:
                 carry["wstash"] = _put(carry["wstash"], row["wstash"], out["taps"])
-            carry["grads_in"] = carry["grads_in"].at[row["grad_in"]].set(
-                jax.lax.ppermute(out["send_grad"], AXIS, backward_pairs))
-        carry["acts"] = carry["acts"].at[row["act_in"]].set(jax.lax.ppermute(out["send_act"], AXIS, forward_pairs))
-        return carry, None
+        return deliver(carry, row, out), None
 
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(program.ticks))
     grads = {"chunks": carry["chunk_grads"], "outer": carry["outer_grads"]} if train else None
@@ -434,16 +467,27 @@ def _dim_of(spec: P, axis: str):
 
 
 class PipelineTrainer(Strategy):
-    """GPipe, 1F1B, interleaved 1F1B and ZB-H1 over `pipe`, with data / fsdp / tensor around them."""
+    """GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV and PipeDream-2BW over `pipe`, with data / fsdp / tensor
+    around them."""
 
-    RUNS = {"pipe": NAMES}
+    RUNS = {"pipe": NAMES, "tensor": ("manual",)}   # tensor: Megatron's f/g inside every stage either way
 
     @classmethod
     def check(cls, config, sizes):
         name = config.parallel.pipe
-        check_pipeline(config, sizes, name, virtual_ok=name == "interleaved",
+        check_pipeline(config, sizes, name, virtual_ok=name in ("interleaved", "dualpipev"),
                        min_microbatches=1 if name == "gpipe" else sizes["pipe"])
         m, p = pipe_microbatches(config, sizes["pipe"]), sizes["pipe"]
+        if config.parallel.sequence:
+            raise ConfigError("parallel.sequence", "the pipeline trainers run Megatron's TP inside each stage "
+                              "without sequence parallelism; set parallel.sequence=false")
+        if name == "dualpipev":
+            if pipe_virtual(config) != 2:
+                raise ConfigError("parallel.pipe_virtual", f"is {pipe_virtual(config)}; dualpipev holds exactly 2 "
+                                  "chunks per stage (a V): use 2 (or 0)")
+            if m < 2 * p:
+                raise ConfigError("parallel.pipe_microbatches", f"is {m}; dualpipev needs at least 2 x mesh.pipe = "
+                                  f"{2 * p} microbatches")
         if name == "interleaved":
             if pipe_virtual(config) < 2:
                 raise ConfigError("parallel.pipe_virtual", "is 1; interleaved needs v >= 2 chunks per stage")
@@ -453,6 +497,8 @@ class PipelineTrainer(Strategy):
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
+        if config.parallel.pipe == "pipedream-2bw":      # asynchronous: one step of weight staleness
+            self.optimizer = delayed_gradient(self.optimizer)
         sizes = {axis: int(size) for axis, size in mesh.shape.items()}
         self.p, self.v = sizes[AXIS], pipe_virtual(config)
         self.m = pipe_microbatches(config, self.p)
@@ -497,13 +543,18 @@ class PipelineTrainer(Strategy):
 
     # ---------------------------------------------------------------- layout
     def _staged(self, params):
-        """[L, ...] -> [v, p, Lc, ...]: model stage c*p + s goes to pipe device s (a re-deal of chunks when v > 1)."""
-        to = lambda w: w.reshape(self.v, self.p, self.chunk_layers, *w.shape[1:])
+        """[L, ...] -> [v, p, Lc, ...]: model stage c*p + s goes to pipe device s (a re-deal of chunks when v > 1);
+        under DualPipeV's V chunk 1 of device s is model stage 2p-1-s (the second half reversed)."""
+        to = lambda w: self._v_order(w.reshape(self.v, self.p, self.chunk_layers, *w.shape[1:]))
         staged = {**params, "blocks": jax.tree.map(to, params["blocks"])}
         return jax.lax.with_sharding_constraint(staged, self.staged_shardings)
 
+    def _v_order(self, w):
+        """[v, p, ...] in model-stage order <-> the V's placement (its own inverse); the loop: as it is."""
+        return w if self.schedule.shape != "v" else jnp.concatenate([w[:1], w[1:, ::-1]])
+
     def _unstaged(self, grads):
-        back = lambda g: g.reshape(-1, *g.shape[3:])
+        back = lambda g: self._v_order(g).reshape(-1, *g.shape[3:])
         grads = {**grads, "blocks": jax.tree.map(back, grads["blocks"])}
         return jax.lax.with_sharding_constraint(grads, self.param_shardings)
 
