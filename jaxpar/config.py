@@ -396,9 +396,6 @@ def validate_moe(config, sizes: dict[str, int]) -> None:
             raise ConfigError("mesh.expert", f"is {ep} but the model is dense; expert parallelism needs "
                               "model.moe.experts > 0")
         return
-    if sizes["pipe"] > 1:
-        raise ConfigError("mesh.pipe", f"is {sizes['pipe']}, but MoE models do not run in a pipeline yet (the "
-                          "aux losses and router statistics are not carried across stages); use mesh.pipe=1")
     if config.parallel.tensor == "manual":
         raise ConfigError("parallel.tensor", "is 'manual', but the manual Megatron trainer has no MoE layer; "
                           "use parallel.tensor=auto (experts are split over tensor inside each expert)")
