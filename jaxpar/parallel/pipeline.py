@@ -504,9 +504,6 @@ class PipelineTrainer(Strategy):
     @classmethod
     def check(cls, config, sizes):
         name = config.parallel.pipe
-        if name not in NAMES:
-            raise ConfigError("parallel.expert", f"is '{config.parallel.expert}' with parallel.pipe={name}; manual "
-                              f"expert parallelism inside a pipeline runs under parallel.pipe={'|'.join(NAMES)}")
         check_pipeline(config, sizes, name, virtual_ok=name == "interleaved",
                        min_microbatches=1 if name == "gpipe" else sizes["pipe"])
         check_manual_placement(config, sizes)
