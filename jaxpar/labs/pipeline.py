@@ -1,6 +1,6 @@
 """Lab 03 (pipeline parallelism): schedules as tables, their bubble, measured; memory vs m; p2p bytes; a 7B dry run.
 
-Six parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
+Seven parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
 
 a. tables       the bubble of every schedule's table (parallel/schedules.py) against (p-1)/(m+p-1),
                 (p-1)/(v*m+p-1) and (p-1)/(3m+p-1) (measure/bubble.py), exact fractions, and the tables drawn.
@@ -16,6 +16,8 @@ e. p2p bytes    collective-permute bytes per step over `pipe` (compiled HLO) aga
                 (K = p·v model stages) and the table's own sends.
 f. dry run      configs/arabic_7b.py with pipe=4 x tensor=8 x fsdp=2 on 64 devices (a subprocess: the CPU device
                 count is fixed when JAX starts): memory per stage, bytes per axis, predicted bubble.
+g. moe          MoE in every schedule, expert parallelism inside the stages, accumulation and rules, each
+                against one device accumulating the same microbatches (labs/pipeline_moe.py).
 
 Files in the run directory: report.md, results.json, tables.png, timeline.png, memory.png, bytes.png,
 dryrun_7b/ (dryrun.md, dryrun.json). `--parts` runs a subset.
@@ -38,6 +40,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.labs.pipeline_moe import moe_pipelines
 from jaxpar.labs.report import figure, fmt_bytes, md_table, standalone_main, write_report
 from jaxpar.measure import hlo
 from jaxpar.measure.bubble import bubble_fraction, p2p_bytes
@@ -542,7 +545,7 @@ def plot_bytes(result: dict, path: Path) -> None:
 
 # ============================================================================ the whole lab
 
-PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun")
+PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "moe")
 
 
 def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int = 5, warmup: int = 2,
@@ -579,7 +582,8 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
     report = [header]
     plan = {"tables": lambda: tables(lab), "equivalence": lambda: equivalence(lab, steps),
             "timeline": lambda: timeline(lab, p, m, warmup), "memory": lambda: memory(lab, p),
-            "p2p": lambda: p2p(lab, p, m), "dryrun": lambda: dryrun_7b(lab, out)}
+            "p2p": lambda: p2p(lab, p, m), "dryrun": lambda: dryrun_7b(lab, out),
+            "moe": lambda: moe_pipelines(lab, steps)}
     steps_plan = [(name, plan[name]) for name in PARTS if name in parts]
     for name, fn in steps_plan:
         t0 = time.perf_counter()
