@@ -309,8 +309,9 @@ def _pipeline_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
               1 per head (f's backward); the cross-entropy's per-token reductions are left out.
       gradients (fp32, once per step): Ψ_o summed over pipe, then every gradient averaged over the batch
               shards: all-reduced over data (and, but for the routed experts, over expert), reduce-scattered
-              over fsdp where the weight is sliced (the stage's weights all-gathered once before: 2·(F-1)/F in
-              all). Per device: Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). An all-reduce over n devices sends
+              over fsdp where the weight is sliced, (F-1)/F·4, after the weights' all-gather, (F-1)/F·4 for Ψ_o
+              and (F-1)/F·e for the chunks (XLA moves their cast to the compute dtype ahead of the gather). Per
+              device: Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). An all-reduce over n devices sends
               2(n-1)/n of its buffer. XLA:GPU folds consecutive all-reduces into one over the union of their
               axes (labelled e.g. `data+pipe+expert`); XLA:CPU keeps one per axis.
       expert  MoE: the routed experts' all_to_alls of the stage's MoE layers (`moe_all_to_all_bytes` with
@@ -342,21 +343,21 @@ def _pipeline_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
         out["pipe"] = 2 * (v * m + p - 1) * a * r
         return out
 
-    def all_reduce(axes, nbytes):
+    def all_reduce(axes, nbytes, gathered=4):
         axes = [x for x in ("data", "pipe", "expert") if x in axes and {"data": D, "pipe": p, "expert": X}[x] > 1]
         groups = [axes] if platform != "cpu" and axes else [[x] for x in axes]
         for group in groups:
             n = int(np.prod([{"data": D, "pipe": p, "expert": X}[x] for x in group]))
             out["+".join(group)] = out.get("+".join(group), 0.0) + 2 * (n - 1) / n * nbytes
-        if F > 1:
-            out["fsdp"] = out.get("fsdp", 0.0) + 2 * (F - 1) / F * nbytes
+        if F > 1:    # the weights' all-gather (`gathered` bytes per fp32 element) and the gradients' reduce-scatter
+            out["fsdp"] = out.get("fsdp", 0.0) + (F - 1) / F * (gathered / 4 + 1) * nbytes
 
     program = compile_program(build(config.parallel.pipe, p, m, v))
     ticks = part_ticks(program)
     out["pipe"] = 2 * program.ticks * a * r
     all_reduce(("pipe", "data", "expert"), 4 * psi_other / T)
-    all_reduce(("data", "expert"), 4 * (psi_pipelined - psi_x) / (p * T))
-    all_reduce(("data",), 4 * psi_x / (p * X * T))
+    all_reduce(("data", "expert"), 4 * (psi_pipelined - psi_x) / (p * T), gathered=e)
+    all_reduce(("data",), 4 * psi_x / (p * X * T), gathered=e)
     if T > 1:
         chunk = model_cfg.layers // (p * v)
         per_backward = 2 + (1 if config.train.remat == "full" else 0)
