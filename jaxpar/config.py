@@ -468,9 +468,6 @@ def validate_moe(config, sizes: dict[str, int]) -> None:
             raise ConfigError("mesh.expert", f"is {ep} but the model is dense; expert parallelism needs "
                               "model.moe.experts > 0")
         return
-    if sizes["pipe"] > 1:
-        raise ConfigError("mesh.pipe", f"is {sizes['pipe']}, but MoE models do not run in a pipeline yet (the "
-                          "aux losses and router statistics are not carried across stages); use mesh.pipe=1")
     if moe.experts % ep:
         raise ConfigError("model.moe.experts", f"{moe.experts} experts are not divisible by mesh.expert={ep}")
     if not 1 <= moe.top_k <= moe.experts:

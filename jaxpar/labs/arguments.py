@@ -13,7 +13,7 @@ import argparse
 MOE_SETTINGS = ("model.layers=2", "data.seq_len=64")
 MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense")
 TENSOR_PARTS = ("equivalence", "communication", "memory", "layouts")
-PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "dualpipev", "pipedream")
+PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "dualpipev", "pipedream", "moe")
 
 
 def zero(p: argparse.ArgumentParser) -> None:

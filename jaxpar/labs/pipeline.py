@@ -1,6 +1,6 @@
 """Lab 03 (pipeline parallelism): schedules as tables, their bubble, measured; memory vs m; p2p bytes; a 7B dry run.
 
-Six parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
+Seven parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
 
 a. tables       the bubble of every schedule's table (parallel/schedules.py) against (p-1)/(m+p-1),
                 (p-1)/(v*m+p-1) and (p-1)/(3m+p-1) (measure/bubble.py), exact fractions, and the tables drawn.
@@ -21,6 +21,8 @@ g. dualpipev    DeepSeek's V-shaped schedule (torchtitan's ScheduleDualPipeV): e
                 TP x FSDP inside pipelines against the single device.
 h. pipedream    PipeDream-2BW (asynchronous, one step of weight staleness) against synchronous 1F1B from the same
                 initial state: the loss curves and their gap (not an equivalence: staleness is the design).
+i. moe          MoE in every schedule, expert parallelism inside the stages, accumulation and rules, each
+                against one device accumulating the same microbatches (labs/pipeline_moe.py).
 
 Files in the run directory: report.md, results.json, tables.png, timeline.png, memory.png, bytes.png,
 dryrun_7b/ (dryrun.md, dryrun.json), pipedream.png. `--parts` runs a subset.
@@ -44,6 +46,7 @@ import numpy as np
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
+from jaxpar.labs.pipeline_moe import moe_pipelines
 from jaxpar.labs.report import (
     byte_unit,
     draw_plots,
@@ -716,7 +719,8 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
     plan = {"tables": lambda: tables(lab), "equivalence": lambda: equivalence(lab, steps),
             "timeline": lambda: timeline(lab, p, m, warmup), "memory": lambda: memory(lab, p),
             "p2p": lambda: p2p(lab, p, m), "dryrun": lambda: dryrun_7b(lab, out),
-            "dualpipev": lambda: dualpipev(lab, steps), "pipedream": lambda: pipedream(lab, pipedream_steps)}
+            "dualpipev": lambda: dualpipev(lab, steps), "pipedream": lambda: pipedream(lab, pipedream_steps),
+            "moe": lambda: moe_pipelines(lab, steps)}
     steps_plan = [(name, plan[name]) for name in PARTS if name in parts]
     for name, fn in steps_plan:
         t0 = time.perf_counter()
