@@ -92,6 +92,8 @@ def main(argv=None) -> int:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu)
     args.config = args.config or ("configs/test.py" if args.cpu else "configs/llama_1b.py")
+    if args.cpu and args.config == "configs/test.py":
+        args.overrides = ["model.kv_heads=4", *args.overrides]      # tensor=4 splits every head count
     devices = jax.devices()
     names = [s.strip() for s in args.strategies.split(",")] if args.strategies else list(STRATEGIES)
     unknown = [s for s in names if s not in STRATEGIES]

@@ -99,3 +99,20 @@ def test_a_pair_marked_synchronous_is_exposed():
     text = HLO.replace("dimensions={0}\n", 'dimensions={0}, backend_config={"is_sync":true}\n', 1)
     records, _ = _replay(text)
     assert not records["ag-start"].is_async and records["ag-start"].exposed_s == pytest.approx(TEN_US)
+
+
+def test_profile_lanes_count_collective_time_beside_compute():
+    from jaxpar.labs.overlap import lanes_of, overlap_of
+    cpu = lambda name, ts, dur, dev=0: {"ph": "X", "pid": 1, "tid": 1, "name": name, "ts": ts, "dur": dur,
+                                        "args": {"hlo_op": name, "device_ordinal": dev}}
+    gpu = lambda name, ts, dur, tid: {"ph": "X", "pid": 9, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": {}}
+    events = [cpu("while.3", 0, 100), cpu("all_gather.1", 10, 20), cpu("dot.2", 20, 40), cpu("dot.2", 0, 15, dev=1),
+              {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 9, "tid": 1, "name": "thread_name", "args": {"name": "Stream #1"}},
+              {"ph": "M", "pid": 9, "tid": 2, "name": "thread_name", "args": {"name": "Stream #2"}},
+              gpu("ncclDevKernel_AllGather_RING_LL", 0, 10, 2), gpu("gemm_fusion", 5, 10, 1)]
+    lanes = lanes_of(events)
+    assert lanes["cpu:0"]["collective"] == [(10, 30)] and lanes["cpu:0"]["compute"] == [(20, 60)]  # no `while`
+    assert lanes["/device:GPU:0"]["collective"] == [(0, 10)]
+    result = overlap_of(lanes)
+    assert result["collective_us"] == 30 and result["overlapped_us"] == 10 + 5

@@ -163,7 +163,8 @@ def test_step_time_terms():
     assert c.link(fsdp.span("fsdp")).name == "InfiniBand" and c.link(hybrid.span("fsdp")).name == "NVLink"
     assert t_fsdp.exposed_s["fsdp"] < t_fsdp.comm_s["fsdp"]              # hidden behind compute on GPU
     tp = step_time(s, Candidate(fsdp=8, tensor=8), c, 256, 4096)
-    assert tp.exposed_s["tensor"] == tp.comm_s["tensor"]                 # Megatron's all-reduces: never hidden
+    measured = dict(GPU_CALIBRATION.measured).get(("auto+tensor", "tensor"), 0.0)   # lab 09's compiled schedule
+    assert tp.exposed_s["tensor"] == pytest.approx(tp.comm_s["tensor"] * (1 - measured))
     cpu = cpu_cluster(8, {}, 50e9, 5e9, 16e9)
     t_cpu = step_time(s, fsdp, cpu.resized(8), 256, 4096)
     assert t_cpu.exposed_s["fsdp"] == t_cpu.comm_s["fsdp"]               # XLA:CPU: nothing overlaps

@@ -125,6 +125,7 @@ def gpu_table(rows: list[dict]) -> list[str]:
 
 CPU_VARIANTS = {                       # name -> overrides on 8 CPU devices (the one-device oracle: mesh.data=1)
     "zero3": ["mesh.data=8", "parallel.data=zero3"],
+    "zero3, remat full": ["mesh.data=8", "parallel.data=zero3", "train.remat=full"],   # prefetch's recomputation
     "zero3 + prefetch": ["mesh.data=8", "parallel.data=zero3", "parallel.prefetch=true"],
     "tp+sp": ["mesh.data=2", "mesh.tensor=4", "parallel.tensor=manual", "parallel.sequence=true"],
     "tp+sp + collective matmul": ["mesh.data=2", "mesh.tensor=4", "parallel.tensor=manual",
@@ -151,10 +152,14 @@ def _intervals_overlap(a, b) -> float:
     return total
 
 
+CONTAINERS = ("while", "call", "conditional")   # XLA:CPU traces these around the ops they run
+
+
 def lanes_of(events: list[dict]) -> dict[str, dict[str, list]]:
     """Per device, the (start, end) µs intervals of its compute and of its collectives in a trace.
 
-    XLA:CPU: host events carrying `hlo_op` and `device_ordinal`. GPU: kernel events on a device's
+    XLA:CPU: host events carrying `hlo_op` (spelt all_gather, reduce_scatter, ...) and `device_ordinal`,
+    loops and calls left out (they enclose their ops). GPU: kernel events on a device's
     stream threads (process `/device:GPU:k`, thread `Stream ...`); NCCL kernels are the collectives."""
     from jaxpar.measure.profile import COLLECTIVE
     processes = {e["pid"]: e["args"].get("name", "") for e in events
@@ -167,7 +172,9 @@ def lanes_of(events: list[dict]) -> dict[str, dict[str, list]]:
         if e.get("ph") != "X" or not e.get("dur"):
             continue
         if "hlo_op" in args and "device_ordinal" in args:
-            lane, label = f"cpu:{args['device_ordinal']}", args["hlo_op"]
+            if args["hlo_op"].startswith(CONTAINERS):          # a loop or call: its ops are events of their own
+                continue
+            lane, label = f"cpu:{args['device_ordinal']}", args["hlo_op"].replace("_", "-")
         elif processes.get(e["pid"], "").startswith("/device:GPU") and \
                 threads.get((e["pid"], e.get("tid")), "").startswith("Stream"):
             lane, label = processes[e["pid"]], f"{e['name']} {args.get('hlo_op', '')}"
