@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDRESS",
+                   help="address the metrics server binds (default 127.0.0.1, this machine only; 0.0.0.0: every "
+                        "interface, for a Prometheus on another host; the endpoint has no authentication)")
     p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SECONDS",
                    help="keep serving the final metrics this long after training (so the last scrape sees them)")
 
@@ -179,7 +182,8 @@ def train_config(args):
 def cmd_train(args) -> int:
     from jaxpar.train.loop import train
     train(args.config_loaded, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
-          metrics_port=args.metrics_port, metrics_linger_s=args.metrics_linger)
+          metrics_port=args.metrics_port, metrics_linger_s=args.metrics_linger, metrics_host=args.metrics_host,
+          restart=args.auto_resume and not args.resume)
     return 0
 
 
@@ -251,6 +255,9 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from jaxpar.train.preemption import listen_from_start, stop_listening
+    if args.subcommand == "train":   # a preemption notice from here on is kept, not fatal
+        listen_from_start()
     try:
         if args.subcommand not in LOCAL_COMMANDS:
             from jaxpar.mesh import init_distributed, set_cpu_devices
@@ -269,6 +276,8 @@ def main(argv=None) -> int:
             traceback.print_exc()
             _exit(1)
         raise
+    finally:
+        stop_listening()
 
 
 def _multi_process() -> bool:
