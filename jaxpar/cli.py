@@ -254,10 +254,14 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
     from jaxpar.train.preemption import listen_from_start, stop_listening
-    if args.subcommand == "train":   # a preemption notice from here on is kept, not fatal
-        listen_from_start()
+    if list(sys.argv[1:] if argv is None else argv)[:1] == ["train"]:   # from the first line, before parsing:
+        listen_from_start()                                                # a preemption notice is kept, not fatal
+    try:
+        args = build_parser().parse_args(argv)
+    except BaseException:
+        stop_listening()
+        raise
     try:
         if args.subcommand not in LOCAL_COMMANDS:
             from jaxpar.mesh import init_distributed, set_cpu_devices
