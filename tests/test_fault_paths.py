@@ -226,23 +226,15 @@ def two_steps(tmp_path):
     return directory
 
 
-def flip_bytes(step_dir):
-    largest = max((p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"),
-                  key=lambda p: p.stat().st_size)
-    with open(largest, "r+b") as f:
-        f.seek(largest.stat().st_size // 2)
-        f.write(bytes(64))
-
-
 @pytest.mark.parametrize("damage", ["meta removed", "checksums empty"])
 def test_a_step_without_its_checksum_record_is_damaged(two_steps, damage):
-    """Issue 16: such a step restored, silently, and the run trained on the flipped bytes to NaN."""
+    """Such a step restored unchecked and silently, so bytes changed on disk went unnoticed (issue 16: the run
+    then trained to NaN). Its intact arrays here make the reason unambiguous: the record alone is missing."""
     if damage == "meta removed":
         shutil.rmtree(two_steps / "2" / "meta")
     else:
         record = two_steps / "2" / "meta" / "metadata"
         record.write_text(json.dumps({**json.loads(record.read_text()), "checksums": {}}))
-    flip_bytes(two_steps / "2")
     lines, notice = notices()
     checkpoints = Checkpoints(two_steps, keep=3, notice=notice)
     step, state = checkpoints.restore(abstract(sharded_state(1)))
