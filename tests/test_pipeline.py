@@ -286,8 +286,8 @@ def _cli(capsys, tmp_path, *sets):
     (["model.layers=4", "mesh.pipe=2", "parallel.pipe=interleaved", "parallel.pipe_virtual=3"],
      "parallel.pipe_virtual"),                                                               # v does not divide
     (["model.layers=4", "mesh.pipe=2"], "parallel.pipe"),                                     # auto: not a pipeline
-    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=8"],
-     "parallel.pipe_microbatches"),                                                          # a·m rows > 16 / data
+    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=2"],
+     "parallel.pipe_microbatches"),                                                   # a·m = 2 x 4 > 16 / data=4 rows
 ])
 def test_bad_pipeline_input_exits_2_with_one_line(capsys, tmp_path, sets, field):
     code, err = _cli(capsys, tmp_path, *sets)
