@@ -135,220 +135,11 @@ def target_devices(target: str, devices=None, topology: str | None = None) -> tu
                                 "gpus_per_host": per_host, "accelerator": accelerator, "topology": topology}
 
 
-# ----------------------------------------------------------------------------- theory
-
-def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
-    """Bytes each device sends per step, by mesh axis, from the formulas the course teaches.
-
-    Ψ = parameters; Ψ_L = the scanned blocks' share, Ψ_o = embedding, head, final norm.
-    e = bytes per element on the wire: the compute dtype on GPU; 4 on CPU, where XLA
-    computes (and communicates) bf16 in fp32. m = microbatches, b = micro-batch per device.
-
-    fsdp (F):  weight all-gathers (F-1)/F·e·(2·m·Ψ_L + Ψ_o')/T: XLA gathers each scanned layer
-               once in the forward loop and again in the backward loop of every microbatch
-               (the gathered weights do not survive the loop boundary, with or without
-               remat); the head and final norm (Ψ_o') once per step (loop-invariant, hoisted
-               out of the accumulation loop; the head is sometimes gathered twice: ~+1%).
-               An untied embedding is neither gathered nor its gradient reduced: the partitioner
-               gathers the tokens of the fsdp group (F-1)/F·4·b·F·s, looks up its own columns
-               of the table and moves the activations to batch sharding with an all-to-all,
-               (F-1)/F·e·b·s·h forward and again backward, per microbatch; the backward
-               all-to-all brings each device the gradient of its own columns (a tied table is
-               gathered for the head like any weight, and so is a table also split by vocab
-               over `tensor`, or whose tokens are split over data or expert too, see parallel/auto.py).
-               Gradient reduction of the rest, Ψ/T, once per microbatch (XLA reduces inside the
-               accumulation loop): GPU reduce-scatter (F-1)/F·e, CPU all-reduce of the full
-               gradient + slice 2(F-1)/F·4. So ZeRO-3 ≈ 3Ψ·e·(F-1)/F on GPU and
-               ≈ 4Ψ·4·(F-1)/F on CPU, at m = 1.
-    data (D):  gradient all-reduce 2(D-1)/D·e·Ψ/(F·T) per microbatch (DDP: 2Ψ·e).
-    parallel.data = ddp / zero1 (shard_map over `data`, parallel/zero.py): fp32 gradients accumulated
-               locally and reduced once per step: DDP all-reduce 2(D-1)/D·4Ψ; ZeRO-1
-               reduce-scatter + all-gather of the updated fp32 params 2(D-1)/D·4Ψ.
-               zero2: each layer's gradient reduce-scattered inside every microbatch's backward
-               pass, in the compute dtype, (D-1)/D·e·m·Ψ, + the fp32 all-gather (D-1)/D·4Ψ.
-               zero3: per microbatch, in the compute dtype, layers gathered forward and backward
-               and reduce-scattered 3Ψ_L, embedding/head/final norm gathered once and
-               reduce-scattered 2Ψ_o (a tied embedding twice: 4Ψ_embed), times (D-1)/D·e·m.
-    tensor (T): activation all-reduces 2(T-1)/T·e·b·s·h each: Megatron's 2 forward + 2 backward
-               per layer, +1 with remat 'full' (XLA recomputes the attention output projection's
-               all-reduce, not the MLP's), +2 per microbatch outside the layers (the
-               vocab-parallel embedding forward, the head backward). XLA:CPU does not merge
-               the q/k/v and gate/up input-gradient sums before reducing: 2 forward + 5
-               backward = 7 per layer there. The cross-entropy's vocab reductions (max,
-               sum of exponentials, target logit: b·s numbers each) are left out.
-    parallel.tensor = manual (parallel/tensor.py, with or without parallel.sequence): `manual_tensor_bytes`.
-    expert (X), MoE models: the MoE layers' all_to_alls (`moe_all_to_all_bytes`: jaxpar's buffers).
-               The batch is split over `expert` too: the gradients of the parameters every expert
-               device holds (all but the routed experts) all-reduce over data x expert,
-               2(DX-1)/(DX)·e·(Ψ-Ψ_x)/T per microbatch, under the label `expert` (D = 1) or
-               `data+expert`; the routed experts' Ψ_x/X over `data` only. With fsdp > 1 the fsdp
-               formula above takes the per-device share Ψ - Ψ_x(1 - 1/X) and the expert-axis
-               reductions are not predicted.
-    """
-    import numpy as np
-
-    from jaxpar.model.counting import param_count
-    from jaxpar.train.step import activation_dtype
-
-    if config.parallel.tensor == "manual":
-        return manual_tensor_bytes(config, model_cfg, sizes, platform)
-    counts = param_count(model_cfg)
-    psi, psi_layers = counts["total"], counts["blocks"]
-    psi_other = psi - psi_layers
-    compute_bytes = np.dtype(activation_dtype(config.train.compute_dtype)).itemsize  # float8: bf16 (XLA may gather fp8)
-    e = 4 if platform == "cpu" else compute_bytes
-    F, D, T, X = sizes.get("fsdp", 1), sizes.get("data", 1), sizes.get("tensor", 1), sizes.get("expert", 1)
-    m = config.train.microbatches
-    if sizes.get("pipe", 1) > 1:
-        return _pipeline_collective_bytes(config, model_cfg, sizes, platform)
-    b = config.train.batch_size // m // (D * F * X)
-    psi_experts = counts["experts"]
-    psi_layers -= psi_experts * (X - 1) // X          # a device's share: the routed experts are split over X
-    psi = psi_layers + psi_other
-    out = {}
-    stage = config.parallel.data
-    if stage != "auto":
-        if D > 1:
-            ring = (D - 1) / D
-            tied = 2 * counts["embedding"] if model_cfg.tie_embeddings else 0
-            out["data"] = ring * {"ddp": 2 * 4 * psi, "zero1": 2 * 4 * psi, "zero2": e * m * psi + 4 * psi,
-                                  "zero3": e * m * (3 * psi_layers + 2 * psi_other + tied)}[stage]
-        return out
-    s, h = config.data.seq_len, model_cfg.d_model
-    if F > 1:
-        ring = (F - 1) / F
-        looked_up = 0 if model_cfg.tie_embeddings or T > 1 or D > 1 or X > 1 else counts["embedding"]
-        gathers = ring * e * (2 * m * psi_layers + psi_other - looked_up) / T
-        lookup = ring * m * (4 * b * F * s + 2 * e * b * s * h / T) if looked_up else 0
-        reduce = ring * (psi - looked_up) / T * (2 * 4 if platform == "cpu" else e) * m
-        out["fsdp"] = gathers + lookup + reduce
-    if X > 1:
-        out["expert"] = moe_all_to_all_bytes(config, model_cfg, sizes, platform)["predicted"]
-        if F == 1:
-            label = "expert" if D == 1 else "data+expert"
-            out[label] = out.get(label, 0.0) + 2 * (D * X - 1) / (D * X) * e * (psi - psi_experts / X) / T * m
-            if D > 1:
-                out["data"] = 2 * (D - 1) / D * e * psi_experts / X / T * m
-    elif D > 1:
-        out["data"] = 2 * (D - 1) / D * e * psi / (F * T) * m
-    if T > 1:
-        per_layer = (7 if platform == "cpu" else 4) + (1 if config.train.remat == "full" else 0)
-        count = (per_layer * model_cfg.layers + 2) * m
-        out["tensor"] = count * 2 * (T - 1) / T * e * b * s * h
-    return out
-
-
-def manual_tensor_layer_units(remat: str, sequence: bool, regather: bool = True) -> int:
-    """Collective bytes of one layer, one microbatch, under parallel.tensor=manual, in units of
-    u = (T-1)/T·e·b·s·h (an all-reduce of b·s·h is 2u; an all-gather or reduce-scatter of it, u).
-    See `manual_tensor_bytes` for what each term is."""
-    recompute_row = remat in ("full", "dots")
-    if not sequence:
-        return 8 + (2 if recompute_row else 0)
-    return 8 + (2 if regather or remat != "none" else 0) + (1 if recompute_row else 0)
-
-
-def manual_tensor_bytes(config, model_cfg, sizes: dict[str, int], platform: str,
-                        regather: bool = True) -> dict[str, float]:
-    """Bytes each device sends per step under parallel.tensor=manual (parallel/tensor.py), by mesh axis.
-
-    u = (T-1)/T·e·b·s·h, e = bytes of the activation dtype on GPU (the psums are written in it); 4 on
-    CPU, where XLA runs bf16 collectives in fp32 (measured); b = rows per data shard per microbatch,
-    m microbatches.
-    tensor, TP: per layer 4 all-reduces of b·s·h = 8u (g after wo and w_down forward, f before q/k/v
-               and gate/up backward), +2u with remat full/dots (the attention g is recomputed: its output
-               is the MLP norm's input; the MLP's is the next layer's input, saved by the scan).
-               Outside the layers 4u: the embedding's g forward, the head's f backward.
-           SP: the same 8u as 4 all-gathers + 4 reduce-scatters, +2u for gathering each column-parallel
-               input again in the backward pass (`regather`, Megatron-LM's choice; also whenever a remat
-               policy does not save it), +1u with remat full/dots (the attention reduce-scatter).
-               Outside 4u: embedding reduce-scatter forward + all-gather backward, head all-gather
-               forward + reduce-scatter backward. Once per step: the norm weights' gradient sum
-               2(T-1)/T·4·(2L+1)·h.
-           Both, per microbatch: the cross-entropy's three fp32 reductions (max, sum of exponentials,
-               target logit) 3·2(T-1)/T·4·b·s; once per step: the grad-norm scalar 2(T-1)/T·4.
-    data:  DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(Ψ_split/T + Ψ_norms), plus
-           the loss 2(D-1)/D·4.
-    """
-    import numpy as np
-
-    from jaxpar.model.counting import param_count
-    from jaxpar.train.step import activation_dtype
-
-    T, D = sizes.get("tensor", 1), sizes.get("data", 1)
-    m, L, h, s = config.train.microbatches, model_cfg.layers, model_cfg.d_model, config.data.seq_len
-    b = config.train.batch_size // m // D
-    e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
-    norms = (2 * L + 1) * h
-    out = {}
-    if T > 1:
-        per_layer = manual_tensor_layer_units(config.train.remat, config.parallel.sequence, regather)
-        u = (T - 1) / T * e * b * s * h
-        ring = 2 * (T - 1) / T
-        out["tensor"] = (m * ((per_layer * L + 4) * u + ring * 4 * 3 * b * s) + ring * 4
-                         + (ring * 4 * norms if config.parallel.sequence else 0))
-    if D > 1:
-        psi = param_count(model_cfg)["total"]
-        out["data"] = 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1)
-    return out
-
-
-def _pipeline_collective_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
-    """Bytes per device per step of the pipeline trainers (parallel/pipeline.py, parallel/circular.py).
-
-    b = microbatch rows per data shard, a = b·s·h·e one microbatch's activation (e: compute dtype bytes on
-    GPU, 4 on CPU, where XLA moves bf16 as fp32).
-    hand-written schedules, the busiest stage, T ticks of the table:
-      pipe    2·T·a: every tick each stage sends one activation forward and one gradient backward
-              (lock-step SPMD: a buffer moves even in a bubble; the textbook 2(p-1)·m·a counts only the
-              useful ones, see measure/bubble.p2p_bytes), + the embedding/head gradients summed over
-              pipe, 2(p-1)/p·4·Ψ_o/T. With v > 1 XLA also re-deals the chunks (not predicted).
-      tensor  Megatron, 2(T-1)/T·a each: 2 per layer per F (g after wo, down), 2 per layer per B (f's
-              backward before q/k/v and gate/up; zb-h1's W has none), +1 per layer per B with remat
-              'full' (XLA recomputes the attention's g, not the MLP's), + 1 per embedding lookup (g) and
-              1 per head (f's backward); the cross-entropy's per-token reductions are left out.
-      data    the stage's gradients all-reduced once, 2(D-1)/D·4·(Ψ_L/p + Ψ_o)/T.
-      fsdp    the stage's fp32 weights all-gathered once and gradients reduce-scattered once,
-              2·(F-1)/F·4·(Ψ_L/p + Ψ_o)/T.
-    circular: v·m + p - 1 iterations, each rolling one activation forward and one gradient back: pipe 2·it·a.
-    """
-    import numpy as np
-
-    from jaxpar.model.counting import param_count
-    from jaxpar.parallel.pipeline import compile_program, part_ticks, pipe_microbatches, pipe_virtual
-    from jaxpar.parallel.schedules import build
-    from jaxpar.train.step import activation_dtype
-
-    p, D, F, T = sizes["pipe"], sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
-    m, v = pipe_microbatches(config, p), pipe_virtual(config)
-    e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
-    b = config.train.batch_size // (D * F) // m
-    a = b * config.data.seq_len * model_cfg.d_model * e
-    counts = param_count(model_cfg)
-    psi_layers, psi_other = counts["blocks"], counts["total"] - counts["blocks"]
-    stage_params = (psi_layers / p + psi_other) / T
-    out = {}
-    if config.parallel.pipe == "circular":
-        out["pipe"] = 2 * (v * m + p - 1) * a
-        return out
-    program = compile_program(build(config.parallel.pipe, p, m, v))
-    ticks = part_ticks(program)
-    out["pipe"] = 2 * program.ticks * a + 2 * (p - 1) / p * 4 * psi_other / T
-    if T > 1:
-        chunk = model_cfg.layers // (p * v)
-        per_backward = 2 + (1 if config.train.remat == "full" else 0)
-        reductions = (2 * ticks["F"] + per_backward * ticks["B"]) * chunk + ticks["embed"] + ticks["head"]
-        out["tensor"] = float(reductions.max()) * 2 * (T - 1) / T * a
-    if D > 1:
-        out["data"] = 2 * (D - 1) / D * 4 * stage_params
-    if F > 1:
-        out["fsdp"] = 2 * (F - 1) / F * 4 * stage_params
-    return out
-
+# ----------------------------------------------------------------------------- the dry run
 
 def pipeline_summary(trainer, compiled_peak: int) -> dict | None:
     """A pipeline trainer's schedule, bubble (table and formula) and stash, for the dry-run report."""
-    from jaxpar.measure.bubble import bubble_fraction
+    from jaxpar.parallel.schedules import bubble_fraction
     schedule = getattr(trainer, "schedule", None)
     name = trainer.config.parallel.pipe
     if name == "auto":
@@ -361,46 +152,6 @@ def pipeline_summary(trainer, compiled_peak: int) -> dict | None:
                    stash_slots=trainer.program.slots["stash"])
     return out
 
-
-def moe_all_to_all_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
-    """Bytes each device sends per step in the MoE layers' all_to_alls over `expert` (X devices).
-
-    formula    the course's: per MoE layer, dispatch + combine move 2·T·k·h·e forward and again
-               backward, T = tokens per device per microbatch; a device keeps the 1/X share bound
-               for its own experts: x (X-1)/X. Per step: x MoE layers x microbatches.
-    predicted  what jaxpar's buffers send (parallel/expert.py). capacity: [E, groups, C, h] per
-               exchange, E·C·groups = T·k·c' with c' the capacity factor after C is rounded up.
-               dropless: padded chunks of T·min(k, E/X) rows to each of the X devices,
-               X·min(k, E/X)/k times the formula, plus the expert ids (int32, forward only).
-               With remat (any policy but none) the backward pass recomputes the forward
-               exchanges: 6 instead of 4 per layer.
-    """
-    import numpy as np
-
-    from jaxpar.train.step import activation_dtype
-
-    moe = model_cfg.moe
-    X, m = sizes.get("expert", 1), config.train.microbatches
-    b = config.train.batch_size // m // (sizes.get("data", 1) * sizes.get("fsdp", 1) * X)
-    T, k, h, E = b * config.data.seq_len, moe.top_k, model_cfg.d_model, moe.experts
-    e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
-    ring, per_step = (X - 1) / X, model_cfg.moe_layers * m
-    forward_runs = 1 if config.train.remat == "none" else 2
-    formula = ring * 2 * T * k * h * e * 2 * per_step
-    if moe.dispatch == "capacity":
-        group_tokens = moe.group_sequences * config.data.seq_len
-        slots = b // moe.group_sequences * E * moe.capacity(group_tokens)
-        exchange = ring * slots * h * e
-        ids = 0.0
-    else:
-        rows = T * min(k, E // X)
-        exchange = ring * X * rows * h * e
-        ids = ring * X * rows * 4 * forward_runs
-    predicted = exchange * 2 * (1 + forward_runs) * per_step + ids * per_step
-    return {"formula": formula, "predicted": predicted, "tokens_per_device": T}
-
-
-# ----------------------------------------------------------------------------- the dry run
 
 def _links(found, mesh, machine) -> dict[str, tuple[str, float]]:
     """Per mesh axis: the slowest link its collectives cross, and that link's bytes/s per direction."""
@@ -479,7 +230,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     from jaxpar.model.counting import param_count
     from jaxpar.model.kernel_ops import resolve
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes
     from jaxpar.train.step import activation_dtype
 
     if config.model.vocab_size <= 0:
@@ -664,7 +415,7 @@ def markdown_report(r: dict) -> str:
         lines += ["", "## Pipeline", "",
                   f"{pipe['schedule']}: p={pipe['stages']} stages, m={pipe['microbatches']} microbatches, "
                   f"v={pipe['virtual']} chunks per stage. Predicted bubble {pipe['bubble_formula']:.4f} (formula, "
-                  f"measure/bubble.py), {table}. Every stage runs the same SPMD program: the compiled memory "
+                  f"parallel/schedules.py), {table}. Every stage runs the same SPMD program: the compiled memory "
                   f"above is each stage's ({_gib(pipe['peak_per_stage'])} peak)"
                   + (f", with a stash of {pipe['stash_slots']} microbatches' activations "
                      f"(at most {pipe['in_flight']} alive on the busiest stage)." if "stash_slots" in pipe else ".")
@@ -685,8 +436,8 @@ def markdown_report(r: dict) -> str:
         f"| **total** | | | | {_gib(col['total_bytes'])} | {_gib(col['predicted_total_bytes'])} | "
         f"{_ratio(col['total_bytes'], col['predicted_total_bytes'])} | {_seconds(t['communication_s'])} |",
         "",
-        "Predicted: see `jaxpar.dryrun.predicted_collective_bytes` (ZeRO-3 ≈ 3Ψ·e on GPU, 4Ψ·4 on CPU; "
-        "DDP 2Ψ·e; Megatron 4-5 all-reduces of b·s·h per layer).",
+        "Predicted: the strategy's own `predict` (jaxpar/parallel/<strategy>.py; ZeRO-3 ≈ 3Ψ·e on GPU, 4Ψ·4 on "
+        "CPU; DDP 2Ψ·e; Megatron 4-5 all-reduces of b·s·h per layer).",
         "",
         "## FLOPs per device per step",
         "",

@@ -6,7 +6,7 @@ import pytest
 from test_plan import CONFIGS, run_cli
 
 from jaxpar.dryrun import gpu_plugin_problem
-from jaxpar.plan.space import Candidate
+from jaxpar.parallel.theory import Candidate
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from synthetic import counting_batches
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.launch import launch
-from jaxpar.measure.bubble import bubble_fraction
+from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.measure.flops import compiled_flops
 from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
@@ -229,11 +229,11 @@ def test_split_backward_defers_only_the_weight_matmuls():
 
 def test_executed_collectives_match_the_dry_run_formulas(built):
     """data x pipe x tensor: the bytes the busiest stage sends per axis (the tick's branches counted on the ticks
-    that run them) against dryrun.predicted_collective_bytes: lock-step permutes, Megatron's 4 all-reduces per
+    that run them) against the strategy's `predict`: lock-step permutes, Megatron's 4 all-reduces per
     layer per microbatch, the gradients' all-reduce."""
     from collections import defaultdict
 
-    from jaxpar.dryrun import predicted_collective_bytes
+    from jaxpar.parallel.registry import predicted_collective_bytes
     c = built("3d data=2 pipe=2 tensor=2")
     sent = defaultdict(float)
     for collective in c.trainer.collectives(c.step.as_text()):

@@ -11,7 +11,8 @@ from synthetic import counting_batches
 
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
-from jaxpar.dryrun import manual_tensor_bytes, manual_tensor_layer_units
+from jaxpar.parallel.registry import predicted_collective_bytes
+from jaxpar.parallel.tensor import layer_units
 from jaxpar.labs.tensor import layer_activations
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
@@ -146,7 +147,7 @@ def test_collective_bytes_match_the_formula(variant, built):
     total = defaultdict(float)
     for c in found:
         total[c.axis_label] += c.bytes_per_step
-    predicted = manual_tensor_bytes(t.config, t.model_cfg, dict(t.mesh.shape), "cpu")
+    predicted = predicted_collective_bytes(t.config, t.model_cfg, dict(t.mesh.shape), "cpu")
     assert total == pytest.approx(predicted, rel=1e-9)
 
     L, b, s, h = t.model_cfg.layers, t.config.train.batch_size // D, t.config.data.seq_len, t.model_cfg.d_model
@@ -163,7 +164,7 @@ def test_collective_bytes_match_the_formula(variant, built):
         assert set(layers) == {("all-gather", "tensor"), ("reduce-scatter", "tensor")}
         assert layers[("reduce-scatter", "tensor")] == pytest.approx(L * 4 * u)        # TP's 4 halves
         assert layers[("all-gather", "tensor")] == pytest.approx(L * (4 + 2) * u)      # + the 2 re-gathers
-        assert manual_tensor_layer_units("none", True, regather=True) == 10
+        assert layer_units("none", True, regather=True) == 10
         assert all(c.shapes == (("f32", (b, s // T, h)),) for c in found if c.op == "reduce-scatter")
         assert not [c for c in found if c.op == "all-reduce" and c.axes == ("tensor",)
                     and any(len(dims) == 3 for _, dims in c.shapes)]

@@ -83,7 +83,7 @@ def recorded_compiles() -> int:
 def part_plan(args, log):
     from jaxpar.plan.command import check_inputs
     from jaxpar.plan.planner import plan
-    from jaxpar.plan.shape import ModelShape
+    from jaxpar.model.counting import ModelShape
     if args.rounds < 3:
         raise ConfigError("--rounds", f"is {args.rounds}; a median needs at least 3 rounds")
     if not args.skip_cpu and args.cpu_devices != 8:
@@ -126,7 +126,7 @@ def part_reality(args, out: Path, log) -> dict:
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.plan.planner import evaluate
     from jaxpar.plan.reality import calibrate, default_strategies, measure_cluster, measure_steps
-    from jaxpar.plan.shape import ModelShape
+    from jaxpar.model.counting import ModelShape
     n = len(jax.devices("cpu"))
     log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
     cluster, info = measure_cluster(n, out / "bench", log=log)

@@ -6,7 +6,7 @@ a. equivalence    the single-device run (the oracle) against manual EP (expert=N
                   and automatic EP, dropless and with capacity dropping, fp32, the same batches.
 b. communication  all_to_all bytes per step from each compiled program against 2·T·k·h·bytes per
                   direction (dispatch + combine, forward and backward) and against jaxpar's buffers
-                  (`dryrun.moe_all_to_all_bytes`); what XLA's partitioner chose for automatic EP.
+                  (`parallel/theory.moe_all_to_all_bytes`); what XLA's partitioner chose for automatic EP.
 c. balance        training without balancing, with the Switch aux loss, with the aux-free bias, with
                   noisy gating: coefficient of variation of expert load and dropped fraction over
                   steps (capacity dispatch), heatmaps layer x expert over steps.
@@ -223,7 +223,8 @@ def _by_op(found, axis_filter=None) -> dict:
 
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.dryrun import moe_all_to_all_bytes
+    from jaxpar.parallel.registry import workload
+    from jaxpar.parallel.theory import moe_all_to_all_bytes
     from jaxpar.measure.hlo import collectives
 
     rows = {}
@@ -232,7 +233,8 @@ def communication(lab: Lab) -> dict:
             continue
         built = lab.build(label, overrides, devices)
         found = collectives(built.compiled.as_text(), built.trainer.mesh)
-        theory = moe_all_to_all_bytes(built.config, built.trainer.model_cfg, built.sizes, lab.devices[0].platform)
+        theory = moe_all_to_all_bytes(*workload(built.config, built.trainer.model_cfg, built.sizes,
+                                               lab.devices[0].platform))
         on_expert = _by_op(found, lambda c: "expert" in (c.axes or ()))
         a2a = on_expert.get("all-to-all", {}).get("bytes", 0.0)
         rows[label] = {"by_op_expert_axes": on_expert, "by_op_all": _by_op(found), "all_to_all": a2a,
@@ -259,7 +261,7 @@ def communication(lab: Lab) -> dict:
         "",
         f"Formula (the course's): per MoE layer 2·T·k·h·bytes forward (dispatch + combine) and the same "
         f"backward, x (N-1)/N, T = tokens per device, k = {m.moe.top_k}, h = {m.d_model}, 4 bytes (fp32). "
-        "jaxpar's buffers (`dryrun.moe_all_to_all_bytes`): capacity [E, groups, C, h] = factor x formula; "
+        "jaxpar's buffers (`parallel/theory.moe_all_to_all_bytes`): capacity [E, groups, C, h] = factor x formula; "
         "dropless padded to T·min(k, E/N) rows per destination = N·min(k, E/N)/k x formula, plus the int32 "
         "expert ids (XLA:CPU has no ragged all-to-all).",
         "",
@@ -320,7 +322,8 @@ def balance(lab: Lab, steps: int, bias_rate: float) -> dict:
 # ============================================================================ d. capacity factor
 
 def capacity(lab: Lab, steps: int) -> dict:
-    from jaxpar.dryrun import moe_all_to_all_bytes
+    from jaxpar.parallel.registry import workload
+    from jaxpar.parallel.theory import moe_all_to_all_bytes
     from jaxpar.measure.hlo import collectives
 
     n, rows = lab.n, {}
@@ -331,7 +334,8 @@ def capacity(lab: Lab, steps: int) -> dict:
         r = lab.run(built, steps)
         a2a = sum(c.bytes_per_step for c in collectives(built.compiled.as_text(), built.trainer.mesh)
                   if c.op == "all-to-all")
-        theory = moe_all_to_all_bytes(built.config, built.trainer.model_cfg, built.sizes, lab.devices[0].platform)
+        theory = moe_all_to_all_bytes(*workload(built.config, built.trainer.model_cfg, built.sizes,
+                                               lab.devices[0].platform))
         dropped = np.sum(np.asarray(r["moe_dropped"]), axis=-1).mean(axis=-1)
         rows[label] = {"dropped": dropped.tolist(), "dropped_mean": float(dropped.mean()), "all_to_all": a2a,
                        "formula": theory["formula"], "predicted": theory["predicted"],

@@ -3,7 +3,7 @@
 Six parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
 
 a. tables       the bubble of every schedule's table (parallel/schedules.py) against (p-1)/(m+p-1),
-                (p-1)/(v*m+p-1) and (p-1)/(3m+p-1) (measure/bubble.py), exact fractions, and the tables drawn.
+                (p-1)/(v*m+p-1) and (p-1)/(3m+p-1) (parallel/schedules.py), exact fractions, and the tables drawn.
 b. equivalence  every schedule, the circular pipeline and 3D layouts against the single-device run
                 (fp32, same batches): max relative deviation of losses and gradient norms.
 c. timeline     one profiled step per hand-written schedule on the CPU mesh: each stage's busy time per tick
@@ -53,7 +53,7 @@ from jaxpar.labs.report import (
     write_report,
 )
 from jaxpar.measure import hlo
-from jaxpar.measure.bubble import bubble_fraction, p2p_bytes
+from jaxpar.parallel.schedules import bubble_fraction, p2p_bytes
 from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W, executed_collectives
 from jaxpar.parallel.schedules import build, validate
 

@@ -7,7 +7,7 @@ a. equivalence   losses over the same batches (fp32) of the single device, auto 
                  TP+SP and manual TP+SP keeping gathered inputs; and the gradient of one batch of each
                  manual variant against the single device's: max relative deviations.
 b. communication every collective of each compiled step (`measure.hlo`), per layer and per step, by op,
-                 against `dryrun.manual_tensor_bytes` (auto: `predicted_collective_bytes`).
+                 against `parallel/tensor.predict` (auto: `parallel/auto.predict`).
 c. memory        activation bytes per layer: the compiled gradient program's temp bytes with the layer
                  count doubled (temp(2L) - temp(L)) / L; the tensors autodiff saves, split into the
                  sequence region (norms, residual stream) and the tensor region (attention, MLP);
@@ -271,7 +271,9 @@ def equivalence(lab: Lab, steps: int) -> dict:
 # ============================================================================ b. communication
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.dryrun import manual_tensor_bytes, manual_tensor_layer_units, predicted_collective_bytes
+    from jaxpar.parallel.registry import predicted_collective_bytes, workload
+    from jaxpar.parallel.tensor import layer_units as manual_layer_units
+    from jaxpar.parallel.tensor import predict as manual_tensor
     from jaxpar.measure.hlo import collectives
 
     cfg = lab.model_cfg
@@ -290,8 +292,9 @@ def communication(lab: Lab) -> dict:
         sizes = dict(built.trainer.mesh.shape)
         if key in MANUAL:
             regather = VARIANTS[key][2].get("regather", True)
-            predicted = manual_tensor_bytes(built.config, built.trainer.model_cfg, sizes, "cpu", regather)
-            layer_units = manual_tensor_layer_units("none", built.config.parallel.sequence, regather)
+            theory = workload(built.config, built.trainer.model_cfg, sizes, "cpu")
+            predicted = manual_tensor(*theory, regather=regather).bytes_by_axis()
+            layer_units = manual_layer_units("none", built.config.parallel.sequence, regather)
         elif key == "auto":
             predicted = predicted_collective_bytes(built.config, built.trainer.model_cfg, sizes, "cpu")
             layer_units = 2 * 7        # dryrun: 2 forward + 5 backward all-reduces per layer on XLA:CPU

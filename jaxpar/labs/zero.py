@@ -403,7 +403,7 @@ def _short(line: str, width: int = 230) -> str:
 
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.dryrun import predicted_collective_bytes
+    from jaxpar.parallel.registry import predicted_collective_bytes
     from jaxpar.measure.hlo import collectives
 
     n = lab.n
@@ -470,7 +470,7 @@ def communication(lab: Lab) -> dict:
         f"the rest (embedding, head, final norm) Ψ_o = {lab.psi - lab.counts['blocks']:,}. "
         "Course theory: DDP, ZeRO-1, ZeRO-2 ≈ 2Ψ, ZeRO-3 ≈ 3Ψ, times (N-1)/N x 4 bytes. "
         "'As written' is what jaxpar's code does (zero.py's docstring; the auto rows from "
-        "`dryrun.predicted_collective_bytes`).",
+        "the strategy's `predict`).",
         "",
         md_table(["strategy", "collectives (runs/step)", "compiled", "course theory", "ratio",
                 "jaxpar as written", "ratio"], table),

@@ -30,6 +30,8 @@ from jaxpar.model.transformer import embed, head_loss, run_blocks
 from jaxpar.parallel.auto import rules_embedding
 from jaxpar.parallel.pipeline import check_pipeline, pipe_microbatches, pipe_virtual
 from jaxpar.parallel.rules import AxisRules, parse_rules
+from jaxpar.parallel.schedules import bubble_fraction
+from jaxpar.parallel.theory import Candidate, Flow, Prediction, stored_params, wire_bytes
 from jaxpar.train.strategy import Strategy
 
 AXIS = "pipe"
@@ -98,6 +100,11 @@ class CircularTrainer(Strategy):
     """parallel.pipe=circular: the pipelined scan, differentiated by JAX; everything else automatic."""
 
     RUNS = {"pipe": ("circular",)}
+    PLANNED: dict = {}   # its memory (GPipe's, every iteration kept) is not in the planner's memory model
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
 
     @classmethod
     def check(cls, config, sizes):
@@ -133,3 +140,16 @@ class CircularTrainer(Strategy):
         params = optax.apply_updates(state["params"], updates)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+# ============================================================================ prediction
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """v·m + p - 1 scan iterations, each rolling one activation a = b·s·h·e forward and one gradient back:
+    pipe 2·(v·m + p - 1)·a per device. What XLA sends for data, fsdp or tensor around it is not predicted."""
+    p, m, v = cand.pipe, cand.microbatches, cand.virtual
+    a = global_batch // (cand.data * cand.fsdp) // m * seq_len * shape.d_model * wire_bytes(cand.precision, platform)
+    iterations = v * m + p - 1
+    return Prediction([Flow("pipe", "permute", 2 * iterations * a, 2 * iterations, False)], stored_params(shape, cand),
+                      bubble=bubble_fraction("circular", p, m, v), stash=float(iterations),
+                      note="circular: only the pipe axis is predicted")

@@ -36,6 +36,7 @@ gradient accumulation (train.microbatches > 1) does not combine with them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -51,7 +52,8 @@ from jaxpar.model.transformer import embed, head_loss, run_blocks
 from jaxpar.parallel import deferred
 from jaxpar.parallel.megatron import tensor_parallel_ops
 from jaxpar.parallel.rules import AxisRules, parse_rules
-from jaxpar.parallel.schedules import NAMES, Schedule, build, run_orders, validate
+from jaxpar.parallel.schedules import NAMES, Schedule, bubble_fraction, build, run_orders, validate
+from jaxpar.parallel.theory import OTHER_WEIGHTS, WEIGHTS_PER_LAYER, Candidate, Flow, Prediction, stored_params, wire_bytes
 from jaxpar.train.strategy import Strategy
 
 AXIS = "pipe"
@@ -438,6 +440,10 @@ class PipelineTrainer(Strategy):
 
     RUNS = {"pipe": NAMES}
 
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
+
     @classmethod
     def check(cls, config, sizes):
         name = config.parallel.pipe
@@ -570,3 +576,48 @@ class PipelineTrainer(Strategy):
             grads = jax.tree.map(reduce, grads, self.staged_specs, is_leaf=lambda x: isinstance(x, P))
             shards *= self.mesh.shape["fsdp"]
         return jax.tree.map(lambda g: g / shards, grads)
+
+
+# ============================================================================ prediction
+
+@functools.lru_cache(maxsize=256)
+def program_for(name: str, p: int, m: int, v: int) -> Program:
+    """The compiled table of a schedule (cached: the planner asks for the same few many times)."""
+    return compile_program(build(name, p, m, v))
+
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """Bytes per device per step on the busiest stage, from the schedule's own table (T ticks).
+
+    a = b·s·h·e, one microbatch's activation (b rows per data shard, e = `wire_bytes`).
+      pipe    2·T·a: every tick each stage sends one activation forward and one gradient backward (lock-step
+              SPMD: a buffer moves even in a bubble; the textbook 2(p-1)·m·a counts only the useful ones,
+              `schedules.p2p_bytes`), + the embedding/head gradients summed over pipe, 2(p-1)/p·4·Ψ_o/T.
+      tensor  Megatron, 2(T-1)/T·a each: 2 per layer per F, 2 per layer per B (zb-h1's W has none), +1 per
+              layer per B with remat full, + 1 per embedding lookup and 1 per head.
+      data    the stage's gradients all-reduced once, 2(D-1)/D·4·(Ψ_L/p + Ψ_o)/T.
+      fsdp    the stage's fp32 weights all-gathered once and gradients reduce-scattered once, (F-1)/F·4·(..) each.
+    """
+    p, D, F, T, m, v = cand.pipe, cand.data, cand.fsdp, cand.tensor, cand.microbatches, cand.virtual
+    e = wire_bytes(cand.precision, platform)
+    a = global_batch // (D * F) // m * seq_len * shape.d_model * e
+    counts = shape.counts()
+    psi_layers, psi_other = counts["blocks"], counts["total"] - counts["blocks"]
+    stage = (psi_layers / p + psi_other) / T
+    program = program_for(cand.schedule, p, m, v)
+    ticks = part_ticks(program)
+    out = [Flow("pipe", "permute", 2 * program.ticks * a, 2 * program.ticks, False),
+           Flow("pipe", "all-reduce", 2 * (p - 1) / p * 4 * psi_other / T, OTHER_WEIGHTS, False)]
+    if T > 1:
+        chunk = shape.layers // (p * v)
+        per_backward = 2 + (1 if cand.remat == "full" else 0)
+        reductions = float(((2 * ticks["F"] + per_backward * ticks["B"]) * chunk + ticks["embed"]
+                            + ticks["head"]).max())
+        out.append(Flow("tensor", "all-reduce", reductions * 2 * (T - 1) / T * a, reductions, False))
+    arrays = WEIGHTS_PER_LAYER + OTHER_WEIGHTS
+    if D > 1:
+        out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * 4 * stage, arrays, False))
+    if F > 1:
+        out.append(Flow("fsdp", "all-gather", (F - 1) / F * 4 * stage, arrays, False))
+        out.append(Flow("fsdp", "reduce-scatter", (F - 1) / F * 4 * stage, arrays, False))
+    return Prediction(out, stored_params(shape, cand), bubble=bubble_fraction(cand.schedule, p, m, v), stash=program.slots["stash"])

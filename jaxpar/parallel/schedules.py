@@ -16,6 +16,10 @@ interleaved assignment; v = 1 is the plain pipeline). `validate` checks a table 
 anything compiles: every action present exactly once on the stage that holds it, every
 dependency met at an earlier tick, and at most `in_flight_bound` chunk-microbatches
 alive on any stage (an F done whose B, or W when split, is not).
+
+`bubble_fraction` is the textbook idle fraction each table's `Schedule.bubble` measures (p stages, m
+microbatches, v chunks per stage): GPipe and 1F1B (p-1)/(m+p-1), interleaved and circular (p-1)/(v·m+p-1),
+ZB-H1 (p-1)/(3m+p-1); no pipeline (p = 1), none.
 """
 from __future__ import annotations
 
@@ -249,3 +253,25 @@ def validate(schedule: Schedule) -> None:
         worst = peaks.index(max(peaks))
         raise ScheduleError(f"stage {worst} holds {max(peaks)} chunk-microbatches at once; "
                             f"{schedule.name} claims at most {schedule.in_flight_bound}")
+
+
+# ============================================================================ theory
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
+    """The textbook bubble fraction of a schedule with p stages, m microbatches, v chunks per stage (module doc)."""
+    if p == 1:
+        return Fraction(0)
+    if schedule in ("gpipe", "1f1b"):
+        return Fraction(p - 1, m + p - 1)
+    if schedule in ("interleaved", "circular"):
+        return Fraction(p - 1, v * m + p - 1)
+    if schedule == "zb-h1":
+        return Fraction(p - 1, 3 * m + p - 1)
+    raise ValueError(f"no bubble formula for schedule '{schedule}'")
+
+
+def p2p_bytes(model_stages: int, m: int, micro_batch: int, seq_len: int, d_model: int,
+              bytes_per_element: float) -> float:
+    """Bytes all stages send per step: each microbatch's activation crosses K-1 stage boundaries forward and
+    its gradient K-1 backward: 2 (K-1) m b s h e, K = p model stages (p·v when interleaved)."""
+    return 2 * (model_stages - 1) * m * micro_batch * seq_len * d_model * bytes_per_element

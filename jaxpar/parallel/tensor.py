@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
+from jaxpar.parallel.theory import OTHER_WEIGHTS, WEIGHTS_PER_LAYER, Candidate, Flow, Prediction, stored_params, wire_bytes
 from jaxpar.train.step import accumulate, clip_to_norm
 from jaxpar.train.strategy import Strategy
 
@@ -55,6 +56,11 @@ class TensorTrainer(Strategy):
     """Manual Megatron TP (+ SP) over `tensor`, DDP over `data`; checkpoints interchange with every trainer."""
 
     RUNS = {"tensor": ("manual",), "data": ("ddp",)}
+    PLANNED: dict = {}   # the planner ranks the automatic tensor axis (same bytes without sequence parallelism)
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
 
     @classmethod
     def check(cls, config, sizes):
@@ -134,3 +140,49 @@ class TensorTrainer(Strategy):
 
     def _local_eval(self, params, tokens):
         return jax.lax.pmean(cross_entropy_and_aux(params, tokens, self.model_cfg, self.ops)[0], DATA)
+
+
+# ============================================================================ prediction
+
+def layer_units(remat: str, sequence: bool, regather: bool = True) -> int:
+    """Collective bytes of one layer, one microbatch, in units u = (T-1)/T·e·b·s·h (an all-reduce of b·s·h is
+    2u; an all-gather or reduce-scatter of it, u). See `predict` for what each term is."""
+    recompute_row = remat in ("full", "dots")
+    if not sequence:
+        return 8 + (2 if recompute_row else 0)
+    return 8 + (2 if regather or remat != "none" else 0) + (1 if recompute_row else 0)
+
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str,
+            regather: bool = True) -> Prediction:
+    """Bytes each device sends per step, by mesh axis (u = (T-1)/T·e·b·s·h, e = `wire_bytes`, b rows per data
+    shard per microbatch, m microbatches).
+
+    tensor, TP  per layer 4 all-reduces of b·s·h = 8u (g after wo and w_down forward, f before q/k/v and
+                gate/up backward), +2u with remat full/dots (the attention g is recomputed). Outside the
+                layers 4u: the embedding's g forward, the head's f backward.
+            SP  the same 8u as 4 all-gathers + 4 reduce-scatters, +2u for gathering each column-parallel input
+                again in the backward (`regather`, also whenever remat does not save it), +1u with remat
+                full/dots. Outside 4u. Once per step: the norm weights' gradient sum 2(T-1)/T·4·(2L+1)·h.
+          both  per microbatch the cross-entropy's three fp32 reductions 3·2(T-1)/T·4·b·s; once per step the
+                grad-norm scalar 2(T-1)/T·4.
+    data        DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(Ψ_split/T + Ψ_norms), + the loss.
+    """
+    T, D = cand.tensor, cand.data
+    m, L, h, s = cand.microbatches, shape.layers, shape.d_model, seq_len
+    b = global_batch // m // D
+    e = wire_bytes(cand.precision, platform)
+    norms = (2 * L + 1) * h
+    out = []
+    if T > 1:
+        u = (T - 1) / T * e * b * s * h
+        ring = 2 * (T - 1) / T
+        units = layer_units(cand.remat, cand.sequence, regather) * L + 4
+        total = m * (units * u + ring * 4 * 3 * b * s) + ring * 4 + (ring * 4 * norms if cand.sequence else 0)
+        count = m * (units // 2 + 3) + 1
+        out.append(Flow("tensor", "reduce-scatter" if cand.sequence else "all-reduce", total, count, False))
+    if D > 1:
+        psi = shape.counts()["total"]
+        out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1),
+                        WEIGHTS_PER_LAYER + OTHER_WEIGHTS, False))
+    return Prediction(out, stored_params(shape, cand))

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
+from jaxpar.parallel.theory import OTHER_WEIGHTS, WEIGHTS_PER_LAYER, Candidate, Flow, Prediction, stored_params, wire_bytes
 from jaxpar.train.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
 from jaxpar.train.strategy import Strategy
 
@@ -164,6 +165,7 @@ class ZeroTrainer(Strategy):
     """DDP and ZeRO-1/2/3 over `data`, with the automatic trainer's state layout (checkpoints interchange)."""
 
     RUNS = {"data": tuple(STAGES)}
+    PLANNED = {"data": ("zero1", "zero3")}   # ddp and zero2 send what zero1 sends and store more
 
     @classmethod
     def check(cls, config, sizes):
@@ -174,6 +176,10 @@ class ZeroTrainer(Strategy):
         if config.parallel.data != "ddp" and config.model.d_model % sizes[AXIS]:
             raise ConfigError("mesh.data", f"{STAGE_NAMES[config.parallel.data]} splits every parameter over "
                               f"mesh.data={sizes[AXIS]}, which must divide model.d_model={config.model.d_model}")
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
@@ -294,3 +300,41 @@ class ZeroTrainer(Strategy):
     def _local_eval(self, params, tokens):
         ops = self.ops.replace(fetch=self.gather) if self.stage == "zero3" else self.ops
         return jax.lax.pmean(cross_entropy_and_aux(params, tokens, self.model_cfg, ops)[0], AXIS)
+
+
+# ============================================================================ prediction
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """Bytes each device sends per step over `data` (D devices, ring (D-1)/D; e = `wire_bytes`, m microbatches).
+
+    ddp, zero1  fp32 gradients accumulated locally and reduced once per step: DDP's all-reduce 2·4Ψ; ZeRO-1's
+                reduce-scatter + all-gather of the updated fp32 params, 2·4Ψ as well.
+    zero2       each layer's gradient reduce-scattered in every microbatch's backward pass, e·m·Ψ, + the fp32
+                all-gather 4Ψ.
+    zero3       per microbatch, layers gathered forward and backward and reduce-scattered (3Ψ_L), embedding,
+                head and final norm gathered once and reduce-scattered (2Ψ_o; a tied embedding twice), x e·m.
+    """
+    counts = shape.counts()
+    D, m, L = cand.data, cand.microbatches, shape.layers
+    level = ("ddp", "zero1", "zero2", "zero3").index(cand.data_impl)    # what is split: optimizer, grads, params
+    stored = stored_params(shape, cand, {"optimizer": D if level >= 1 else 1, "grads": D if level >= 2 else 1,
+                                         "params": D if level >= 3 else 1})
+    if D == 1:
+        return Prediction([], stored)
+    e, cpu = wire_bytes(cand.precision, platform), platform == "cpu"
+    psi_layers, psi_other = counts["blocks"], counts["total"] - counts["blocks"]
+    psi = psi_layers + psi_other
+    ring, arrays = (D - 1) / D, WEIGHTS_PER_LAYER + OTHER_WEIGHTS
+    tied = 2 * counts["embedding"] if shape.tie_embeddings else 0
+    stage = cand.data_impl
+    if stage in ("ddp", "zero1"):
+        flows = [Flow("data", "all-reduce" if stage == "ddp" else "reduce-scatter", ring * 2 * 4 * psi, arrays, False)]
+    elif stage == "zero2":
+        flows = [Flow("data", "reduce-scatter", ring * e * m * psi, arrays * m, not cpu),
+                 Flow("data", "all-gather", ring * 4 * psi, arrays, False)]
+    else:
+        flows = [Flow("data", "all-gather", ring * e * m * (2 * psi_layers + psi_other + tied / 2),
+                      (2 * L * WEIGHTS_PER_LAYER + OTHER_WEIGHTS) * m, not cpu),
+                 Flow("data", "reduce-scatter", ring * e * m * (psi_layers + psi_other + tied / 2),
+                      (L * WEIGHTS_PER_LAYER + OTHER_WEIGHTS) * m, not cpu)]
+    return Prediction(flows, stored)

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from jaxpar.plan.cluster import Cluster, cpu_cluster
-from jaxpar.plan.space import Candidate
+from jaxpar.parallel.theory import Candidate
 from jaxpar.plan.steptime import Calibration
 
 BENCH_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
@@ -121,11 +121,9 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
 
 def calibrate(cluster: Cluster, shape, measured: Measured, global_batch: int, seq_len: int) -> Calibration:
     """η such that the planner's time for `measured`'s strategy equals its measured median (no overlap on CPU)."""
-    from jaxpar.plan.memory import stored_params
     from jaxpar.plan.steptime import step_time
     at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, source="")
-    t = step_time(shape, measured.cand, cluster, global_batch, seq_len, at_peak,
-                  optimizer_params=stored_params(shape, measured.cand)["optimizer"])
+    t = step_time(shape, measured.cand, cluster, global_batch, seq_len, at_peak)
     rest = t.total_s - t.compute_s
     eta = t.compute_s / max(measured.median_s - rest, 1e-9)
     return Calibration(compute=eta, overlap=0.0, memory=1.0,

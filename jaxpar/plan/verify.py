@@ -19,7 +19,7 @@ import copy
 import dataclasses
 
 from jaxpar.config import ConfigError, apply_overrides, validate
-from jaxpar.plan.space import Candidate
+from jaxpar.parallel.theory import Candidate
 
 GIB = 2**30
 # model.attention of a fused (flash) kernel: jaxpar's Pallas kernel, Triton on GPU. cuDNN's (`cudnn`) is the other

@@ -2,7 +2,9 @@
 need to know which strategy runs.
 
 A strategy is a subclass of `Strategy` in one file under jaxpar/parallel/ plus one
-line in `jaxpar/parallel/registry.py`. Its constructor calls `Strategy.__init__` (config,
+line in `jaxpar/parallel/registry.py`. Beside its builder the file holds its theory,
+`predict` (parallel/theory.py says what a prediction is): the dry run, the planner and the
+labs all read it. Its constructor calls `Strategy.__init__` (config,
 model, mesh, optimizer, logical-axis rules, ops bundle, remat policy, donation) and then
 sets:
 
@@ -36,6 +38,14 @@ class Strategy:
 
     #: mesh axis -> the `parallel.<axis>` implementations this trainer runs (the registry matches on it)
     RUNS: dict[str, tuple[str, ...]] = {}
+    #: the part of RUNS the planner ranks (None: all of it)
+    PLANNED: dict[str, tuple[str, ...]] | None = None
+
+    @staticmethod
+    def predict(shape, cand, global_batch: int, seq_len: int, platform: str):
+        """One step's `parallel.theory.Prediction` for `cand` (a model `shape`, `global_batch` sequences of
+        `seq_len` tokens, on `platform`): every strategy owns its own."""
+        raise NotImplementedError("a strategy predicts its own collectives: define `predict`")
 
     def __init__(self, config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
         self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
