@@ -480,18 +480,19 @@ def plot_plan(p, path: Path):
 @styled
 def plot_breakdown(label: str, parts: dict, unit: str, scale: float, path: Path, limit: float | None = None):
     """One stacked bar of the best plan: its memory parts or its step-time terms."""
-    fig = figure(8, 4.2)
+    fig = figure(8, 3.4 + 0.3 * ((len(parts) + 2) // 2))
     ax = fig.add_subplot()
     left = 0.0
     for k, v in parts.items():
-        ax.barh([0], [v / scale], left=left, label=k)
+        ax.barh([0], [v / scale], height=0.6, left=left, label=k)
         left += v / scale
     if limit is not None:
         ax.axvline(limit / scale, color="k", linestyle="--", lw=2.5, label="usable memory per device")
     ax.set_yticks([])
     ax.set_xlabel(unit)
-    ax.set_title(label)
-    legend_below(ax, ncols=2, gap=0.3)
+    ax.set_title(f"The chosen plan: {label}")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=2)
     return save(fig, path)
 
 
@@ -515,12 +516,14 @@ def plot_cpu_check(reality: dict, path: Path):
 
 @styled
 def plot_fertility(fert: dict, path: Path):
+    from matplotlib.ticker import ScalarFormatter
     fig = figure(7, 4.8)
     ax = fig.add_subplot()
     for normalize, label in ((False, "diacritics kept"), (True, "diacritics stripped")):
         rows = [r for r in fert["rows"] if r["normalize"] == normalize]
         ax.plot([r["vocab_requested"] for r in rows], [r["tokens_per_word"] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.set(xlabel="BPE vocabulary asked for", ylabel="tokens per word (held-out text)",
            title=f"Tokenizer fertility on '{fert['corpus']}' (measured)")
     legend_below(ax, ncols=2, gap=0.18)

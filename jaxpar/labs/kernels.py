@@ -293,6 +293,7 @@ VARIANTS = ((("dot", "none"), "#c44e52"), (("pallas", "none"), "#4c72b0"), (("do
 def plot_memory(result: dict, path: Path):
     """Train-step temp against S for each attention x remat: compiled (solid) beside the formula (dashed),
     in MiB like the lab's tables."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
     fig = figure(8, 5.8)
     ax = fig.add_subplot()
     for (attention, remat), color in VARIANTS:
@@ -305,6 +306,11 @@ def plot_memory(result: dict, path: Path):
     ax.plot([], [], "k--", label="dashed: formula (grads + activations)")
     ax.set(xlabel="sequence length S", ylabel="temp per device (MiB)", xscale="log", yscale="log",
            title="Train step temp: dot vs flash attention (attention x remat)")
+    ax.set_xticks(sorted({r["seq_len"] for r in result["rows"]}))
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
     legend_below(ax, ncols=2, gap=0.16)
     return save(fig, path)
 
@@ -318,6 +324,7 @@ def plot_compile(result: dict, path: Path):
         own = [r for r in rows if r["unrolled"] == unrolled]
         ax.plot([r["layers"] for r in own], [r["compile_s"] for r in own], "o-", label=label)
     ax.set(xlabel="layers", ylabel="XLA compile time (s, measured)", title="Compile time vs depth")
+    ax.set_xticks(sorted({r["layers"] for r in rows}))
     legend_below(ax, gap=0.16)
     return save(fig, path)
 
