@@ -216,7 +216,9 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     import jax.numpy as jnp
 
     from jaxpar.kernels.costs import kernel_flops
+    from jaxpar.kernels.kernel_ops import resolve
     from jaxpar.measure import hardware, hlo
+    from jaxpar.measure.executed import step_collectives
     from jaxpar.measure.flops import compiled_flops, mfu, model_flops_per_step
     from jaxpar.measure.memory import (
         activation_estimate,
@@ -228,10 +230,9 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     )
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.counting import param_count
-    from jaxpar.model.kernel_ops import resolve
     from jaxpar.model.transformer import ModelConfig
     from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes
-    from jaxpar.train.step import activation_dtype
+    from jaxpar.parallel.step import activation_dtype
 
     if config.model.vocab_size <= 0:
         raise ConfigError("model.vocab_size", f"is {config.model.vocab_size}; a dry run has no tokenizer to take "
@@ -277,7 +278,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
 
     # collectives
     # a pipeline step runs each tick's branches only on some ticks: its trainer counts what it executes
-    found = trainer.collectives(hlo_text) if hasattr(trainer, "collectives") else hlo.collectives(hlo_text, mesh)
+    found = step_collectives(trainer, hlo_text)
     summary = hlo.summarize(found)
     predicted_bytes = predicted_collective_bytes(config, model_cfg, sizes, machine["platform"])
     links = _links(found, mesh, machine)

@@ -10,21 +10,20 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.dryrun import gpu_plugin_problem
-from jaxpar.parallel import registry
-from jaxpar.model.counting import param_count, train_flops_per_token
+from jaxpar.model.counting import ModelShape, param_count, train_flops_per_token
 from jaxpar.model.moe import MoEConfig
 from jaxpar.model.transformer import ModelConfig
+from jaxpar.parallel import registry
+from jaxpar.parallel.schedules import bubble_fraction
+from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan import risks
 from jaxpar.plan.anchors import ANCHORS, predict
 from jaxpar.plan.cluster import cpu_cluster, gpu_cluster
 from jaxpar.plan.memory import PIPELINE_EXTRA_SLOTS, memory
 from jaxpar.plan.planner import defence, plan, smallest_cluster
-from jaxpar.model.counting import ModelShape
-from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan.space import enumerate_candidates
-from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.plan.steptime import GPU_CALIBRATION, executed_flops_per_token, step_time
-from jaxpar.plan.verify import candidate_config, candidate_overrides, verify
+from jaxpar.plan.verify import candidate_config, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {name: str(ROOT / "configs" / f"{name}.py") for name in ("test", "arabic_7b", "llama_1b")}

@@ -11,14 +11,12 @@ from synthetic import counting_batches
 
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
-from jaxpar.parallel.registry import predicted_collective_bytes
-from jaxpar.parallel.tensor import layer_units
 from jaxpar.labs.tensor import layer_activations
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, loss
-from jaxpar.parallel.registry import make_trainer, select
-from jaxpar.parallel.tensor import TensorTrainer
+from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes, select
+from jaxpar.parallel.tensor import TensorTrainer, layer_units
 from jaxpar.parallel.zero import ZeroTrainer
 from jaxpar.train.checkpoint import Checkpoints
 

@@ -81,9 +81,9 @@ def recorded_compiles() -> int:
 # ============================================================================ the parts
 
 def part_plan(args, log):
+    from jaxpar.model.counting import ModelShape
     from jaxpar.plan.command import check_inputs
     from jaxpar.plan.planner import plan
-    from jaxpar.model.counting import ModelShape
     if args.rounds < 3:
         raise ConfigError("--rounds", f"is {args.rounds}; a median needs at least 3 rounds")
     if not args.skip_cpu and args.cpu_devices != 8:
@@ -124,9 +124,9 @@ def part_reality(args, out: Path, log) -> dict:
     import jax
 
     from jaxpar.config import apply_overrides, load_config
+    from jaxpar.model.counting import ModelShape
     from jaxpar.plan.planner import evaluate
     from jaxpar.plan.reality import calibrate, default_strategies, measure_cluster, measure_steps
-    from jaxpar.model.counting import ModelShape
     n = len(jax.devices("cpu"))
     log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
     cluster, info = measure_cluster(n, out / "bench", log=log)

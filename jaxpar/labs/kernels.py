@@ -155,8 +155,8 @@ def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:
 
 def step_memory(overrides: list[str], vocab: int) -> dict:
     """Compiled temp bytes of one device's train step, and the formula's prediction for it."""
+    from jaxpar.kernels.kernel_ops import resolve
     from jaxpar.measure.memory import activation_estimate, compiled_memory, state_bytes
-    from jaxpar.model.kernel_ops import resolve
 
     trainer = _trainer(["mesh.data=1", *overrides], jax.devices()[:1], vocab)
     config, cfg = trainer.config, trainer.model_cfg

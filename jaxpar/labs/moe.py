@@ -223,9 +223,9 @@ def _by_op(found, axis_filter=None) -> dict:
 
 
 def communication(lab: Lab) -> dict:
+    from jaxpar.measure.hlo import collectives
     from jaxpar.parallel.registry import workload
     from jaxpar.parallel.theory import moe_all_to_all_bytes
-    from jaxpar.measure.hlo import collectives
 
     rows = {}
     for label, overrides, devices in _strategies(lab.n):
@@ -322,9 +322,9 @@ def balance(lab: Lab, steps: int, bias_rate: float) -> dict:
 # ============================================================================ d. capacity factor
 
 def capacity(lab: Lab, steps: int) -> dict:
+    from jaxpar.measure.hlo import collectives
     from jaxpar.parallel.registry import workload
     from jaxpar.parallel.theory import moe_all_to_all_bytes
-    from jaxpar.measure.hlo import collectives
 
     n, rows = lab.n, {}
     settings = [(f"capacity {cf}", ["model.moe.dispatch=capacity", f"model.moe.capacity_factor={cf}"])

@@ -53,9 +53,9 @@ from jaxpar.labs.report import (
     write_report,
 )
 from jaxpar.measure import hlo
-from jaxpar.parallel.schedules import bubble_fraction, p2p_bytes
-from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W, executed_collectives
-from jaxpar.parallel.schedules import build, validate
+from jaxpar.measure.executed import executed_collectives
+from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W
+from jaxpar.parallel.schedules import bubble_fraction, build, p2p_bytes, validate
 
 TOLERANCE = 1e-4
 VOCAB = 512

@@ -271,10 +271,10 @@ def equivalence(lab: Lab, steps: int) -> dict:
 # ============================================================================ b. communication
 
 def communication(lab: Lab) -> dict:
+    from jaxpar.measure.hlo import collectives
     from jaxpar.parallel.registry import predicted_collective_bytes, workload
     from jaxpar.parallel.tensor import layer_units as manual_layer_units
     from jaxpar.parallel.tensor import predict as manual_tensor
-    from jaxpar.measure.hlo import collectives
 
     cfg = lab.model_cfg
     L = cfg.layers

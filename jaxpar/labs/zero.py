@@ -403,8 +403,8 @@ def _short(line: str, width: int = 230) -> str:
 
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.parallel.registry import predicted_collective_bytes
     from jaxpar.measure.hlo import collectives
+    from jaxpar.parallel.registry import predicted_collective_bytes
 
     n = lab.n
     ring = (n - 1) / n
@@ -552,7 +552,7 @@ def remat(lab: Lab, repeats: int) -> dict:
 
 def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
     from jaxpar.measure.memory import activation_estimate, compiled_memory, zero_formula
-    from jaxpar.train.step import DTYPES
+    from jaxpar.parallel.step import DTYPES
 
     notes, chosen = [], []
     for dtype, label in PRECISIONS:

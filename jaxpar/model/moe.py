@@ -167,7 +167,7 @@ def bias_update(routed, rate: float):
 
     `routed` [layers, E] is the observed load of the step; overloaded experts become less
     likely to be chosen, underloaded ones more. The trainers add this after their optimizer
-    update (train/step.py `apply_outside_gradient`): the bias never sees a gradient.
+    update (parallel/step.py `apply_outside_gradient`): the bias never sees a gradient.
     """
     return rate * jnp.sign(jnp.mean(routed, axis=-1, keepdims=True) - routed)
 

@@ -308,7 +308,7 @@ def outside_gradient(metrics: dict, cfg: ModelConfig) -> dict:
 
     {stack: {name: delta}} with full-shape deltas; {} for most models. Today: the MoE router's
     aux-free bias (router=sigmoid), moved against each expert's observed load (moe.bias_update).
-    Trainers apply it after the optimizer (train/step.py `apply_outside_gradient`).
+    Trainers apply it after the optimizer (parallel/step.py `apply_outside_gradient`).
     """
     if not cfg.moe or cfg.moe.router != "sigmoid" or not cfg.moe.bias_rate:
         return {}

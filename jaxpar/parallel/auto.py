@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.model.axes import ACTIVATION_AXES
 from jaxpar.model.ops import gather_embedding
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
+from jaxpar.parallel.step import accumulate, apply_outside_gradient
+from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.theory import (
     OTHER_WEIGHTS,
     WEIGHTS_PER_LAYER,
@@ -28,8 +30,6 @@ from jaxpar.parallel.theory import (
     stored_params,
     wire_bytes,
 )
-from jaxpar.train.step import accumulate, apply_outside_gradient
-from jaxpar.train.strategy import Strategy
 
 
 def auto_step(state, tokens, *, model_cfg, ops, optimizer, policy, microbatches):

@@ -31,8 +31,8 @@ from jaxpar.parallel.auto import rules_embedding
 from jaxpar.parallel.pipeline import check_pipeline, pipe_microbatches, pipe_virtual
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import bubble_fraction
+from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.theory import Candidate, Flow, Prediction, stored_params, wire_bytes
-from jaxpar.train.strategy import Strategy
 
 AXIS = "pipe"
 

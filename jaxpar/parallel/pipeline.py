@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -47,14 +46,21 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
-from jaxpar.measure import hlo
 from jaxpar.model.transformer import embed, head_loss, run_blocks
 from jaxpar.parallel import deferred
 from jaxpar.parallel.megatron import tensor_parallel_ops
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import NAMES, Schedule, bubble_fraction, build, run_orders, validate
-from jaxpar.parallel.theory import OTHER_WEIGHTS, WEIGHTS_PER_LAYER, Candidate, Flow, Prediction, stored_params, wire_bytes
-from jaxpar.train.strategy import Strategy
+from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.theory import (
+    OTHER_WEIGHTS,
+    WEIGHTS_PER_LAYER,
+    Candidate,
+    Flow,
+    Prediction,
+    stored_params,
+    wire_bytes,
+)
 
 AXIS = "pipe"
 BATCH_AXES = ("data", "fsdp")
@@ -267,7 +273,7 @@ def _get(buffer, slot):
 
 def scoped(part: str):
     """Run under the named scope `pipeline_<part>`: the compiled HLO's metadata then says which part of a
-    tick each instruction belongs to (`executed_collectives`, the lab's timeline)."""
+    tick each instruction belongs to (measure/executed.py, the lab's timeline)."""
     def wrap(fn):
         def run(*args):
             with jax.named_scope(f"pipeline_{part}"):
@@ -283,21 +289,6 @@ PARTS = {"F": (F_FIRST, F_MID, F_LAST), "embed": (F_FIRST,), "head": (F_LAST,), 
 def part_ticks(program: Program) -> dict[str, np.ndarray]:
     """Per part of a tick (PARTS): on how many ticks each stage runs it."""
     return {part: np.isin(program.table["branch"], codes).sum(axis=0) for part, codes in PARTS.items()}
-
-
-def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
-    """`measure.hlo.collectives` of a pipeline step, with the runs of the collectives inside a tick's parts
-    set to what `stage` executes: the static count runs every branch of the tick's switch on every tick."""
-    scopes = dict(re.findall(r'%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', hlo_text))
-    ticks = part_ticks(program)
-    out = []
-    for c in hlo.collectives(hlo_text, mesh):
-        parts = [p[len("pipeline_"):] for p in scopes.get(c.name, "").split("/") if p.startswith("pipeline_")]
-        if parts and parts[-1] in ticks:
-            runs = c.runs_per_step // program.ticks * int(ticks[parts[-1]][stage])
-            c = dataclasses.replace(c, runs_per_step=runs)
-        out.append(c)
-    return out
 
 
 def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, *, cfg, ops, train: bool):
@@ -495,11 +486,6 @@ class PipelineTrainer(Strategy):
                                  out_specs=P(), check_vma=False)
         self.eval_fn = jax.jit(lambda params, tokens: evaluate(self._staged(params), tokens),
                                in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
-
-    def collectives(self, hlo_text: str):
-        """The compiled step's collectives as the busiest stage executes them (`executed_collectives`)."""
-        per_stage = [executed_collectives(hlo_text, self.mesh, self.program, s) for s in range(self.p)]
-        return max(per_stage, key=lambda found: sum(c.bytes_per_step for c in found))
 
     # ---------------------------------------------------------------- layout
     def _staged(self, params):

@@ -40,9 +40,17 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
-from jaxpar.parallel.theory import OTHER_WEIGHTS, WEIGHTS_PER_LAYER, Candidate, Flow, Prediction, stored_params, wire_bytes
-from jaxpar.train.step import accumulate, clip_to_norm
-from jaxpar.train.strategy import Strategy
+from jaxpar.parallel.step import accumulate, clip_to_norm
+from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.theory import (
+    OTHER_WEIGHTS,
+    WEIGHTS_PER_LAYER,
+    Candidate,
+    Flow,
+    Prediction,
+    stored_params,
+    wire_bytes,
+)
 
 AXIS = "tensor"
 DATA = "data"

@@ -38,9 +38,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.parallel.theory import OTHER_WEIGHTS, WEIGHTS_PER_LAYER, Candidate, Flow, Prediction, stored_params, wire_bytes
-from jaxpar.train.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
-from jaxpar.train.strategy import Strategy
+from jaxpar.parallel.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
+from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.theory import (
+    OTHER_WEIGHTS,
+    WEIGHTS_PER_LAYER,
+    Candidate,
+    Flow,
+    Prediction,
+    stored_params,
+    wire_bytes,
+)
 
 AXIS = "data"
 STACKS = ("blocks", "moe_blocks")                         # the scanned layer stacks (leading `layers` axis)

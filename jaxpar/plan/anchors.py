@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.plan.cluster import gpu_cluster
 from jaxpar.model.counting import ModelShape
+from jaxpar.plan.cluster import gpu_cluster
 from jaxpar.plan.steptime import Calibration
 
 

@@ -76,8 +76,8 @@ def check_inputs(args):
 
 
 def run(args) -> int:
-    from jaxpar.plan.planner import defence, plan, summary_line, table
     from jaxpar.model.counting import ModelShape
+    from jaxpar.plan.planner import defence, plan, summary_line, table
     config, cluster, tokens, note = check_inputs(args)
     global_batch = args.global_batch if args.global_batch is not None else config.train.batch_size
     seq_len = args.seq_len if args.seq_len is not None else config.data.seq_len

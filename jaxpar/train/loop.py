@@ -36,13 +36,13 @@ from jaxpar.mesh import describe, make_mesh
 from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_trainer, select
+from jaxpar.parallel.step import learning_rate
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.guard import NonFiniteGuard
 from jaxpar.train.preemption import Preempted, Preemption
-from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
 from jaxpar.train.progress import StepClock
+from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
 from jaxpar.train.sample import END_OF_RUN, complete, sample_command
-from jaxpar.train.step import learning_rate
 
 console = Console(highlight=False, soft_wrap=True)   # no hard wraps: long lines stay one line under `launch`
 

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.kernels.kernel_ops import kernel_ops, platform_of
 from jaxpar.model.axes import named_arrays
-from jaxpar.model.kernel_ops import kernel_ops, platform_of
 from jaxpar.model.ops import make_ops
 from jaxpar.model.transformer import ModelConfig, init_params
 from jaxpar.parallel.rules import AxisRules
-from jaxpar.train.step import donate_state, make_optimizer, remat_policy
+from jaxpar.parallel.step import donate_state, make_optimizer, remat_policy
 
 
 class Strategy:
