@@ -12,8 +12,8 @@ import os
 import sys
 import traceback
 
-from jaxpar.cluster.env import EXIT_BAD_INPUT
 from jaxpar.config import ConfigError
+from jaxpar.env import EXIT_BAD_INPUT
 
 
 class Parser(argparse.ArgumentParser):
@@ -293,7 +293,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_dryrun(args) -> int:
-    from jaxpar.dryrun import dryrun, markdown_report, prepare_process, write_json
+    from jaxpar.dryrun import dryrun, markdown_report, write_json
+    from jaxpar.measure.targets import prepare_process
     prepare_process(args.target, args.devices)   # before JAX starts a backend
     result = dryrun(load(args), args.target, devices=args.devices, topology=args.topology)
     print(markdown_report(result))
@@ -314,7 +315,7 @@ def cmd_memory(args) -> int:
 def cmd_plan(args) -> int:
     from jaxpar.plan.command import run
     if args.verify:
-        from jaxpar.dryrun import prepare_process
+        from jaxpar.measure.targets import prepare_process
         prepare_process("h100", None)   # keep JAX on CPU: the compile goes through a GPU topology
     return run(args)
 

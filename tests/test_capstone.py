@@ -5,7 +5,7 @@ import json
 import pytest
 from test_plan import CONFIGS, run_cli
 
-from jaxpar.dryrun import gpu_plugin_problem
+from jaxpar.measure.targets import gpu_plugin_problem
 from jaxpar.parallel.theory import Candidate
 
 

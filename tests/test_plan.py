@@ -9,7 +9,7 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.config import ConfigError, apply_overrides, load_config
-from jaxpar.dryrun import gpu_plugin_problem
+from jaxpar.measure.targets import gpu_plugin_problem
 from jaxpar.model.counting import ModelShape, param_count, train_flops_per_token
 from jaxpar.model.moe import MoEConfig
 from jaxpar.model.transformer import ModelConfig
@@ -240,8 +240,8 @@ def test_verification_demotes_what_does_not_fit(monkeypatch):
         peak = 100e9 if fat.label() == first else 1e9
         return {"memory": {"compiled": {"peak": peak}}, "collectives": {"by_axis": {}}, "timing": {"compile_s": 1.0}}
 
-    import jaxpar.dryrun
-    monkeypatch.setattr(jaxpar.dryrun, "dryrun", fake_dryrun)
+    import jaxpar.measure.dryrun
+    monkeypatch.setattr(jaxpar.measure.dryrun, "dryrun", fake_dryrun)
     verified, skipped = verify(p, config("test"), 2, log=lambda line: None)
     assert [v.label for v in verified] == [f"#1 {first}", f"#2 {second}"] and not skipped
     assert verified[0].demoted.startswith("demoted: compiled peak 100.0 GB exceeds")

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args) -> int:
-    from jaxpar.dryrun import prepare_process
+    from jaxpar.measure.targets import prepare_process
     prepare_process("h100", None)      # JAX stays on CPU (the CPU check runs there); GPU compiles use a topology
     if not args.out:
         args.out = f"runs/capstone-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -104,7 +104,7 @@ def part_plan(args, log):
 
 
 def part_compiler(args, p, config, log) -> dict:
-    from jaxpar.dryrun import GPU_TARGETS, gpu_plugin_problem
+    from jaxpar.measure.targets import GPU_TARGETS, gpu_plugin_problem
     target = args.gpu.lower().removesuffix("-sxm").removesuffix("-80gb")
     if not args.verify:
         return {"skipped": "not asked for (--verify 0)"}

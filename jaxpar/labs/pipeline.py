@@ -439,7 +439,7 @@ def p2p(lab: Lab, p: int, m: int) -> dict:
 # ============================================================================ f. dry run of the 7B
 
 def dryrun_7b(lab: Lab, out: Path) -> dict:
-    from jaxpar.dryrun import gpu_plugin_problem
+    from jaxpar.measure.targets import gpu_plugin_problem
     config = REPO / "configs" / "arabic_7b.py"
     if not config.is_file():
         return {"markdown": "## f. Dry run of the 7B\n\nconfigs/arabic_7b.py is not here (an installed package "

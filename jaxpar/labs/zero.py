@@ -585,7 +585,7 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
     table = []
     ref = runs.get("float32")
     tail = max(1, steps // 10)
-    for dtype, r in runs.items():
+    for _dtype, r in runs.items():
         dev = max_rel_dev(r["losses"], ref["losses"]) if ref else None
         r["max_rel_dev_vs_fp32"] = dev
         r["final_mean"] = float(np.mean(r["losses"][-tail:]))

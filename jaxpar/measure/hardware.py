@@ -121,7 +121,7 @@ def _host_memory_bytes() -> float | None:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe_host(seconds_budget: float = 1.0) -> Accelerator:
     """Measure this host: float32 matmul FLOP/s (jitted 1024^3 jnp.dot on one device) and memcpy bytes/s.
 

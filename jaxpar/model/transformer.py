@@ -47,7 +47,7 @@ class ModelConfig:
     moe: MoEConfig | None = None      # None: every layer dense
 
     @classmethod
-    def from_config(cls, model, vocab_size: int | None = None) -> "ModelConfig":
+    def from_config(cls, model, vocab_size: int | None = None) -> ModelConfig:
         return cls(
             vocab_size=vocab_size or model.vocab_size, d_model=model.d_model, layers=model.layers,
             heads=model.heads, kv_heads=model.kv_heads, head_dim=model.head_dim or model.d_model // model.heads,

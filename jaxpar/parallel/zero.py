@@ -59,7 +59,7 @@ STAGE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeR
 # Each runs on one device inside shard_map: `params`/`opt_state` are what this device
 # stores, `tokens` its batch shard. Returns (metrics, params, opt_state, grad norm).
 
-def ddp_step(t: "ZeroTrainer", params, opt_state, tokens):
+def ddp_step(t: ZeroTrainer, params, opt_state, tokens):
     """DDP: everything replicated; the gradient is all-reduced."""
     metrics, grads = t.local_grads(params, tokens)         # gradient of this device's batch shard
     grads = jax.lax.pmean(grads, AXIS)                     # ALL-REDUCE: every device holds the mean gradient
@@ -68,7 +68,7 @@ def ddp_step(t: "ZeroTrainer", params, opt_state, tokens):
     return metrics, params, opt_state, norm
 
 
-def zero1_step(t: "ZeroTrainer", params, opt_state, tokens):
+def zero1_step(t: ZeroTrainer, params, opt_state, tokens):
     """ZeRO-1: Adam m, v sliced; the finished gradient is reduce-scattered, each device updates its slice."""
     metrics, grads = t.local_grads(params, tokens)         # the full local gradient exists here
     my_grads = t.reduce_scatter(grads)                     # REDUCE-SCATTER: my 1/N of the mean gradient
@@ -77,7 +77,7 @@ def zero1_step(t: "ZeroTrainer", params, opt_state, tokens):
     return metrics, t.all_gather(my_params), opt_state, norm   # ALL-GATHER the updated slices
 
 
-def zero2_step(t: "ZeroTrainer", params, opt_state, tokens):
+def zero2_step(t: ZeroTrainer, params, opt_state, tokens):
     """ZeRO-2: as ZeRO-1, but each layer's gradient is reduce-scattered inside the backward pass."""
     metrics, my_grads = t.sliced_grads(params, tokens, fetch=t.local_copy)   # REDUCE-SCATTER per layer
     norm = t.sharded_norm(my_grads)
@@ -85,7 +85,7 @@ def zero2_step(t: "ZeroTrainer", params, opt_state, tokens):
     return metrics, t.all_gather(my_params), opt_state, norm   # ALL-GATHER the updated slices
 
 
-def zero3_step(t: "ZeroTrainer", params, opt_state, tokens):
+def zero3_step(t: ZeroTrainer, params, opt_state, tokens):
     """ZeRO-3: params stored sliced too; each layer all-gathered in forward and again in backward."""
     metrics, my_grads = t.sliced_grads(params, tokens, fetch=t.gather)   # ALL-GATHER, REDUCE-SCATTER per layer
     norm = t.sharded_norm(my_grads)

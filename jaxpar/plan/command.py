@@ -106,7 +106,7 @@ def run(args) -> int:
 
 def verify_top(p, config, count: int, gpu: str) -> list[str]:
     """Compile the best buildable candidates deviceless (or say why not, and how to make it possible)."""
-    from jaxpar.dryrun import GPU_TARGETS, gpu_plugin_problem
+    from jaxpar.measure.targets import GPU_TARGETS, gpu_plugin_problem
     target = gpu.lower().removesuffix("-sxm").removesuffix("-80gb")
     if target not in GPU_TARGETS:
         return [f"Verification skipped: no deviceless compile target for '{gpu}' (targets: {', '.join(GPU_TARGETS)})."]

@@ -106,7 +106,7 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
             jax.block_until_ready(metrics)
         log(f"  compiled {cand.label()} in {compile_s:.1f} s")
         built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis)])
-    for r in range(rounds):
+    for _ in range(rounds):
         for item in built:
             cand, compiled, state, batch, mesh, measured = item
             with jax.set_mesh(mesh):

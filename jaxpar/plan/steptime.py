@@ -16,8 +16,8 @@ communication per axis + the pipeline bubble.
             over `tensor`), ZeRO-1/2's extra copies (`ZERO_COPIES`), and, for jaxpar's einsum
             attention, the S x S scores and probabilities (bytes per element in `SCORE_BYTES`), at
             `MEMORY_EFFICIENCY` x bandwidth.
-  comm      α-β per flow of the strategy's prediction (`Strategy.predict`) on the link its group spans; hideable flows are hidden
-            behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
+  comm      α-β per flow of the strategy's prediction (`Strategy.predict`) on the link its group spans;
+            hideable flows are hidden behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
             non-hideable flow, is exposed.
   bubble    pipelines: the schedule's fraction β (the prediction's, parallel/schedules.bubble_fraction)
             idles every stage: the busy time is stretched by 1/(1-β).

@@ -9,7 +9,7 @@ ConfigError becomes the reason the candidate stays "formula only". Nothing here 
 strategies the checkout has: after a merge the same code builds what the merge added.
 
 `verify` compiles the best buildable candidates deviceless for a GPU target
-(`jaxpar.dryrun`, which needs the CUDA plugin wheels, not a GPU) and sets the predicted
+(`jaxpar.measure.dryrun`, which needs the CUDA plugin wheels, not a GPU) and sets the predicted
 memory and bytes per mesh axis beside the compiled ones; a candidate whose compiled peak
 does not fit the device is demoted below every candidate that was not, with the reason.
 """
@@ -127,7 +127,7 @@ def verify(plan, base_config, count: int, target: str = "h100", log=print) -> tu
     Returns (what was compiled, one line per reason the better-ranked candidates were not built: how many,
     the best of them). Reorders plan.ranked in place.
     """
-    from jaxpar.dryrun import dryrun
+    from jaxpar.measure.dryrun import dryrun
     cluster = plan.cluster
     topology = f"1x{cluster.nodes}x{cluster.per_node}"
     verified, skipped = [], {}

@@ -18,7 +18,7 @@ import signal
 import jax
 from jax.experimental import multihost_utils
 
-from jaxpar.cluster.env import EXIT_PREEMPTED
+from jaxpar.env import EXIT_PREEMPTED
 
 
 class Preempted(Exception):
