@@ -304,6 +304,13 @@ def head_dim(model) -> int:
 
 KERNEL_CHOICES = {"attention": ("dot", "xla", "cudnn", "pallas", "auto"), "norm": ("xla", "pallas", "auto"),
                   "loss": ("full", "chunked", "auto")}
+FUSED_ATTENTION = ("cudnn", "pallas")    # the model.attention values that run a fused (flash) kernel
+
+
+def fused_attention(kernel: str, platform: str) -> bool:
+    """Whether `model.attention` (or the implementation it resolved to) is a fused flash kernel on `platform`:
+    cudnn and pallas are; auto is on GPU."""
+    return kernel in FUSED_ATTENTION or (kernel == "auto" and platform == "gpu")
 
 
 def _validate_kernels(m) -> None:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.config import ConfigError, apply_overrides, load_config
+from jaxpar.config import ConfigError, apply_overrides, fused_attention, load_config
 from jaxpar.labs.arguments import kernels as add_arguments
 from jaxpar.labs.report import draw_plots, figure, legend_below, md_table, save, standalone_main, styled, write_report
 
@@ -164,7 +164,7 @@ def step_memory(overrides: list[str], vocab: int) -> dict:
     chosen = resolve(config, "cpu", jnp.float32)
     acts = activation_estimate(layers=cfg.layers, seq_len=config.data.seq_len, micro_batch=config.train.batch_size,
                                d_model=cfg.d_model, heads=cfg.heads, vocab_size=cfg.vocab_size, compute_bytes=4,
-                               remat=config.train.remat, flash=chosen["attention"] == "pallas",
+                               remat=config.train.remat, flash=fused_attention(chosen["attention"], "cpu"),
                                loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None)
     grads = state_bytes(trainer.abstract_state)["grads"]
     return {"temp": compiled_memory(compiled, "cpu").temp, "predicted": grads + acts["total"],

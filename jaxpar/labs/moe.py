@@ -86,7 +86,7 @@ class Lab:
         self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
         self.validation = val_batches(self.data.val, B, config.train.eval_batches, slice(0, B))
         self._batches: list[np.ndarray] = []
-        self._cache: dict[tuple, Built] = {}
+        self.builds: dict[tuple, Built] = {}
         self._initial: dict = {}
 
     def batches(self, count: int) -> list[np.ndarray]:
@@ -102,7 +102,7 @@ class Lab:
         from jaxpar.parallel.registry import make_trainer
 
         key = (tuple(overrides), devices)
-        if key not in self._cache:
+        if key not in self.builds:
             config = copy.deepcopy(self.base)
             apply_overrides(config, ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.tensor=1",
                                      "parallel.expert=auto", "train.compute_dtype=float32", *overrides])
@@ -111,18 +111,18 @@ class Lab:
             start = time.perf_counter()
             with jax.set_mesh(mesh):
                 compiled = trainer.lower_step().compile()
-            self._cache[key] = Built(label, config, trainer, compiled, time.perf_counter() - start)
-            self.log(f"  compiled {label} in {self._cache[key].compile_s:.1f} s")
-        return self._cache[key]
+            self.builds[key] = Built(label, config, trainer, compiled, time.perf_counter() - start)
+            self.log(f"  compiled {label} in {self.builds[key].compile_s:.1f} s")
+        return self.builds[key]
 
     def initial_state(self, built: Built):
         """The initial state of `built`'s model in its layout: made once per parameter shapes (the same seed
         gives the same values), on the host without compiling anything, then placed per layout."""
-        shapes = jax.eval_shape(built.trainer._init_state)
+        shapes = jax.eval_shape(built.trainer.make_state)
         key = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), shapes))
         if key not in self._initial:
             with jax.default_device(jax.devices("cpu")[0]):
-                self._initial[key] = jax.device_get(built.trainer._init_state())
+                self._initial[key] = jax.device_get(built.trainer.make_state())
         return jax.device_put(self._initial[key], built.trainer.state_shardings)
 
     def run(self, built: Built, steps: int, keep=("moe_routed", "moe_dropped"), evaluate: bool = False) -> dict:
@@ -573,7 +573,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
         sections.append(result["markdown"])
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
     footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in parts_run},
-                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
+                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values())))
     log(footer)
     report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and the plots")

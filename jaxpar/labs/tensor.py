@@ -135,7 +135,7 @@ class Lab:
         B = config.train.batch_size
         self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
         self._batches: list[np.ndarray] = []
-        self._cache: dict[tuple, Built] = {}
+        self.builds: dict[tuple, Built] = {}
         self._initial = None
 
     def batches(self, count: int) -> list[np.ndarray]:
@@ -171,20 +171,20 @@ class Lab:
 
     def step(self, key: str) -> Built:
         """The variant's train step, compiled once (cached)."""
-        if ("step", key) not in self._cache:
+        if ("step", key) not in self.builds:
             config, trainer = self.trainer(key)
             start = time.perf_counter()
             with jax.set_mesh(trainer.mesh):
                 compiled = trainer.lower_step().compile()
-            self._cache[("step", key)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
+            self.builds[("step", key)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
                                                time.perf_counter() - start)
             self.log(f"  compiled the step of {VARIANTS[key][0]} in {time.perf_counter() - start:.1f} s")
-        return self._cache[("step", key)]
+        return self.builds[("step", key)]
 
     def gradient(self, key: str, layers: int | None = None) -> Built:
         """The variant's gradient program (loss and mean gradient, no optimizer), compiled once (cached)."""
         layers = layers or self.model_cfg.layers
-        if ("grad", key, layers) not in self._cache:
+        if ("grad", key, layers) not in self.builds:
             config, trainer = self.trainer(key, layers)
             start = time.perf_counter()
             with jax.set_mesh(trainer.mesh):
@@ -193,11 +193,11 @@ class Lab:
                         trainer.abstract_state["params"], trainer.abstract_batch()).compile()
                 else:
                     compiled = trainer.grad_fn.lower(trainer.abstract_state["params"], trainer.abstract_batch()).compile()
-            self._cache[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
+            self.builds[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
                                                        time.perf_counter() - start)
             self.log(f"  compiled the gradient of {VARIANTS[key][0]} ({layers} layers) in "
                      f"{time.perf_counter() - start:.1f} s")
-        return self._cache[("grad", key, layers)]
+        return self.builds[("grad", key, layers)]
 
     def initial_params(self, built: Built):
         if self._initial is None:
@@ -529,7 +529,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
     footer = write_report(out, parts, results, start,
                           {k: results[k]["seconds"] for k in ("equivalence", "communication", "memory")},
-                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
+                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values())))
     log(footer)
     report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and 3 plots")

@@ -88,7 +88,7 @@ class Lab:
         B = config.train.batch_size
         self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
         self._batches: list[np.ndarray] = []
-        self._cache: dict[tuple, Built] = {}
+        self.builds: dict[tuple, Built] = {}
         self._initial = None
         self._strategies: list[Built] | None = None
 
@@ -107,8 +107,8 @@ class Lab:
         remat = remat or self.base.train.remat
         layers = layers or self.base.model.layers
         settings = (impl, data, fsdp, remat, dtype, layers, jax.config.jax_default_matmul_precision)
-        if settings in self._cache:
-            return self._cache[settings]
+        if settings in self.builds:
+            return self.builds[settings]
         config = copy.deepcopy(self.base)
         apply_overrides(config, [f"parallel.data={impl}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                  "mesh.pipe=1", "mesh.expert=1", "mesh.tensor=1", f"model.layers={layers}",
@@ -122,7 +122,7 @@ class Lab:
         built = Built(key, _label(impl, data, fsdp), config, trainer, compiled, time.perf_counter() - start,
                       {name: int(size) for name, size in mesh.shape.items()})
         self.log(f"  compiled {built.label} (remat {remat}, {dtype}) in {built.compile_s:.1f} s")
-        self._cache[settings] = built
+        self.builds[settings] = built
         return built
 
     def initial_state(self, built: Built):
@@ -757,7 +757,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision
     footer = write_report(out, parts, results, start,
                           {k: results[k]["seconds"] for k in ("equivalence", "memory", "communication", "remat",
                                                                "precision")},
-                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
+                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values())))
     log(footer)
     report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and 5 plots")

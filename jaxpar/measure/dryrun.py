@@ -11,7 +11,7 @@ from __future__ import annotations
 import resource
 import time
 
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, fused_attention
 from jaxpar.measure.targets import target_devices
 
 
@@ -127,7 +127,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     acts = activation_estimate(layers=model_cfg.layers, seq_len=S, micro_batch=micro, d_model=model_cfg.d_model,
                                heads=model_cfg.heads, vocab_size=model_cfg.vocab_size, tensor=sizes["tensor"],
                                compute_bytes=compute_bytes, remat=config.train.remat,
-                               flash=chosen["attention"] in ("pallas", "cudnn"),
+                               flash=fused_attention(chosen["attention"], machine["platform"]),
                                loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None,
                                sequence_parallel=config.parallel.sequence)
     mem = compiled_memory(compiled, machine["platform"])

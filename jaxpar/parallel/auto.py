@@ -82,7 +82,7 @@ class AutoTrainer(Strategy):
         self.ops = self.with_ops(self.ops.replace(embed=rules_embedding(self.rules)))
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
         self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
-        abstract = jax.eval_shape(self._init_state)
+        abstract = jax.eval_shape(self.make_state)
         self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=NamedSharding(mesh, P()))
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
         step = partial(auto_step, model_cfg=model_cfg, ops=self.ops, optimizer=self.optimizer, policy=self.policy,

@@ -123,7 +123,7 @@ class CircularTrainer(Strategy):
         outer_ops = self.ops.replace(embed=rules_embedding(outer_rules), constrain=outer_rules.constrain)
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
         self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
-        abstract = jax.eval_shape(self._init_state)
+        abstract = jax.eval_shape(self.make_state)
         replicated = NamedSharding(mesh, P())
         self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=replicated)
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)

@@ -462,7 +462,7 @@ class PipelineTrainer(Strategy):
         self.rules = AxisRules({**parse_rules(config.parallel.rules), "layers": (AXIS,)})
         self.stage_ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
 
-        abstract = jax.eval_shape(self._init_state)
+        abstract = jax.eval_shape(self.make_state)
         self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), self.live)
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs)
         replicated = NamedSharding(mesh, P())

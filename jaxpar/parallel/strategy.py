@@ -62,7 +62,8 @@ class Strategy:
         """Raise ConfigError when this strategy cannot run `config` on a mesh of `sizes` (before building)."""
 
     # ---------------------------------------------------------------- provided to every strategy
-    def _init_state(self):
+    def make_state(self):
+        """The initial state from the seed, unsharded (traced by `init_state`; `eval_shape` gives its shapes)."""
         params = init_params(self.model_cfg, self.config.seed)
         return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
@@ -81,7 +82,7 @@ class Strategy:
     def init_state(self):
         """Initialise directly into the sharded layout: no device ever holds more than its part."""
         with jax.set_mesh(self.mesh):
-            return jax.jit(self._init_state, out_shardings=self.state_shardings)()
+            return jax.jit(self.make_state, out_shardings=self.state_shardings)()
 
     def step(self, state, batch):
         with jax.set_mesh(self.mesh):

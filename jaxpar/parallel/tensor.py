@@ -96,7 +96,7 @@ class TensorTrainer(Strategy):
         else:
             self.ops = tensor_parallel_ops(self.ops, AXIS)
 
-        abstract = jax.eval_shape(self._init_state)       # the same pytree as every trainer's
+        abstract = jax.eval_shape(self.make_state)       # the same pytree as every trainer's
         self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), (AXIS,))
         self.state_specs = self._state_layout(abstract, self.param_specs, replicated=P())
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs)

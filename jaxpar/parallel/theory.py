@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
+from jaxpar.config import fused_attention
+
 AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
 SHORT = {"expert": "ep", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
 VIRTUAL = 2                  # chunks per stage of the interleaved schedule when the config leaves it at 0
@@ -137,11 +139,6 @@ def rows_per_microbatch(cand: Candidate, global_batch: int) -> float:
     return global_batch / cand.batch_shards / cand.microbatches
 
 
-def is_fused_attention(kernel: str, platform: str) -> bool:
-    """Whether `model.attention` runs a fused (flash) kernel on `platform`: pallas and cudnn do, auto does on GPU."""
-    return kernel in ("cudnn", "pallas") or (kernel == "auto" and platform == "gpu")
-
-
 def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") -> Candidate:
     """The candidate a config runs (the inverse of plan/verify.py's `candidate_overrides`)."""
     parallel, model = config.parallel, config.model
@@ -152,7 +149,7 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
     return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES}, microbatches=microbatches,
                      schedule=parallel.pipe if pipe > 1 else "", remat=config.train.remat,
                      precision=config.train.compute_dtype,
-                     attention="flash" if is_fused_attention(model.get("attention", "dot"), platform) else "dot",
+                     attention="flash" if fused_attention(model.get("attention", "dot"), platform) else "dot",
                      data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
                      sequence=bool(parallel.get("sequence", False)),
                      virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0)

@@ -193,7 +193,7 @@ class ZeroTrainer(Strategy):
         super().__init__(config, model_cfg, mesh, donate)
         self.stage = config.parallel.data
         self.n = int(mesh.shape[AXIS])
-        abstract = jax.eval_shape(self._init_state)       # the same pytree as every trainer's
+        abstract = jax.eval_shape(self.make_state)       # the same pytree as every trainer's
         self.dims = split_dims(abstract["params"], self.n, self.stage) if self.stage != "ddp" else None
         self.state_specs = self._state_specs(abstract)
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs)
