@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 from jaxpar.measure.dryrun import dryrun as compile_and_measure
-
-GIB = 2**30
+from jaxpar.units import GIB, fmt_bytes, fmt_seconds, ratio
 
 
 def dryrun(config, target: str = "cpu", devices=None, topology: str | None = None) -> dict:
@@ -47,38 +46,18 @@ def calibrated_step(config, sizes: dict[str, int], vocab: int, machine: dict, n:
 
 # ----------------------------------------------------------------------------- report
 
-def _gib(x) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1."""
-    if x is None:
-        return "-"
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= scale:
-            return f"{x / scale:.3f} {unit}"
-    return f"{x:.0f} B"
-
-
-def _ratio(measured, predicted) -> str:
-    return f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
-
-
-def _seconds(x: float) -> str:
-    if x < 1e-3:
-        return f"{x * 1e6:.1f} µs"
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
-
-
 def headline(r: dict) -> str:
     """The report's first claim: memory and communication per device; a GPU target's predicted step time."""
     mem, col, cal = r["memory"], r["collectives"], r["time"]["calibrated"]
-    text = (f"**Per device: {_gib(mem['compiled']['peak'])} peak memory (compiled)"
+    text = (f"**Per device: {fmt_bytes(mem['compiled']['peak'])} peak memory (compiled)"
             + (f", {'fits' if mem['compiled']['peak'] <= mem['device_hbm_bytes'] else 'does NOT fit'} in "
                f"{mem['device_hbm_bytes'] / 1e9:.0f} GB" if mem["device_hbm_bytes"] else "")
-            + f"; {_gib(col['total_bytes'])} sent in collectives per step")
+            + f"; {fmt_bytes(col['total_bytes'])} sent in collectives per step")
     if r["machine"]["platform"] == "cpu":
         return (text + ".** No step time is predicted for virtual CPU devices: they share one host's cores, so "
                 "their time says nothing about an accelerator (`--target h100`, `h200` or `a100` predicts a GPU "
                 "step time).")
-    return text + f"; predicted step time {_seconds(cal['step_s'])}, MFU {cal['mfu']:.1%} (the planner's model).**"
+    return text + f"; predicted step time {fmt_seconds(cal['step_s'])}, MFU {cal['mfu']:.1%} (the planner's model).**"
 
 
 def markdown_report(r: dict) -> str:
@@ -103,29 +82,29 @@ def markdown_report(r: dict) -> str:
         "",
         "| part | analytic: shardings | analytic: ZeRO formula | compiled | compiled / analytic |",
         "|---|---:|---:|---:|---:|",
-        f"| params (fp32) | {_gib(st['params'])} | {_gib(fz['params'])} | | |",
-        f"| Adam mu + nu | {_gib(st['optimizer'])} | {_gib(fz['optimizer'])} | | |",
+        f"| params (fp32) | {fmt_bytes(st['params'])} | {fmt_bytes(fz['params'])} | | |",
+        f"| Adam mu + nu | {fmt_bytes(st['optimizer'])} | {fmt_bytes(fz['optimizer'])} | | |",
         f"| counters | {st['counters']} B | | | |",
         f"| batch (tokens) | {mem['batch_bytes']} B | | | |",
-        f"| **arguments** | {_gib(st['state_total'] + mem['batch_bytes'])} | {_gib(fz['state'])} | "
-        f"{_gib(cm['argument'])} | {_ratio(cm['argument'], st['state_total'] + mem['batch_bytes'])} |",
-        f"| outputs (aliased) | | | {_gib(cm['output'])} ({_gib(cm['alias'])}) | |",
-        f"| grads (in temp) | {_gib(st['grads'])} | {_gib(fz['grads'])} | | |",
-        f"| activations (estimate, in temp) | {_gib(act['total'])} | | | |",
-        f"| **temp** | {_gib(st['grads'] + act['total'])} | | {_gib(cm['temp'])} | "
-        f"{_ratio(cm['temp'], st['grads'] + act['total'])} |",
-        f"| **peak** | {_gib(st['state_total'] + mem['batch_bytes'] + st['grads'] + act['total'])} | "
-        f"{_gib(fz['total'] + act['total'])} | {_gib(cm['peak'])} | "
-        f"{_ratio(cm['peak'], st['state_total'] + mem['batch_bytes'] + st['grads'] + act['total'])} |",
+        f"| **arguments** | {fmt_bytes(st['state_total'] + mem['batch_bytes'])} | {fmt_bytes(fz['state'])} | "
+        f"{fmt_bytes(cm['argument'])} | {ratio(cm['argument'], st['state_total'] + mem['batch_bytes'])} |",
+        f"| outputs (aliased) | | | {fmt_bytes(cm['output'])} ({fmt_bytes(cm['alias'])}) | |",
+        f"| grads (in temp) | {fmt_bytes(st['grads'])} | {fmt_bytes(fz['grads'])} | | |",
+        f"| activations (estimate, in temp) | {fmt_bytes(act['total'])} | | | |",
+        f"| **temp** | {fmt_bytes(st['grads'] + act['total'])} | | {fmt_bytes(cm['temp'])} | "
+        f"{ratio(cm['temp'], st['grads'] + act['total'])} |",
+        f"| **peak** | {fmt_bytes(st['state_total'] + mem['batch_bytes'] + st['grads'] + act['total'])} | "
+        f"{fmt_bytes(fz['total'] + act['total'])} | {fmt_bytes(cm['peak'])} | "
+        f"{ratio(cm['peak'], st['state_total'] + mem['batch_bytes'] + st['grads'] + act['total'])} |",
         "",
         f"Shards per part {mem['shard_counts']}; formula: 4Ψ/N params, 4Ψ/N grads, 8Ψ/N Adam. "
-        f"Activations: {act['note']}; per layer {_gib(act['per_layer'])}, logits {_gib(act['logits'])} "
+        f"Activations: {act['note']}; per layer {fmt_bytes(act['per_layer'])}, logits {fmt_bytes(act['logits'])} "
         "(Korthikanti et al., adapted: an estimate). "
         f"Compiled peak: {cm['peak_method']}.",
     ]
     if mem["device_hbm_bytes"]:
         fits = "fits" if cm["peak"] <= mem["device_hbm_bytes"] else "does NOT fit"
-        lines.append(f"Peak {_gib(cm['peak'])} vs {mem['device_hbm_bytes'] / 1e9:.0f} GB of device memory: {fits}.")
+        lines.append(f"Peak {fmt_bytes(cm['peak'])} vs {mem['device_hbm_bytes'] / 1e9:.0f} GB of device memory: {fits}.")
     pipe = r.get("pipeline")
     if pipe:
         table = f"{pipe['bubble_table']:.4f} (table, {pipe['ticks']} ticks)" if "bubble_table" in pipe else "-"
@@ -133,7 +112,7 @@ def markdown_report(r: dict) -> str:
                   f"{pipe['schedule']}: p={pipe['stages']} stages, m={pipe['microbatches']} microbatches, "
                   f"v={pipe['virtual']} chunks per stage. Predicted bubble {pipe['bubble_formula']:.4f} (formula, "
                   f"parallel/schedules.py), {table}. Every stage runs the same SPMD program: the compiled memory "
-                  f"above is each stage's ({_gib(pipe['peak_per_stage'])} peak)"
+                  f"above is each stage's ({fmt_bytes(pipe['peak_per_stage'])} peak)"
                   + (f", with a stash of {pipe['stash_slots']} microbatches' activations "
                      f"(at most {pipe['in_flight']} alive on the busiest stage)." if "stash_slots" in pipe else ".")
                   + (" FLOPs below count every branch of a tick on every tick (an upper bound); the collectives "
@@ -147,11 +126,11 @@ def markdown_report(r: dict) -> str:
     ]
     for label, row in sorted(col["by_axis"].items()):
         lines.append(f"| {label} | {row['link']} ({row['link_bw'] / 1e9:.0f} GB/s) | {row['instructions']} | "
-                     f"{row['runs']} | {_gib(row['bytes'])} | {_gib(row['predicted_bytes'])} | "
-                     f"{_ratio(row['bytes'], row['predicted_bytes'])} | {_seconds(row['time_s'])} |")
+                     f"{row['runs']} | {fmt_bytes(row['bytes'])} | {fmt_bytes(row['predicted_bytes'])} | "
+                     f"{ratio(row['bytes'], row['predicted_bytes'])} | {fmt_seconds(row['time_s'])} |")
     lines += [
-        f"| **total** | | | | {_gib(col['total_bytes'])} | {_gib(col['predicted_total_bytes'])} | "
-        f"{_ratio(col['total_bytes'], col['predicted_total_bytes'])} | {_seconds(t['communication_s'])} |",
+        f"| **total** | | | | {fmt_bytes(col['total_bytes'])} | {fmt_bytes(col['predicted_total_bytes'])} | "
+        f"{ratio(col['total_bytes'], col['predicted_total_bytes'])} | {fmt_seconds(t['communication_s'])} |",
         "",
         "Predicted: the strategy's own `predict` (jaxpar/parallel/<strategy>.py; ZeRO-3 ≈ 3Ψ·e on GPU, 4Ψ·4 on "
         "CPU; DDP 2Ψ·e; Megatron 4-5 all-reduces of b·s·h per layer).",
@@ -163,11 +142,11 @@ def markdown_report(r: dict) -> str:
         f"| model (6Ψ + attention, per token x tokens / devices) | {fl['model_per_device']:.4g} | 1.000 |",
         f"| cost_analysis (loop bodies once) | "
         f"{'-' if fl['cost_analysis'] is None else format(fl['cost_analysis'], '.4g')} | "
-        f"{_ratio(fl['cost_analysis'], fl['model_per_device'])} |",
+        f"{ratio(fl['cost_analysis'], fl['model_per_device'])} |",
         f"| fused kernels (their cost estimates; {'added: custom calls' if fl['kernels_added'] else 'in the HLO count: interpreted'}) | "
-        f"{fl['kernels']:.4g} | {_ratio(fl['kernels'], fl['model_per_device'])} |",
+        f"{fl['kernels']:.4g} | {ratio(fl['kernels'], fl['model_per_device'])} |",
         f"| compiled, loop-corrected ({fl['method']}) | {fl['corrected']:.4g} | "
-        f"{_ratio(fl['corrected'], fl['model_per_device'])} |",
+        f"{ratio(fl['corrected'], fl['model_per_device'])} |",
         "",
         "Compiled > model: remat recomputation, the one-hot embedding matmul, softmax and norms.",
         "",
@@ -176,22 +155,22 @@ def markdown_report(r: dict) -> str:
           if cpu else ["## Predicted step time (prediction, not a measurement)"]),
         "",
         (f"The planner's step model (jaxpar.plan) for these {r['devices']} virtual CPU devices: "
-         f"{_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}: " if cpu else
-         f"**The planner's step model (jaxpar.plan): {_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}**: ")
+         f"{fmt_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}: " if cpu else
+         f"**The planner's step model (jaxpar.plan): {fmt_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}**: ")
         + "compute at "
         f"η = {cal['efficiency']:.2f} of peak, {cal['overlap']:.0%} of the hideable collectives overlapped "
         f"({cal['source']}); "
-        + ", ".join(f"{name} {_seconds(value)}" for name, value in cal["terms"].items()) + ".",
+        + ", ".join(f"{name} {fmt_seconds(value)}" for name, value in cal["terms"].items()) + ".",
         "",
         f"Optimistic bound (100% of peak: {fl['peak_source']} = {fl['peak_per_device'] / 1e12:.3g} TFLOP/s per "
         "device, collectives at the full link bandwidth), for comparison only:",
         "",
         "| | time | MFU |",
         "|---|---:|---:|",
-        f"| compute (compiled FLOPs / peak) | {_seconds(t['compute_s'])} | |",
-        f"| communication (bytes / link bandwidth, summed over axes) | {_seconds(t['communication_s'])} | |",
-        f"| optimistic bound: perfect overlap, max | {_seconds(t['overlapped_s'])} | {t['mfu_overlapped']:.1%} |",
-        f"| step, no overlap: sum | {_seconds(t['serial_s'])} | {t['mfu_serial']:.1%} |",
+        f"| compute (compiled FLOPs / peak) | {fmt_seconds(t['compute_s'])} | |",
+        f"| communication (bytes / link bandwidth, summed over axes) | {fmt_seconds(t['communication_s'])} | |",
+        f"| optimistic bound: perfect overlap, max | {fmt_seconds(t['overlapped_s'])} | {t['mfu_overlapped']:.1%} |",
+        f"| step, no overlap: sum | {fmt_seconds(t['serial_s'])} | {t['mfu_serial']:.1%} |",
     ]
     return "\n".join(lines)
 

@@ -29,8 +29,8 @@ import numpy as np
 from jaxpar.config import ConfigError, apply_overrides, fused_attention, load_config
 from jaxpar.labs.arguments import kernels as add_arguments
 from jaxpar.labs.report import draw_plots, figure, legend_below, md_table, save, standalone_main, styled, write_report
+from jaxpar.units import MIB
 
-MIB = 2**20
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 LOSS_TOLERANCE = 1e-4
 KERNELS = ["model.attention=pallas", "model.norm=pallas", "model.loss=chunked"]

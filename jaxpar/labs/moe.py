@@ -36,19 +36,8 @@ from jaxpar.labs import report
 from jaxpar.labs.arguments import MOE_PARTS as PARTS
 from jaxpar.labs.arguments import MOE_SETTINGS as LAB_SETTINGS
 from jaxpar.labs.arguments import moe as add_arguments
-from jaxpar.labs.report import (
-    byte_unit,
-    figure,
-    fmt_bytes,
-    legend_below,
-    max_rel_dev,
-    md_table,
-    ratio,
-    save,
-    standalone_main,
-    styled,
-    write_report,
-)
+from jaxpar.labs.report import figure, legend_below, max_rel_dev, md_table, save, standalone_main, styled, write_report
+from jaxpar.units import byte_unit, fmt_bytes, ratio
 
 TOLERANCE = 1e-4
 CAPACITY_FACTORS = (1.0, 1.25, 2.0)

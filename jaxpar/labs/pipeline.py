@@ -40,10 +40,8 @@ from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
 from jaxpar.labs.report import (
-    byte_unit,
     draw_plots,
     figure,
-    fmt_bytes,
     integer_steps,
     legend_below,
     md_table,
@@ -56,6 +54,7 @@ from jaxpar.measure import hlo
 from jaxpar.measure.executed import executed_collectives
 from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W
 from jaxpar.parallel.schedules import bubble_fraction, build, p2p_bytes, validate
+from jaxpar.units import byte_unit, fmt_bytes
 
 TOLERANCE = 1e-4
 VOCAB = 512

@@ -14,8 +14,6 @@ import numpy as np
 
 from jaxpar.config import ConfigError
 
-MIB = 2**20
-
 
 def md_table(header: list[str], rows: list[list], align: str | None = None) -> str:
     """A markdown table; `align` has one letter per column, l or r (default: first left, the rest right)."""
@@ -23,29 +21,6 @@ def md_table(header: list[str], rows: list[list], align: str | None = None) -> s
     sep = ["---:" if a == "r" else "---" for a in align]
     return "\n".join(["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |",
                       *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)])
-
-
-UNITS = (("GiB", 2**30), ("MiB", MIB), ("KiB", 2**10))
-
-
-def byte_unit(values) -> tuple[str, float]:
-    """The unit fmt_bytes gives the largest of `values` (and its size in bytes): a plot's axis in the unit its
-    table's largest entries use."""
-    top = max((abs(v) for v in values if v is not None), default=0)
-    return next(((unit, scale) for unit, scale in UNITS if top >= scale), ("B", 1))
-
-
-def fmt_bytes(x) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1 ('-' for None)."""
-    if x is None:
-        return "-"
-    unit, scale = byte_unit([x])
-    return f"{x:.0f} B" if unit == "B" else f"{x / scale:.3f} {unit}"
-
-
-def ratio(measured, predicted) -> str:
-    """measured / predicted to three decimals, '-' when either is missing."""
-    return f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
 
 
 def max_rel_dev(got, want) -> float:

@@ -33,20 +33,9 @@ import numpy as np
 from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
 from jaxpar.labs import report
 from jaxpar.labs.arguments import zero as add_arguments
-from jaxpar.labs.report import (
-    byte_unit,
-    figure,
-    fmt_bytes,
-    legend_below,
-    max_rel_dev,
-    md_table,
-    ratio,
-    save,
-    standalone_main,
-    styled,
-    write_report,
-)
+from jaxpar.labs.report import figure, legend_below, max_rel_dev, md_table, save, standalone_main, styled, write_report
 from jaxpar.parallel.zero import STAGE_NAMES
+from jaxpar.units import byte_unit, fmt_bytes, ratio
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_zero.py uses the same)
 REMATS = ("none", "full", "dots", "names")

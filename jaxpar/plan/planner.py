@@ -20,8 +20,8 @@ from jaxpar.plan.cluster import Cluster
 from jaxpar.plan.memory import Memory, memory
 from jaxpar.plan.space import enumerate_candidates
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, StepTime, step_time
+from jaxpar.units import GB
 
-GB = 1e9
 DAY = 86400.0
 
 

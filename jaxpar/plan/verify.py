@@ -18,8 +18,8 @@ import dataclasses
 
 from jaxpar.config import ConfigError, apply_overrides, validate
 from jaxpar.parallel.theory import Candidate
+from jaxpar.units import GIB
 
-GIB = 2**30
 # model.attention of a fused (flash) kernel: jaxpar's Pallas kernel, Triton on GPU. cuDNN's (`cudnn`) is the other
 # GPU choice, but it cannot even be traced without the cuDNN library, so a deviceless compile could not check it.
 FLASH = "pallas"
