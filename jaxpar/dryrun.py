@@ -61,11 +61,8 @@ def headline(r: dict) -> str:
 
 
 def markdown_report(r: dict) -> str:
-    """The dry run as markdown: the headline, memory, collectives, FLOPs, predicted step time."""
-    m, mem, col, fl, t = r["model"], r["memory"], r["collectives"], r["flops"], r["time"]
-    cal = t["calibrated"]
-    cpu = r["machine"]["platform"] == "cpu"
-    cm, st, fz, act = mem["compiled"], mem["state_from_shardings"], mem["zero_formula"], mem["activations_estimate"]
+    """The dry run as markdown: the headline, memory, pipeline, collectives, FLOPs, predicted step time."""
+    m = r["model"]
     where = r["machine"]["topology"] and f", topology {r['machine']['topology']}" or ""
     lines = [
         f"# Dry run: {r['config']} on {r['devices']} x {r['target']}{where} ({r['mesh_text']})",
@@ -78,6 +75,14 @@ def markdown_report(r: dict) -> str:
         "",
         headline(r),
         "",
+    ]
+    return "\n".join(lines + _memory_lines(r) + _pipeline_lines(r) + _collective_lines(r) + _flops_and_time_lines(r))
+
+
+def _memory_lines(r: dict) -> list[str]:
+    mem = r["memory"]
+    cm, st, fz, act = mem["compiled"], mem["state_from_shardings"], mem["zero_formula"], mem["activations_estimate"]
+    lines = [
         "## Memory per device",
         "",
         "| part | analytic: shardings | analytic: ZeRO formula | compiled | compiled / analytic |",
@@ -105,6 +110,11 @@ def markdown_report(r: dict) -> str:
     if mem["device_hbm_bytes"]:
         fits = "fits" if cm["peak"] <= mem["device_hbm_bytes"] else "does NOT fit"
         lines.append(f"Peak {fmt_bytes(cm['peak'])} vs {mem['device_hbm_bytes'] / 1e9:.0f} GB of device memory: {fits}.")
+    return lines
+
+
+def _pipeline_lines(r: dict) -> list[str]:
+    lines = []
     pipe = r.get("pipeline")
     if pipe:
         table = f"{pipe['bubble_table']:.4f} (table, {pipe['ticks']} ticks)" if "bubble_table" in pipe else "-"
@@ -117,6 +127,12 @@ def markdown_report(r: dict) -> str:
                      f"(at most {pipe['in_flight']} alive on the busiest stage)." if "stash_slots" in pipe else ".")
                   + (" FLOPs below count every branch of a tick on every tick (an upper bound); the collectives "
                      "count what the busiest stage runs." if "stash_slots" in pipe else "")]
+    return lines
+
+
+def _collective_lines(r: dict) -> list[str]:
+    col, t = r["collectives"], r["time"]
+    lines = []
     lines += [
         "",
         "## Collectives per step (bytes each device sends, ring model)",
@@ -135,6 +151,14 @@ def markdown_report(r: dict) -> str:
         "Predicted: the strategy's own `predict` (jaxpar/parallel/<strategy>.py; ZeRO-3 ≈ 3Ψ·e on GPU, 4Ψ·4 on "
         "CPU; DDP 2Ψ·e; Megatron 4-5 all-reduces of b·s·h per layer).",
         "",
+    ]
+    return lines
+
+
+def _flops_and_time_lines(r: dict) -> list[str]:
+    fl, t = r["flops"], r["time"]
+    cal, cpu = t["calibrated"], r["machine"]["platform"] == "cpu"
+    return [
         "## FLOPs per device per step",
         "",
         "| | FLOPs | / model |",
@@ -172,7 +196,6 @@ def markdown_report(r: dict) -> str:
         f"| optimistic bound: perfect overlap, max | {fmt_seconds(t['overlapped_s'])} | {t['mfu_overlapped']:.1%} |",
         f"| step, no overlap: sum | {fmt_seconds(t['serial_s'])} | {t['mfu_serial']:.1%} |",
     ]
-    return "\n".join(lines)
 
 
 def write_json(result: dict, out_dir: str | Path) -> Path:

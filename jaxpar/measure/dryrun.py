@@ -69,26 +69,13 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     GPU targets, a GPU count (or give `topology`, 'PxHxG'). Bad input raises ConfigError.
     """
     import jax
-    import jax.numpy as jnp
 
-    from jaxpar.kernels.costs import kernel_flops
-    from jaxpar.kernels.kernel_ops import resolve
-    from jaxpar.measure import hardware, hlo
-    from jaxpar.measure.executed import step_collectives
+    from jaxpar.measure import hardware
     from jaxpar.measure.flops import compiled_flops, mfu, model_flops_per_step
-    from jaxpar.measure.memory import (
-        activation_estimate,
-        compiled_memory,
-        leaf_bytes_per_device,
-        shard_counts,
-        state_bytes,
-        zero_formula,
-    )
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.counting import param_count
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes
-    from jaxpar.parallel.step import activation_dtype
+    from jaxpar.parallel.registry import make_trainer
 
     if config.model.vocab_size <= 0:
         raise ConfigError("model.vocab_size", f"is {config.model.vocab_size}; a dry run has no tokenizer to take "
@@ -102,42 +89,95 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     n = len(chosen)
     model_cfg = ModelConfig.from_config(config.model)
     B, S = config.train.batch_size, config.data.seq_len
-
-    start = time.perf_counter()
     trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
-    tokens = trainer.abstract_batch()
-    with jax.set_mesh(mesh):   # traced once: the jaxpr gives the kernels' FLOPs, then it is lowered
-        traced = trainer.step_fn.trace(trainer.abstract_state, tokens)
+    compiled, kernels, timing = _compile(trainer)
+    hlo_text = compiled.as_text()
+    memory, kernel_choice = _memory(config, model_cfg, sizes, trainer, compiled, machine)
+    collectives = _collectives(config, model_cfg, sizes, trainer, hlo_text, machine)
+
+    flops = compiled_flops(compiled, hlo_text, kernel_flops=kernels.total)
+    model_flops = model_flops_per_step(model_cfg, B, S)
+    peak, peak_source = _peak_flops(config, machine, n)
+    compute_s = flops["corrected"] / peak
+    comm_s = sum(row["time_s"] for row in collectives["by_axis"].values())
+    overlap_s, serial_s = max(compute_s, comm_s), compute_s + comm_s
+    memory["device_hbm_bytes"] = (hardware.ACCELERATORS[machine["accelerator"]].hbm_bytes
+                                  if machine["accelerator"] else None)
+    return {
+        "config": config.name, "target": target, "machine": machine, "devices": n, "mesh": sizes,
+        "mesh_text": describe(mesh), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+        "timing": {**timing, "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
+        "model": {"params": param_count(model_cfg)["total"], "layers": model_cfg.layers, "d_model": model_cfg.d_model,
+                  "vocab_size": model_cfg.vocab_size, "batch_size": B, "seq_len": S,
+                  "microbatches": config.train.microbatches, "compute_dtype": config.train.compute_dtype,
+                  "remat": config.train.remat, "kernels": kernel_choice},
+        "memory": memory,
+        "pipeline": pipeline_summary(trainer, memory["compiled"]["peak"]),
+        "collectives": collectives,
+        "flops": {**flops, "model_per_step": model_flops, "model_per_device": model_flops / n,
+                  "peak_per_device": peak, "peak_source": peak_source},
+        "time": {"compute_s": compute_s, "communication_s": comm_s, "overlapped_s": overlap_s,
+                 "serial_s": serial_s,
+                 "mfu_overlapped": mfu(model_flops, overlap_s, n, peak),
+                 "mfu_serial": mfu(model_flops, serial_s, n, peak)},
+    }
+
+
+def _compile(trainer):
+    """(the compiled step, the kernels' FLOPs from its jaxpr, lower and compile seconds): nothing allocated."""
+    import jax
+
+    from jaxpar.kernels.costs import kernel_flops
+    start = time.perf_counter()
+    with jax.set_mesh(trainer.mesh):   # traced once: the jaxpr gives the kernels' FLOPs, then it is lowered
+        traced = trainer.step_fn.trace(trainer.abstract_state, trainer.abstract_batch())
         lowered = traced.lower()
     kernels = kernel_flops(traced.jaxpr)
     lowered_at = time.perf_counter()
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(trainer.mesh):
         compiled = lowered.compile()
-    compiled_at = time.perf_counter()
-    hlo_text = compiled.as_text()
+    return compiled, kernels, {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
 
-    # memory
-    psi = param_count(model_cfg)["total"]
+
+def _memory(config, model_cfg, sizes, trainer, compiled, machine) -> tuple[dict, dict]:
+    """The compiler's memory beside the shardings' and the ZeRO formula's, and the kernels the config resolved to."""
+    import jax.numpy as jnp
+
+    from jaxpar.kernels.kernel_ops import resolve
+    from jaxpar.measure.memory import (
+        activation_estimate,
+        compiled_memory,
+        leaf_bytes_per_device,
+        shard_counts,
+        state_bytes,
+        zero_formula,
+    )
+    from jaxpar.model.counting import param_count
+    from jaxpar.parallel.step import activation_dtype
     compute_bytes = jnp.dtype(activation_dtype(config.train.compute_dtype)).itemsize
-    state = state_bytes(trainer.abstract_state)
-    formula = zero_formula(psi, shard_counts(config, sizes))
-    batch_bytes = leaf_bytes_per_device(tokens)
-    micro = B // config.train.microbatches // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
+    micro = config.train.batch_size // config.train.microbatches // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
     chosen = resolve(config, machine["platform"], activation_dtype(config.train.compute_dtype))
-    acts = activation_estimate(layers=model_cfg.layers, seq_len=S, micro_batch=micro, d_model=model_cfg.d_model,
-                               heads=model_cfg.heads, vocab_size=model_cfg.vocab_size, tensor=sizes["tensor"],
-                               compute_bytes=compute_bytes, remat=config.train.remat,
+    acts = activation_estimate(layers=model_cfg.layers, seq_len=config.data.seq_len, micro_batch=micro,
+                               d_model=model_cfg.d_model, heads=model_cfg.heads, vocab_size=model_cfg.vocab_size,
+                               tensor=sizes["tensor"], compute_bytes=compute_bytes, remat=config.train.remat,
                                flash=fused_attention(chosen["attention"], machine["platform"]),
                                loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None,
                                sequence_parallel=config.parallel.sequence)
-    mem = compiled_memory(compiled, machine["platform"])
+    counts = shard_counts(config, sizes)
+    return {"compiled": compiled_memory(compiled, machine["platform"]).as_dict(),
+            "state_from_shardings": state_bytes(trainer.abstract_state),
+            "zero_formula": zero_formula(param_count(model_cfg)["total"], counts), "shard_counts": counts,
+            "batch_bytes": leaf_bytes_per_device(trainer.abstract_batch()), "activations_estimate": acts}, chosen
 
-    # collectives
-    # a pipeline step runs each tick's branches only on some ticks: its trainer counts what it executes
-    found = step_collectives(trainer, hlo_text)
-    summary = hlo.summarize(found)
-    predicted_bytes = predicted_collective_bytes(config, model_cfg, sizes, machine["platform"])
-    links = _links(found, mesh, machine)
+
+def _collectives(config, model_cfg, sizes, trainer, hlo_text, machine) -> dict:
+    """The compiled collectives per mesh axis, each axis' link and time, beside the strategy's prediction."""
+    from jaxpar.measure import hlo
+    from jaxpar.measure.executed import step_collectives
+    from jaxpar.parallel.registry import predicted_collective_bytes
+    found = step_collectives(trainer, hlo_text)   # a pipeline stage runs each tick's branches on some ticks only
+    predicted = predicted_collective_bytes(config, model_cfg, sizes, machine["platform"])
+    links = _links(found, trainer.mesh, machine)
     axes = {}
     for c in found:
         link, bw = links[c.axis_label]
@@ -148,37 +188,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
         row["bytes"] += c.bytes_per_step
         row["time_s"] += c.bytes_per_step / bw
     for label, row in axes.items():
-        row["predicted_bytes"] = predicted_bytes.get(label)
-
-    # flops and time
-    flops = compiled_flops(compiled, hlo_text, kernel_flops=kernels.total)
-    model_flops = model_flops_per_step(model_cfg, B, S)
-    peak, peak_source = _peak_flops(config, machine, n)
-    compute_s = flops["corrected"] / peak
-    comm_s = sum(row["time_s"] for row in axes.values())
-    overlap_s, serial_s = max(compute_s, comm_s), compute_s + comm_s
-    usage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
-    hbm = hardware.ACCELERATORS[machine["accelerator"]].hbm_bytes if machine["accelerator"] else None
-    return {
-        "config": config.name, "target": target, "machine": machine, "devices": n, "mesh": sizes,
-        "mesh_text": describe(mesh), "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-        "timing": {"lower_s": lowered_at - start, "compile_s": compiled_at - lowered_at,
-                   "host_peak_rss_bytes": usage},
-        "model": {"params": psi, "layers": model_cfg.layers, "d_model": model_cfg.d_model,
-                  "vocab_size": model_cfg.vocab_size, "batch_size": B, "seq_len": S,
-                  "microbatches": config.train.microbatches, "compute_dtype": config.train.compute_dtype,
-                  "remat": config.train.remat, "kernels": chosen},
-        "memory": {"compiled": mem.as_dict(), "state_from_shardings": state, "zero_formula": formula,
-                   "shard_counts": shard_counts(config, sizes), "batch_bytes": batch_bytes,
-                   "activations_estimate": acts, "device_hbm_bytes": hbm},
-        "pipeline": pipeline_summary(trainer, mem.peak),
-        "collectives": {"by_axis": axes, "total_bytes": summary["total"]["bytes"],
-                        "predicted_total_bytes": sum(predicted_bytes.values()),
-                        "by_op": summary["by_op"]},
-        "flops": {**flops, "model_per_step": model_flops, "model_per_device": model_flops / n,
-                  "peak_per_device": peak, "peak_source": peak_source},
-        "time": {"compute_s": compute_s, "communication_s": comm_s, "overlapped_s": overlap_s,
-                 "serial_s": serial_s,
-                 "mfu_overlapped": mfu(model_flops, overlap_s, n, peak),
-                 "mfu_serial": mfu(model_flops, serial_s, n, peak)},
-    }
+        row["predicted_bytes"] = predicted.get(label)
+    summary = hlo.summarize(found)
+    return {"by_axis": axes, "total_bytes": summary["total"]["bytes"],
+            "predicted_total_bytes": sum(predicted.values()), "by_op": summary["by_op"]}
