@@ -172,8 +172,6 @@ SUBCOMMANDS = (
      defined_in("jaxpar.plan.command")),
     ("lab", "run a course module's lab (all eight modules: jaxpar lab --help)",
      "Run a course module's lab: modules 0-7, one command each (jaxpar lab NAME --help).", lab_table),
-    ("capstone", "the same as `jaxpar lab capstone` (module 7's report)", LABS[-1][2],
-     alias_of(defined_in("jaxpar.labs.capstone"), lab="capstone")),
 )
 NESTED_DEST = {"bench": "bench", "lab": "lab"}   # the attribute a nested subcommand's name goes to
 
@@ -337,7 +335,7 @@ def cmd_k8s(args) -> int:
 LOCAL_COMMANDS = ("launch", "slurm", "k8s", "memory", "plan")   # no JAX set-up here: they import what they use
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
-            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "lab": cmd_lab, "capstone": cmd_lab,
+            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "lab": cmd_lab,
             "slurm": cmd_slurm, "k8s": cmd_k8s}
 
 

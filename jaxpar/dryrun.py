@@ -27,7 +27,7 @@ def calibrated_step(config, sizes: dict[str, int], vocab: int, machine: dict, n:
     efficiency of the peak, the exposed part of each axis' collectives, the pipeline bubble. On CPU nothing is
     calibrated here (η = 1): `jaxpar lab capstone` measures this host's η."""
     from jaxpar.measure import hardware
-    from jaxpar.plan.cluster import cpu_cluster, gpu_cluster
+    from jaxpar.plan.fleet import cpu_cluster, gpu_cluster
     from jaxpar.plan.planner import predict_config
     from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration
     if machine["platform"] == "cpu":

@@ -18,7 +18,7 @@ from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan import risks
 from jaxpar.plan.anchors import ANCHORS, predict
-from jaxpar.plan.cluster import cpu_cluster, gpu_cluster
+from jaxpar.plan.fleet import cpu_cluster, gpu_cluster
 from jaxpar.plan.memory import PIPELINE_EXTRA_SLOTS, memory
 from jaxpar.plan.planner import defence, plan, smallest_cluster
 from jaxpar.plan.space import enumerate_candidates

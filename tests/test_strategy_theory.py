@@ -9,7 +9,7 @@ from jaxpar.model.counting import ModelShape
 from jaxpar.parallel import registry
 from jaxpar.parallel.auto import AutoTrainer
 from jaxpar.parallel.theory import Candidate, Flow, Prediction, stored_params
-from jaxpar.plan.cluster import gpu_cluster
+from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.planner import plan
 from jaxpar.plan.space import enumerate_candidates
 
@@ -36,7 +36,7 @@ def test_a_registered_strategy_is_in_the_dry_run(toy):
     """The report's predicted bytes are the strategy's, and its step time is the planner's for that strategy."""
     from jaxpar.dryrun import dryrun, markdown_report
     from jaxpar.measure.hardware import probe_host
-    from jaxpar.plan.cluster import cpu_cluster
+    from jaxpar.plan.fleet import cpu_cluster
     from jaxpar.plan.planner import predict_config
     from jaxpar.plan.steptime import Calibration
     c = load_config(str(CONFIG))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.model.counting import ModelShape
-from jaxpar.plan.cluster import gpu_cluster
+from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.steptime import Calibration
 
 

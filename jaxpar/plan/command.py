@@ -63,7 +63,7 @@ def budget_tokens(args, config) -> tuple[float, str]:
 
 def check_inputs(args):
     """Everything that can be refused before planning: one ConfigError naming the argument."""
-    from jaxpar.plan.cluster import gpu_cluster
+    from jaxpar.plan.fleet import gpu_cluster
     cluster = gpu_cluster(args.gpu, args.nodes, args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
                           ib_gbps=args.ib_gbps, price_per_gpu_hour=args.price)
     if args.verify < 0:

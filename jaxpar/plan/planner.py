@@ -16,7 +16,7 @@ from jaxpar.config import ConfigError
 from jaxpar.model.counting import ModelShape
 from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, candidate_from_config
-from jaxpar.plan.cluster import Cluster
+from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.memory import Memory, memory
 from jaxpar.plan.space import enumerate_candidates
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, StepTime, step_time

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from jaxpar.parallel.theory import Candidate
-from jaxpar.plan.cluster import Cluster, cpu_cluster
+from jaxpar.plan.fleet import Cluster, cpu_cluster
 from jaxpar.plan.steptime import Calibration
 
 BENCH_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")

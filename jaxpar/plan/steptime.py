@@ -40,7 +40,7 @@ import dataclasses
 from jaxpar.model.counting import ModelShape
 from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
-from jaxpar.plan.cluster import Cluster
+from jaxpar.plan.fleet import Cluster
 
 COMPUTE_EFFICIENCY = 0.600
 FP8_EFFICIENCY = 0.7
