@@ -23,17 +23,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
 
 
-def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="config file defining get_config() (default: the embedded default)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set model.layers=4 --set mesh.fsdp=8 (repeatable)")
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxpar.checks import add_config_arguments
+    add_config_arguments(p)
     p.add_argument("--cpu-devices", type=int, metavar="N",
                    help="run on N virtual CPU devices (set before JAX starts; for meshes without GPUs)")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from jaxpar.checks import non_negative_seconds
-    add_config_arguments(p)
+    add_run_arguments(p)
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<name>-<time>)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
@@ -57,9 +56,8 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_dryrun_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="config file defining get_config() (default: the embedded default)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set mesh.fsdp=64 (repeatable)")
+    from jaxpar.checks import add_config_arguments
+    add_config_arguments(p, set_help="override a config field, e.g. --set mesh.fsdp=64 (repeatable)")
     p.add_argument("--target", choices=("cpu", "h100", "h200", "a100"), default="cpu",
                    help="cpu: N virtual CPU devices; h100/h200/a100: deviceless XLA:GPU compile (needs the CUDA plugin)")
     p.add_argument("--devices", type=int, metavar="N", help="device count (cpu: set before JAX starts)")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.checks import add_config_arguments
 from jaxpar.config import ConfigError
 from jaxpar.labs.report import figure, save, styled
 
@@ -202,10 +203,9 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="config file (default: the embedded default; configs/test.py: the tiny test model, faster)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help=f"override a config field (on top of {' '.join(LAB_DEFAULTS)})")
+    add_config_arguments(p, config_help="config file (default: the embedded default; configs/test.py: the tiny test "
+                                        "model, faster)",
+                         set_help=f"override a config field (on top of {' '.join(LAB_DEFAULTS)})")
     p.add_argument("--out", metavar="DIR", help="output directory (default: runs/lab-ops-<time>)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random fault step (default: random)")
     p.add_argument("--cpu-devices", type=int, metavar="N", help=argparse.SUPPRESS)

@@ -5,15 +5,15 @@ import argparse
 import json
 from pathlib import Path
 
+from jaxpar.checks import add_config_arguments
 from jaxpar.config import REPOSITORY, ConfigError
 
 DEFAULT_CONFIG = REPOSITORY / "configs" / "arabic_7b.py"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="model config (default: configs/arabic_7b.py)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field (repeatable)")
+    add_config_arguments(p, config_help="model config (default: configs/arabic_7b.py)",
+                         set_help="override a config field (repeatable)")
     p.add_argument("--nodes", type=int, default=8, help="nodes in the cluster (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
     p.add_argument("--gpu", default="h100", help="GPU type: h100, h100-pcie, h200, a100, a100-40gb (default h100)")
