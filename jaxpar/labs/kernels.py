@@ -112,12 +112,10 @@ def kernel_agreement() -> dict:
 
 
 def _trainer(overrides, devices, vocab):
-    from jaxpar.mesh import make_mesh
-    from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import build_trainer
     config = load_config(None)
     apply_overrides(config, overrides)
-    return make_trainer(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices))
+    return build_trainer(config, devices, vocab)
 
 
 def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:

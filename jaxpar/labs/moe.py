@@ -86,19 +86,16 @@ class Lab:
 
     def build(self, label: str, overrides: list[str], devices: int = 1) -> Built:
         """Configure, build and compile one run (cached by its overrides and device count)."""
-        from jaxpar.mesh import make_mesh
-        from jaxpar.model.transformer import ModelConfig
-        from jaxpar.parallel.registry import make_trainer
+        from jaxpar.parallel.registry import build_trainer
 
         key = (tuple(overrides), devices)
         if key not in self.builds:
             config = copy.deepcopy(self.base)
             apply_overrides(config, ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.tensor=1",
                                      "parallel.expert=auto", "train.compute_dtype=float32", *overrides])
-            mesh = make_mesh(config, self.devices[:devices])
-            trainer = make_trainer(config, ModelConfig.from_config(config.model, self.vocab), mesh)
+            trainer = build_trainer(config, self.devices[:devices], self.vocab)
             start = time.perf_counter()
-            with jax.set_mesh(mesh):
+            with jax.set_mesh(trainer.mesh):
                 compiled = trainer.lower_step().compile()
             self.builds[key] = Built(label, config, trainer, compiled, time.perf_counter() - start)
             self.log(f"  compiled {label} in {self.builds[key].compile_s:.1f} s")

@@ -82,12 +82,8 @@ class Lab:
         return config
 
     def trainer(self, overrides: list[str], devices: int):
-        from jaxpar.mesh import make_mesh
-        from jaxpar.model.transformer import ModelConfig
-        from jaxpar.parallel.registry import make_trainer
-        config = self.config(overrides)
-        return make_trainer(config, ModelConfig.from_config(config.model, VOCAB),
-                            make_mesh(config, jax.devices()[:devices]))
+        from jaxpar.parallel.registry import build_trainer
+        return build_trainer(self.config(overrides), jax.devices()[:devices], VOCAB)
 
     def compiled(self, overrides: list[str], devices: int, fast: bool = True):
         """(trainer, compiled step), compiled once per settings."""

@@ -102,6 +102,14 @@ def select(config, sizes: dict[str, int]):
     return cls
 
 
+def build_trainer(config, devices=None, vocab: int | None = None, donate: bool | None = None):
+    """The run chain in one call: the mesh over `devices` (default: every device), the model with vocabulary
+    `vocab` (default: the config's), and the trainer `select` picks."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.model.transformer import ModelConfig
+    return make_trainer(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices), donate=donate)
+
+
 def make_trainer(config, model_cfg, mesh, donate: bool | None = None):
     """Build the trainer `select` picks for `config` on `mesh`."""
     sizes = {axis: int(size) for axis, size in mesh.shape.items()}

@@ -76,9 +76,7 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
     import jax
 
     from jaxpar.measure import hlo
-    from jaxpar.mesh import make_mesh
-    from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import build_trainer
     from jaxpar.plan.verify import candidate_config
 
     built = []
@@ -88,8 +86,8 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
         if config is None:
             log(f"  {cand.label()}: {reason}")
             continue
-        mesh = make_mesh(config, jax.devices()[:cand.devices])
-        trainer = make_trainer(config, ModelConfig.from_config(config.model), mesh)
+        trainer = build_trainer(config, jax.devices()[:cand.devices])
+        mesh = trainer.mesh
         start = time.perf_counter()
         with jax.set_mesh(mesh):
             compiled = trainer.lower_step().compile()
