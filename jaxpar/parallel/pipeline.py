@@ -430,6 +430,7 @@ class PipelineTrainer(Strategy):
     """GPipe, 1F1B, interleaved 1F1B and ZB-H1 over `pipe`, with data / fsdp / tensor around them."""
 
     RUNS = {"pipe": NAMES}
+    PLANNED = {"pipe": ("gpipe", "1f1b", "interleaved", "zb-h1")}   # the schedules the planner's memory model fits
 
     @staticmethod
     def predict(shape, cand, global_batch, seq_len, platform):
