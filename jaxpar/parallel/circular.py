@@ -13,6 +13,7 @@ the interleaved assignment. v*m + p - 1 iterations in all.
 backward iteration in reverse, which is GPipe's order with GPipe's memory (every
 iteration's activations are kept). The rest of the model (embedding, head, data /
 fsdp / tensor splits) is the automatic trainer's: the logical-axis rules place it.
+`predict` (end of file): the pipe axis's rolls; the rest is not predicted.
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ distributed optimizer with pipelining); `tensor` runs Megatron's f/g inside ever
 stage (`parallel/megatron.py`). The embedding and head are replicated over `pipe`;
 their gradients (non-zero on the first and last stage only) are summed over `pipe`,
 Megatron's embedding all-reduce. Pipeline microbatches are the pipeline's own:
-gradient accumulation (train.microbatches > 1) does not combine with them.
+gradient accumulation (train.microbatches > 1) does not combine with them. `predict` (end of
+file) counts the busiest stage's sends from the same table, with its bubble and stash.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ mean this DDP), mesh.fsdp = pipe = expert = 1, no parallel.rules overrides. Anyt
 refused with one line. The state is every trainer's (same pytree, same global shapes):
 params and Adam moments split over `tensor` as the default rules say, replicated over `data`.
 Under `train.compute_dtype=float8` each device scales its own shards (per-shard amax), so the
-losses are close to, not equal to, one device's.
+losses are close to, not equal to, one device's. `predict` (end of file): these collectives' bytes.
 """
 from __future__ import annotations
 

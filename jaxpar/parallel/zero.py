@@ -24,7 +24,8 @@ layer loop, so their bytes are 2Ψ_o, not 3Ψ_o. A tied embedding is fetched twi
 Every parameter (and its Adam moments) is split along its first dimension divisible by
 N, never the stacked `layers` axis. Clipping uses the true global norm. Gradients
 are fp32; a bfloat16 run casts weights before the fetch, so ZeRO-3 gathers and
-reduce-scatters bfloat16. Only mesh.data may be > 1.
+reduce-scatters bfloat16. Only mesh.data may be > 1. `predict` (end of file): the table's bytes,
+per stage, as the compiled programs send them.
 """
 from __future__ import annotations
 
