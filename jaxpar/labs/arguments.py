@@ -28,7 +28,7 @@ def zero(p: argparse.ArgumentParser) -> None:
                    help="training steps of each precision's loss curve (default 60)")
     p.add_argument("--remat-repeats", type=int, default=10, help="timed steps per remat policy (default 10)")
     p.add_argument("--precisions", metavar="LIST", default=None,
-                   help="comma-separated compute dtypes (default: float32,bfloat16 and float8 when jaxpar has it)")
+                   help="comma-separated compute dtypes (default: float32,bfloat16,float8)")
 
 
 def tensor(p: argparse.ArgumentParser) -> None:

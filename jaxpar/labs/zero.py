@@ -9,7 +9,7 @@ b. memory        per-device params, grads, optimizer state: the ZeRO formulas in
 c. communication collectives per step from the compiled HLO (`measure.hlo`) vs 2Ψ / 3Ψ, and what XLA's
                  partitioner chose for the automatic FSDP beside the hand-written ZeRO-3.
 d. remat         none/full/dots/names on the auto FSDP step: temp bytes and step time (interleaved).
-e. precision     fp32, bf16 (fp32 master weights), fp8 when jaxpar has it: loss curves on the real corpus.
+e. precision     fp32, bf16 (fp32 master weights), fp8: loss curves on the real corpus.
 
 Parts a-d run in float32 whatever the config says (e is the precision part). Every step is
 compiled once ahead of time (`lower().compile()`); the same executable is run, timed and read
@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
 from jaxpar.labs import report
 from jaxpar.labs.arguments import zero as add_arguments
 from jaxpar.labs.report import figure, legend_below, max_rel_dev, md_table, save, standalone_main, styled, write_report
@@ -541,18 +541,9 @@ def remat(lab: Lab, repeats: int) -> dict:
 
 def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
     from jaxpar.measure.memory import activation_estimate, compiled_memory, zero_formula
-    from jaxpar.parallel.step import DTYPES
+    from jaxpar.parallel.step import activation_dtype
 
-    notes, chosen = [], []
-    for dtype, label in PRECISIONS:
-        if wanted is not None and dtype not in wanted:
-            continue
-        if dtype not in COMPUTE_DTYPES:
-            notes.append(f"{dtype} skipped: not in jaxpar.config.COMPUTE_DTYPES {COMPUTE_DTYPES} "
-                         "(not built yet in this checkout)")
-            lab.log(f"  note: {notes[-1]}")
-            continue
-        chosen.append((dtype, label))
+    chosen = [(dtype, label) for dtype, label in PRECISIONS if wanted is None or dtype in wanted]
     batches = lab.batches(steps)
     runs = {}
     for dtype, label in chosen:
@@ -561,16 +552,16 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
         mem = compiled_memory(built.compiled, lab.platform)
         cfg = built.config
         # activations are stored in the compute dtype; float8 keeps bfloat16 activations (FP8 only inside matmuls)
-        width = 2 if dtype == "float8" else (np.dtype(DTYPES[dtype]).itemsize if dtype in DTYPES else None)
-        acts = (activation_estimate(layers=lab.model_cfg.layers, seq_len=cfg.data.seq_len,
-                                    micro_batch=cfg.train.batch_size // cfg.train.microbatches // lab.n,
-                                    d_model=lab.model_cfg.d_model, heads=lab.model_cfg.heads,
-                                    vocab_size=lab.model_cfg.vocab_size, compute_bytes=width,
-                                    remat=cfg.train.remat)["total"] if width else None)
+        acts = activation_estimate(layers=lab.model_cfg.layers, seq_len=cfg.data.seq_len,
+                                   micro_batch=cfg.train.batch_size // cfg.train.microbatches // lab.n,
+                                   d_model=lab.model_cfg.d_model, heads=lab.model_cfg.heads,
+                                   vocab_size=lab.model_cfg.vocab_size,
+                                   compute_bytes=np.dtype(activation_dtype(dtype)).itemsize,
+                                   remat=cfg.train.remat)["total"]
         formula = zero_formula(lab.psi, {"params": lab.n, "grads": lab.n, "optimizer": lab.n})
         runs[dtype] = {"label": label, "losses": losses, "step_ms": _median_ms(times), "argument": mem.argument,
                        "temp": mem.temp, "state_formula": formula["state"],
-                       "temp_predicted": formula["grads"] + acts if acts is not None else None}
+                       "temp_predicted": formula["grads"] + acts}
     table = []
     ref = runs.get("float32")
     tail = max(1, steps // 10)
@@ -594,9 +585,8 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
         "compute dtype changes only the temporaries. Predicted temp counts activations at 4 bytes (fp32) or "
         "2 (bf16; float8 keeps bf16 activations and casts to fp8 inside the matmuls). XLA:CPU keeps some bf16 "
         "work in fp32 and has no fp8 matmul units, so only a GPU run says what the dtypes save.",
-        *([""] + [f"Note: {n}" for n in notes] if notes else []),
     ])
-    return {"steps": steps, "runs": runs, "notes": notes, "markdown": md}
+    return {"steps": steps, "runs": runs, "markdown": md}
 
 
 # ============================================================================ plots
