@@ -104,7 +104,7 @@ LABS = (
     ("kernels", "module 5: fused kernels (agreement, memory), compilation cache and depth",
      "Lab 05 (experiments/05_kernels): Pallas kernels vs references, activation memory with flash attention and "
      "the chunked loss, compile times."),
-    ("ops", "module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
+    ("operations", "module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
      "Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, resharding."),
     ("pytorch", "the same model in PyTorch and jaxpar: DDP, FSDP2, TP(+SP), pipelines on N CPU processes",
      "Lab 08 (experiments/08_pytorch): losses, bytes per collective, memory, step time and lines of code of "
