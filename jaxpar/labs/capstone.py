@@ -44,8 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(tokens="1e12", verify=3, price=None)
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds of the CPU check (default 7)")
     p.add_argument("--cpu-devices", type=int, default=8, help="virtual CPU devices of the CPU check (default 8)")
-    p.add_argument("--ops-results", metavar="FILE", help="results.json of `jaxpar lab operations` (module 6): its measured "
-                                                         "start-up and checkpoint times feed the risks section")
+    p.add_argument("--ops-results", metavar="FILE",
+                   help="results.json of `jaxpar lab operations` (module 6): its measured start-up and checkpoint "
+                        "times feed the risks section")
     p.add_argument("--skip-cpu", action="store_true", help="leave out the CPU reality check (part d)")
 
 
