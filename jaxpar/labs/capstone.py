@@ -166,7 +166,7 @@ def part_fertility(config, p, log) -> dict:
     best = p.best.cand
     rows = []
     for vocab in VOCABS:
-        shape = dataclasses.replace(p.shape, vocab=vocab)
+        shape = type(p.shape)(dataclasses.replace(p.shape.model, vocab_size=vocab))
         r = evaluate(shape, best, p.cluster, p.global_batch, p.seq_len, p.tokens, p.headroom)
         flops_per_token = shape.flops_per_token(p.seq_len)
         for normalize in (False, True):
