@@ -81,9 +81,9 @@ def variants(pairs, n: int, m: int) -> dict[str, list[str]]:
 
 
 def decayed_names(params, cfg) -> list[str]:
-    """The Hugging Face names of the parameters jaxpar's AdamW decays (`train.step.decay_mask`)."""
+    """The Hugging Face names of the parameters jaxpar's AdamW decays (`parallel.step.decay_mask`)."""
     from jaxpar.model.hf import _LAYER_EXPORT
-    from jaxpar.train.step import decay_mask
+    from jaxpar.parallel.step import decay_mask
     mask = decay_mask(params)
     names = [name for key, name in (("embed", "model.embed_tokens.weight"), ("final_norm", "model.norm.weight"),
                                     ("lm_head", "lm_head.weight")) if mask.get(key)]
@@ -97,7 +97,7 @@ def prepare(config, data, steps: int, out: Path) -> tuple[object, dict]:
     from jaxpar.data.pipeline import train_dataset
     from jaxpar.model.hf import export_hf_llama
     from jaxpar.model.transformer import ModelConfig, init_params
-    from jaxpar.train.step import learning_rate
+    from jaxpar.parallel.step import learning_rate
 
     config = lab_config(config, steps, model_vocab_size(config, data.stats["vocab_size"], 1))
     cfg = ModelConfig.from_config(config.model)

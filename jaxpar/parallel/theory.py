@@ -29,6 +29,7 @@ class Candidate:
     pipe: int = 1
     expert: int = 1
     microbatches: int = 1          # gradient accumulation; with pipe > 1, the pipeline's microbatches
+    accumulate: int = 1            # with pipe > 1: train.microbatches, the whole pipeline run that many times
     schedule: str = ""             # parallel.pipe when pipe > 1
     remat: str = "full"
     precision: str = "bfloat16"
@@ -144,9 +145,11 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
     parallel, model = config.parallel, config.model
     pipe = sizes.get("pipe", 1)
     microbatches = config.train.microbatches
+    accumulate = 1
     if pipe > 1:
         microbatches = parallel.get("pipe_microbatches", 0) or 2 * pipe   # the pipeline trainers' default
-    return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES}, microbatches=microbatches,
+        accumulate = config.train.microbatches
+    return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES}, microbatches=microbatches, accumulate=accumulate,
                      schedule=parallel.pipe if pipe > 1 else "", remat=config.train.remat,
                      precision=config.train.compute_dtype,
                      attention="flash" if fused_attention(model.get("attention", "dot"), platform) else "dot",
@@ -155,8 +158,10 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
                      virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0)
 
 
-def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> dict[str, float]:
-    """Bytes each device sends per step in the MoE layers' all_to_alls over `expert` (X devices).
+def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str, *,
+                         microbatches: int | None = None, layers: int | None = None) -> dict[str, float]:
+    """Bytes each device sends per step in the MoE layers' all_to_alls over `expert` (X devices); `microbatches`,
+    `layers`: a pipeline's (m·train.microbatches, one stage's MoE layers), default the candidate's and every one.
 
     formula    per MoE layer, dispatch + combine move 2·T·k·h·e forward and again backward, T = tokens per
                device per microbatch, x (X-1)/X (a device keeps its own experts' share), x MoE layers x m.
@@ -165,11 +170,11 @@ def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int
                With remat (any policy but none) the backward recomputes the forward exchanges: 6, not 4.
     """
     moe = shape.moe
-    X, m = cand.expert, cand.microbatches
+    X, m = cand.expert, microbatches or cand.microbatches
     b = global_batch // m // cand.batch_shards
     T, k, h, E = b * seq_len, moe.top_k, shape.d_model, moe.experts
     e = wire_bytes(cand.precision, platform)
-    ring, per_step = (X - 1) / X, shape.moe_layers * m
+    ring, per_step = (X - 1) / X, (shape.moe_layers if layers is None else layers) * m
     forward_runs = 1 if cand.remat == "none" else 2
     formula = ring * 2 * T * k * h * e * 2 * per_step
     if moe.dispatch == "capacity":
