@@ -274,7 +274,7 @@ def _pct(x: float) -> str:
 
 
 def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str:
-    from jaxpar.plan import cluster as cl
+    from jaxpar.plan import fleet as cl
     from jaxpar.plan import memory as mem
     from jaxpar.plan import steptime as st
     from jaxpar.plan.planner import defence, summary_line, table

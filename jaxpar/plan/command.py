@@ -76,9 +76,9 @@ def check_inputs(args):
 
 
 def run(args) -> int:
+    config, cluster, tokens, note = check_inputs(args)     # before JAX is imported (the model's counts import it)
     from jaxpar.model.counting import ModelShape
     from jaxpar.plan.planner import defence, plan, summary_line, table
-    config, cluster, tokens, note = check_inputs(args)
     global_batch = args.global_batch if args.global_batch is not None else config.train.batch_size
     seq_len = args.seq_len if args.seq_len is not None else config.data.seq_len
     p = plan(ModelShape.from_config(config), cluster, global_batch=global_batch, seq_len=seq_len, tokens=tokens,
