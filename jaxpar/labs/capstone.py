@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from jaxpar.config import ConfigError
-from jaxpar.labs.report import figure, legend_below, save, styled
+from jaxpar.figures import figure, legend_below, save, styled
 
 GB, GIB = 1e9, 2**30
 WITHIN = 0.30                     # the reality check's tolerance: |measured / predicted - 1| <= 30%

@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, fused_attention, load_config
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs.arguments import kernels as add_arguments
-from jaxpar.labs.report import draw_plots, figure, legend_below, md_table, save, standalone_main, styled, write_report
+from jaxpar.labs.report import draw_plots, md_table, standalone_main, write_report
 from jaxpar.units import MIB
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxpar.checks import add_config_arguments
 from jaxpar.config import ConfigError
-from jaxpar.labs.report import figure, save, styled
+from jaxpar.figures import figure, save, styled
 
 LAB_DEFAULTS = ["train.steps=40", "train.checkpoint_every=10", "train.eval_every=20", "train.log_every=1",
                 "train.sample_tokens=0"]

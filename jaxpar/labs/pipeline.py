@@ -44,20 +44,11 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
 from jaxpar.labs.pipeline_moe import moe_pipelines
-from jaxpar.labs.report import (
-    draw_plots,
-    figure,
-    integer_steps,
-    legend_below,
-    md_table,
-    save,
-    standalone_main,
-    styled,
-    write_report,
-)
+from jaxpar.labs.report import draw_plots, integer_steps, md_table, standalone_main, write_report
 from jaxpar.measure import hlo
 from jaxpar.measure.executed import executed_collectives
 from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar import figures
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size
 from jaxpar.labs import report
 
@@ -435,7 +436,7 @@ def plot_bytes(rows: dict, predicted: dict, path: Path) -> None:
     pairs = [k for k in rows if k != "single"]
     kinds = sorted({k for key in pairs for r in rows[key] for k in r["sent"]})
     colours = {kind: KIND_COLOURS.get(kind, "C5") for kind in kinds}
-    fig = report.figure(11, 4.8)
+    fig = figures.figure(11, 4.8)
     ax = fig.add_subplot()
     width, labelled = 0.2, set()
     for i, key in enumerate(pairs):

@@ -35,10 +35,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs import report
 from jaxpar.labs.arguments import TENSOR_PARTS as PARTS
 from jaxpar.labs.arguments import tensor as add_arguments
-from jaxpar.labs.report import figure, legend_below, max_rel_dev, md_table, save, standalone_main, styled, write_report
+from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
 from jaxpar.units import byte_unit, fmt_bytes, ratio
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_tensor.py uses the same)

@@ -31,9 +31,10 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs import report
 from jaxpar.labs.arguments import zero as add_arguments
-from jaxpar.labs.report import figure, legend_below, max_rel_dev, md_table, save, standalone_main, styled, write_report
+from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
 from jaxpar.parallel.zero import STAGE_NAMES
 from jaxpar.units import byte_unit, fmt_bytes, ratio
 
