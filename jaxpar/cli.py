@@ -270,7 +270,7 @@ def check_started(args) -> None:
 
 
 def cmd_train(args) -> int:
-    from jaxpar.train.loop import train
+    from jaxpar.training import train
     train(args.config_loaded, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
           metrics_port=args.metrics_port, metrics_linger_s=args.metrics_linger, metrics_host=args.metrics_host,
           restart=args.auto_resume and not args.resume)

@@ -1,4 +1,8 @@
-"""The training loop: run directory, data, sharded state, steps, metrics, checkpoints, sample.
+"""The training run: run directory, data, sharded state, steps, metrics, checkpoints, sample.
+
+It sits at the top of the package, beside the command line, because it wires every layer together:
+the trainer (parallel/), the step pieces and checkpoints (train/), MFU and profiles (measure/), goodput
+and metrics sinks (cluster/).
 
 Host work stays off the hot path: each step is timed while the next one is queued
 (train/progress.py), step metrics are kept on device and fetched once per logging
