@@ -2,10 +2,10 @@
 import pytest
 
 from jaxpar.config import load_config
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.theory import Candidate
 from jaxpar.plan import overlap
-from jaxpar.plan.cluster import gpu_cluster
-from jaxpar.plan.shape import ModelShape
-from jaxpar.plan.space import Candidate
+from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, step_time
 
 

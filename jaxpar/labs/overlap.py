@@ -84,7 +84,7 @@ def compile_7b(name: str, flags: str, out: Path, log=print) -> dict:
 
 
 def gpu_part(out: Path, layouts, log=print) -> list[dict]:
-    from jaxpar.dryrun import gpu_plugin_problem
+    from jaxpar.measure.targets import gpu_plugin_problem
     problem = gpu_plugin_problem()
     if problem:
         log(f"GPU part skipped: {problem}")

@@ -23,11 +23,19 @@ import time
 
 import numpy as np
 
+from jaxpar.units import GB
+
 TERA = 1e12
-GB = 1e9
 
 # InfiniBand NDR, 400 Gb/s per port, one port per GPU on HGX H100/H200 nodes: 400/8 = 50 GB/s per direction.
 INFINIBAND_NDR_PER_GPU = 50 * GB
+# Assumptions (no GPU was measured for them): achieved busbw / per-direction datasheet bandwidth, and
+# α. nccl-tests all-reduce on one 8-GPU NVLink node and across NDR InfiniBand nodes reaches roughly 80% of
+# the link figure at large messages; small-message latencies of ~10 µs (NVLink) and ~25 µs (InfiniBand).
+# The planner (plan/fleet.py) and the schedule replay (measure/overlap.py) both use them.
+LINK_EFFICIENCY = 0.8
+ALPHA_NVLINK_S = 10e-6
+ALPHA_INFINIBAND_S = 25e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +129,7 @@ def _host_memory_bytes() -> float | None:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe_host(seconds_budget: float = 1.0) -> Accelerator:
     """Measure this host: float32 matmul FLOP/s (jitted 1024^3 jnp.dot on one device) and memcpy bytes/s.
 

@@ -264,17 +264,19 @@ def markdown(result: dict) -> list[str]:
 
 
 def link_model(mesh, machine: dict):
-    """(α, β) of the link a collective's groups cross, as the planner models it (plan/cluster.py)."""
+    """(α, β) of the link a collective's groups cross, as the planner models it (plan/fleet.py: the datasheet
+    bandwidth x LINK_EFFICIENCY, α per link); on CPU the host's measured copy bandwidth and no α."""
     from jaxpar.measure import hardware
-    from jaxpar.plan.cluster import gpu_cluster
     if machine["platform"] == "cpu":
         return lambda c: (0.0, hardware.probe_host().link_bw)
-    cluster = gpu_cluster(machine["target"], machine["hosts"], machine["gpus_per_host"])
+    acc = hardware.ACCELERATORS[machine["accelerator"]]
     flat = list(mesh.devices.flat)
 
     def link_of(c):
         crosses = any(len({flat[i].process_index for i in g}) > 1 for g in c.replica_groups)
-        return cluster.scaleout.params(c.op) if crosses else cluster.scaleup.params(c.op)
+        if crosses:
+            return hardware.ALPHA_INFINIBAND_S, acc.scaleout_bw * hardware.LINK_EFFICIENCY
+        return hardware.ALPHA_NVLINK_S, acc.link_bw * hardware.LINK_EFFICIENCY
     return link_of
 
 

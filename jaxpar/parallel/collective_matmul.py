@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxpar.model.ops import Ops
 from jaxpar.parallel.megatron import SEQUENCE_DIM
-from jaxpar.train.step import never_saving, produced_by
+from jaxpar.parallel.step import never_saving, produced_by
 
 MODES = ("none", "collective_matmul", "bidirectional")
 

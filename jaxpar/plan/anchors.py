@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.plan.cluster import gpu_cluster
-from jaxpar.plan.shape import ModelShape
+from jaxpar.model.counting import ModelShape
+from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.steptime import Calibration
 
 
@@ -38,11 +38,11 @@ class Anchor:
 
 
 ANCHORS = (
-    Anchor("MaxText Llama-2-70B, H100, bf16", ModelShape(vocab=32000, d_model=8192, layers=80, heads=64, kv_heads=8,
-                                                        head_dim=128, mlp_dim=28672),
+    Anchor("MaxText Llama-2-70B, H100, bf16",
+           ModelShape.dense(vocab=32000, d_model=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp_dim=28672),
            nodes=8, per_node=8, global_batch=1024, seq_len=4096, published_mfu=(0.51, 0.51), role="fit"),
-    Anchor("torchtitan Llama-3-8B, H100, bf16", ModelShape(vocab=128256, d_model=4096, layers=32, heads=32, kv_heads=8,
-                                                          head_dim=128, mlp_dim=14336),
+    Anchor("torchtitan Llama-3-8B, H100, bf16",
+           ModelShape.dense(vocab=128256, d_model=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp_dim=14336),
            nodes=1, per_node=8, global_batch=8, seq_len=8192, published_mfu=(0.33, 0.39), role="check"),
 )
 

@@ -5,15 +5,15 @@ import argparse
 import json
 from pathlib import Path
 
+from jaxpar.checks import add_config_arguments
 from jaxpar.config import REPOSITORY, ConfigError
 
 DEFAULT_CONFIG = REPOSITORY / "configs" / "arabic_7b.py"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="model config (default: configs/arabic_7b.py)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field (repeatable)")
+    add_config_arguments(p, config_help="model config (default: configs/arabic_7b.py)",
+                         set_help="override a config field (repeatable)")
     p.add_argument("--nodes", type=int, default=8, help="nodes in the cluster (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
     p.add_argument("--gpu", default="h100", help="GPU type: h100, h100-pcie, h200, a100, a100-40gb (default h100)")
@@ -63,7 +63,7 @@ def budget_tokens(args, config) -> tuple[float, str]:
 
 def check_inputs(args):
     """Everything that can be refused before planning: one ConfigError naming the argument."""
-    from jaxpar.plan.cluster import gpu_cluster
+    from jaxpar.plan.fleet import gpu_cluster
     cluster = gpu_cluster(args.gpu, args.nodes, args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
                           ib_gbps=args.ib_gbps, price_per_gpu_hour=args.price)
     if args.verify < 0:
@@ -76,9 +76,9 @@ def check_inputs(args):
 
 
 def run(args) -> int:
+    config, cluster, tokens, note = check_inputs(args)     # before JAX is imported (the model's counts import it)
+    from jaxpar.model.counting import ModelShape
     from jaxpar.plan.planner import defence, plan, summary_line, table
-    from jaxpar.plan.shape import ModelShape
-    config, cluster, tokens, note = check_inputs(args)
     global_batch = args.global_batch if args.global_batch is not None else config.train.batch_size
     seq_len = args.seq_len if args.seq_len is not None else config.data.seq_len
     p = plan(ModelShape.from_config(config), cluster, global_batch=global_batch, seq_len=seq_len, tokens=tokens,
@@ -106,7 +106,7 @@ def run(args) -> int:
 
 def verify_top(p, config, count: int, gpu: str) -> list[str]:
     """Compile the best buildable candidates deviceless (or say why not, and how to make it possible)."""
-    from jaxpar.dryrun import GPU_TARGETS, gpu_plugin_problem
+    from jaxpar.measure.targets import GPU_TARGETS, gpu_plugin_problem
     target = gpu.lower().removesuffix("-sxm").removesuffix("-80gb")
     if target not in GPU_TARGETS:
         return [f"Verification skipped: no deviceless compile target for '{gpu}' (targets: {', '.join(GPU_TARGETS)})."]

@@ -13,14 +13,15 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.config import ConfigError
-from jaxpar.plan.cluster import Cluster
-from jaxpar.plan.comm import bytes_by_axis, flows
-from jaxpar.plan.memory import Memory, memory, stored_params
-from jaxpar.plan.shape import ModelShape
-from jaxpar.plan.space import Candidate, enumerate_candidates
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.registry import predict
+from jaxpar.parallel.theory import Candidate, candidate_from_config
+from jaxpar.plan.fleet import Cluster
+from jaxpar.plan.memory import Memory, memory
+from jaxpar.plan.space import enumerate_candidates
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, StepTime, step_time
+from jaxpar.units import GB
 
-GB = 1e9
 DAY = 86400.0
 
 
@@ -76,10 +77,9 @@ def check_budget(tokens: float | None, global_batch: int, seq_len: int) -> float
 def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch: int, seq_len: int, tokens: float,
              headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION) -> Evaluated:
     """Memory, step time and what they mean for the run, for one candidate."""
-    mem = memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom)
-    flow_list = flows(shape, cand, global_batch, seq_len, cluster.platform)
-    t = step_time(shape, cand, cluster, global_batch, seq_len, calibration, flow_list,
-                  optimizer_params=stored_params(shape, cand)["optimizer"])
+    prediction = predict(shape, cand, global_batch, seq_len, cluster.platform)
+    mem = memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom, prediction)
+    t = step_time(shape, cand, cluster, global_batch, seq_len, calibration, prediction)
     step_tokens = global_batch * seq_len
     tokens_per_s = step_tokens / t.total_s
     peak = cluster.peak("bfloat16")
@@ -87,7 +87,7 @@ def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch:
     seconds = tokens / tokens_per_s
     gpu_hours = seconds * cand.devices / 3600
     cost = gpu_hours * cluster.price_per_gpu_hour if cluster.price_per_gpu_hour else None
-    return Evaluated(cand, mem, t, bytes_by_axis(flow_list), tokens_per_s, mfu, seconds / DAY, gpu_hours, cost)
+    return Evaluated(cand, mem, t, prediction.bytes_by_axis(), tokens_per_s, mfu, seconds / DAY, gpu_hours, cost)
 
 
 def plan(shape: ModelShape, cluster: Cluster, *, global_batch: int, seq_len: int, tokens: float,
@@ -180,7 +180,7 @@ def defence(p: Plan, runners_up: int = 2) -> str:
     if exposed:
         worst = max(exposed, key=exposed.get)
         lines.append(f"Its largest exposed collective is on {worst} ({exposed[worst]:.3f} s of "
-                     f"{t.comm_s[worst]:.3f} s, on {p.cluster.link(_span(c, worst)).name}).")
+                     f"{t.comm_s[worst]:.3f} s, on {p.cluster.link(c.span(worst)).name}).")
     named = p.ranked[1:1 + runners_up]
     for r in named:
         lines.append(f"Runner-up {r.label}: {why_loses(best, r)}.")
@@ -219,10 +219,6 @@ def variants(p: Plan) -> list[tuple[str, Evaluated]]:
     return out
 
 
-def _span(c: Candidate, axis: str) -> int:
-    return max(c.span(a) for a in axis.split("+"))
-
-
 # ----------------------------------------------------------------------------- tables
 
 def table(p: Plan, top: int = 10) -> str:
@@ -249,8 +245,6 @@ def summary_line(p: Plan) -> str:
 def predict_config(config, sizes: dict[str, int], vocab: int, cluster: Cluster,
                    calibration: Calibration = GPU_CALIBRATION) -> StepTime:
     """The calibrated step time of one config on one cluster (what `jaxpar dryrun` reports)."""
-    from jaxpar.plan.space import candidate_from_config
     shape = ModelShape.from_config(config, vocab)
     cand = candidate_from_config(config, sizes, cluster.platform)
-    return step_time(shape, cand, cluster, config.train.batch_size, config.data.seq_len, calibration,
-                     optimizer_params=stored_params(shape, cand)["optimizer"])
+    return step_time(shape, cand, cluster, config.train.batch_size, config.data.seq_len, calibration)

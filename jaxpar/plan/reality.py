@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from jaxpar.plan.cluster import Cluster, cpu_cluster
-from jaxpar.plan.space import Candidate
+from jaxpar.parallel.theory import Candidate
+from jaxpar.plan.fleet import Cluster, cpu_cluster
 from jaxpar.plan.steptime import Calibration
 
 BENCH_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
@@ -76,9 +76,7 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
     import jax
 
     from jaxpar.measure import hlo
-    from jaxpar.mesh import make_mesh
-    from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import build_trainer
     from jaxpar.plan.verify import candidate_config
 
     built = []
@@ -88,8 +86,8 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
         if config is None:
             log(f"  {cand.label()}: {reason}")
             continue
-        mesh = make_mesh(config, jax.devices()[:cand.devices])
-        trainer = make_trainer(config, ModelConfig.from_config(config.model), mesh)
+        trainer = build_trainer(config, jax.devices()[:cand.devices])
+        mesh = trainer.mesh
         start = time.perf_counter()
         with jax.set_mesh(mesh):
             compiled = trainer.lower_step().compile()
@@ -106,7 +104,7 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
             jax.block_until_ready(metrics)
         log(f"  compiled {cand.label()} in {compile_s:.1f} s")
         built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis)])
-    for r in range(rounds):
+    for _ in range(rounds):
         for item in built:
             cand, compiled, state, batch, mesh, measured = item
             with jax.set_mesh(mesh):
@@ -121,11 +119,9 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
 
 def calibrate(cluster: Cluster, shape, measured: Measured, global_batch: int, seq_len: int) -> Calibration:
     """η such that the planner's time for `measured`'s strategy equals its measured median (no overlap on CPU)."""
-    from jaxpar.plan.memory import stored_params
     from jaxpar.plan.steptime import step_time
     at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, source="")
-    t = step_time(shape, measured.cand, cluster, global_batch, seq_len, at_peak,
-                  optimizer_params=stored_params(shape, measured.cand)["optimizer"])
+    t = step_time(shape, measured.cand, cluster, global_batch, seq_len, at_peak)
     rest = t.total_s - t.compute_s
     eta = t.compute_s / max(measured.median_s - rest, 1e-9)
     return Calibration(compute=eta, overlap=0.0, memory=1.0,

@@ -16,12 +16,11 @@ communication per axis + the pipeline bubble.
             over `tensor`), ZeRO-1/2's extra copies (`ZERO_COPIES`), and, for jaxpar's einsum
             attention, the S x S scores and probabilities (bytes per element in `SCORE_BYTES`), at
             `MEMORY_EFFICIENCY` x bandwidth.
-  comm      α-β per flow (plan/comm.py) on the link its group spans; hideable flows are hidden
-            behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
+  comm      α-β per flow of the strategy's prediction (`Strategy.predict`) on the link its group spans;
+            hideable flows are hidden behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
             non-hideable flow, is exposed.
-  bubble    pipelines: the textbook fraction β of the schedule (GPipe/1F1B (p-1)/(m+p-1),
-            interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1)) idles every stage: the busy time
-            is stretched by 1/(1-β).
+  bubble    pipelines: the schedule's fraction β (the prediction's, parallel/schedules.bubble_fraction)
+            idles every stage: the busy time is stretched by 1/(1-β).
 
 Calibration (ASSUMPTIONS unless said otherwise; the lab prints them with the anchors):
   COMPUTE_EFFICIENCY  η of the GPU compute, set so that the planner's own best plan for a Llama-2-70B
@@ -39,14 +38,13 @@ Calibration (ASSUMPTIONS unless said otherwise; the lab prints them with the anc
 from __future__ import annotations
 
 import dataclasses
-from fractions import Fraction
 
-from jaxpar.plan.cluster import Cluster
-from jaxpar.plan.comm import Flow, flows, rows_per_microbatch
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.registry import predict
+from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
+from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.overlap import hidden_fraction
 from jaxpar.plan.overlap import measured as measured_overlap
-from jaxpar.plan.shape import ModelShape
-from jaxpar.plan.space import Candidate
 
 COMPUTE_EFFICIENCY = 0.600
 FP8_EFFICIENCY = 0.7
@@ -116,19 +114,6 @@ class StepTime:
         return out
 
 
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
-    """The textbook idle fraction of a pipeline schedule (the pipeline branch's measure/bubble.py)."""
-    if p == 1:
-        return Fraction(0)
-    if schedule in ("gpipe", "1f1b"):
-        return Fraction(p - 1, m + p - 1)
-    if schedule == "interleaved":
-        return Fraction(p - 1, v * m + p - 1)
-    if schedule == "zb-h1":
-        return Fraction(p - 1, 3 * m + p - 1)
-    raise ValueError(f"no bubble formula for schedule '{schedule}'")
-
-
 def executed_flops_per_token(shape: ModelShape, seq_len: int, remat: str, attention: str) -> dict[str, float]:
     """FLOPs per token the compiled step executes, split into weight matmuls and attention (see module doc)."""
     d, L = shape.d_model, shape.layers
@@ -147,12 +132,13 @@ def executed_flops_per_token(shape: ModelShape, seq_len: int, remat: str, attent
 
 
 def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch: int, seq_len: int,
-              calibration: Calibration = GPU_CALIBRATION, flow_list: list[Flow] | None = None,
-              optimizer_params: float | None = None) -> StepTime:
+              calibration: Calibration = GPU_CALIBRATION, prediction: Prediction | None = None) -> StepTime:
     """Predict one optimizer step of `cand` on `cluster` (see the module docstring).
 
-    `optimizer_params`: parameters this device updates (memory.py's figure); default Ψ / model shards.
+    `prediction`: the strategy's (default: asked of it): its collectives, bubble, and the parameters a device updates.
     """
+    if prediction is None:
+        prediction = predict(shape, cand, global_batch, seq_len, cluster.platform)
     n = cand.devices
     tokens = global_batch * seq_len
     per_token = executed_flops_per_token(shape, seq_len, cand.remat, cand.attention)
@@ -165,7 +151,7 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
         compute = (matmul + attention) / bf16_rate
 
     mem_rate = calibration.memory * cluster.mem_bw
-    updated = optimizer_params if optimizer_params is not None else shape.params / (cand.fsdp * cand.tensor)
+    updated = prediction.stored["optimizer"]
     memory = ADAM_BYTES_PER_PARAM * updated / mem_rate
     e = 4 if cand.precision == "float32" else 2
     passes = RESIDUAL_PASSES["forward"] * (2 if cand.remat == "full" else 1) + RESIDUAL_PASSES["backward"]
@@ -179,16 +165,18 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
         passes = SCORE_BYTES["forward"] * (2 if cand.remat in ("full", "dots") else 1) + SCORE_BYTES["backward"]
         memory += elements * passes / mem_rate
 
-    flow_list = flow_list if flow_list is not None else flows(shape, cand, global_batch, seq_len, cluster.platform)
+    flow_list = prediction.flows
     comm: dict[str, float] = {}
     hideable = 0.0
     exposed: dict[str, float] = {}
+    strategy = cand.data_impl + ("+tensor" if cand.tensor > 1 else "")
+    measured = {f.axis: hidden_fraction(calibration.measured, strategy, f.axis) for f in flow_list
+                if cluster.platform != "cpu"}
     for f in flow_list:
-        link = cluster.link(_span(cand, f.axis))
+        link = cluster.link(cand.span(f.axis))
         t = link.time(f.op, f.bytes, f.count)
         comm[f.axis] = comm.get(f.axis, 0.0) + t
-        strategy = cand.data_impl + ("+tensor" if cand.tensor > 1 else "")
-        known = hidden_fraction(calibration.measured, strategy, f.axis) if cluster.platform != "cpu" else None
+        known = measured.get(f.axis)
         if known is not None:                   # the compiled schedule's own fraction (lab 09)
             exposed[f.axis] = exposed.get(f.axis, 0.0) + t * (1 - known)
         elif f.hideable and cluster.platform != "cpu":
@@ -200,16 +188,11 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     spill = max(0.0, hideable * calibration.overlap - window)     # more to hide than compute to hide it behind
     if spill and hideable:
         for f in flow_list:
-            if f.hideable:
-                exposed[f.axis] += spill * cluster.link(_span(cand, f.axis)).time(f.op, f.bytes, f.count) / hideable
+            if f.hideable and measured.get(f.axis) is None:
+                exposed[f.axis] += spill * cluster.link(cand.span(f.axis)).time(f.op, f.bytes, f.count) / hideable
 
-    fraction = bubble_fraction(cand.schedule, cand.pipe, cand.microbatches, cand.virtual)
+    fraction = prediction.bubble
     busy = compute + memory + exposed.get("tensor", 0.0)
     bubble = float(busy * fraction / (1 - fraction)) if fraction else 0.0
     model = shape.flops_per_token(seq_len) * tokens / n
     return StepTime(compute, memory, comm, exposed, bubble, float(fraction), matmul + attention, model)
-
-
-def _span(cand: Candidate, axis: str) -> int:
-    """Consecutive device ids a group of `axis` spans; a group over several axes ("data+expert") spans both."""
-    return max(cand.span(a) for a in axis.split("+"))

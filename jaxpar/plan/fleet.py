@@ -18,19 +18,15 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.config import ConfigError
-
-GB = 1e9
+from jaxpar.measure.hardware import ALPHA_INFINIBAND_S, ALPHA_NVLINK_S, LINK_EFFICIENCY  # noqa: F401 (re-exported)
+from jaxpar.units import GB
 
 GPUS = {   # --gpu name -> jaxpar.measure.hardware.ACCELERATORS key
     "h100": "H100-SXM", "h100-sxm": "H100-SXM", "h100-pcie": "H100-PCIe", "h200": "H200-SXM",
     "a100": "A100-SXM-80GB", "a100-80gb": "A100-SXM-80GB", "a100-40gb": "A100-SXM-40GB",
 }
-# Assumptions (no GPU was measured for them): achieved busbw / per-direction datasheet bandwidth, and
-# α. nccl-tests all-reduce on one 8-GPU NVLink node and across NDR InfiniBand nodes reaches roughly 80% of
-# the link figure at large messages; small-message latencies of ~10 µs (NVLink) and ~25 µs (InfiniBand).
-LINK_EFFICIENCY = 0.8
-ALPHA_NVLINK_S = 10e-6
-ALPHA_INFINIBAND_S = 25e-6
+# The link assumptions (LINK_EFFICIENCY of the datasheet achieved, α per link) live with the hardware table, which
+# the schedule replay (measure/overlap.py) shares.
 
 
 @dataclasses.dataclass(frozen=True)
