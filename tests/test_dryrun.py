@@ -210,7 +210,7 @@ def test_h100_deviceless_fsdp(tmp_path):
     assert mem["peak"] == mem["peak_reported"] >= mem["temp"]            # GPU peak includes temporaries
     assert r["flops"]["cost_analysis"] is None and r["flops"]["corrected"] > 0
     hidden = r["overlap"]["by_axis"]["fsdp"]                             # async pairs, some compute between
-    assert hidden["async"] == hidden["collectives"] > 0 and 0 < hidden["hidden_s"] < hidden["comm_s"]
+    assert 0 < hidden["async"] <= hidden["collectives"] and 0 < hidden["hidden_s"] < hidden["comm_s"]
 
 
 # ----------------------------------------------------------------------------- the 7B model on 64 devices
