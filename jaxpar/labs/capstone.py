@@ -297,7 +297,7 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
               "Communication per axis (bytes per device per step, time if nothing were hidden, exposed):", "",
               "| axis | GB | link | seconds | exposed |", "|---|---:|---|---:|---:|"]
     for axis, seconds in t.comm_s.items():
-        link = p.cluster.link(max(best.cand.span(a) for a in axis.split("+"))).name
+        link = p.cluster.axis_link(best.cand, axis).name
         lines.append(f"| {axis} | {best.comm_bytes.get(axis, 0) / GB:.2f} | {link} | {seconds:.3f} | "
                      f"{t.exposed_s.get(axis, 0):.3f} |")
     lines += ["", "![memory](memory.png) ![step time](steptime.png)", "",
