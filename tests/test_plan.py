@@ -13,7 +13,6 @@ from jaxpar.dryrun import gpu_plugin_problem, predicted_collective_bytes
 from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.plan import risks
-from jaxpar.plan.anchors import ANCHORS, predict
 from jaxpar.plan.cluster import cpu_cluster, gpu_cluster
 from jaxpar.plan.comm import bytes_by_axis, flows
 from jaxpar.plan.memory import PIPELINE_EXTRA_SLOTS, memory
@@ -159,8 +158,8 @@ def test_step_time_terms():
     fsdp = Candidate(fsdp=64)
     hybrid = Candidate(fsdp=8, data=8)
     t_fsdp, t_hybrid = (step_time(s, x, c, 256, 4096) for x in (fsdp, hybrid))
-    assert t_fsdp.comm_s["fsdp"] > 5 * t_hybrid.comm_s["fsdp"]            # InfiniBand vs NVLink
-    assert c.link(fsdp.span("fsdp")).name == "InfiniBand" and c.link(hybrid.span("fsdp")).name == "NVLink"
+    assert t_fsdp.comm_s["fsdp"] > t_hybrid.comm_s["fsdp"]                # InfiniBand (8 NICs) vs NVLink
+    assert c.axis_link(fsdp, "fsdp").name.startswith("InfiniBand") and c.axis_link(hybrid, "fsdp").name == "NVLink"
     assert t_fsdp.exposed_s["fsdp"] < t_fsdp.comm_s["fsdp"]              # hidden behind compute on GPU
     tp = step_time(s, Candidate(fsdp=8, tensor=8), c, 256, 4096)
     assert tp.exposed_s["tensor"] == tp.comm_s["tensor"]                 # Megatron's all-reduces: never hidden
@@ -178,12 +177,6 @@ def test_bubble_fractions():
     assert bubble_fraction("1f1b", 4, 8) == bubble_fraction("gpipe", 4, 8) == pytest.approx(3 / 11)
     assert bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
     assert bubble_fraction("zb-h1", 4, 8) == pytest.approx(3 / 27)
-
-
-def test_compute_efficiency_reproduces_its_anchor():
-    """η was fitted so that the planner's best plan of the fit anchor predicts its published MFU."""
-    fit = next(a for a in ANCHORS if a.role == "fit")
-    assert predict(fit, GPU_CALIBRATION).mfu == pytest.approx(fit.published_mfu[0], abs=0.01)
 
 
 # ----------------------------------------------------------------------------- planning

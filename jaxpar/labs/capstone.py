@@ -39,7 +39,7 @@ ASSUMED_COMPILE_S = 30.0          # the 7B step's compile time if the deviceless
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxpar.plan.command import add_arguments as add_plan_arguments
+    from jaxpar.plan.command import add_plan_options as add_plan_arguments
     add_plan_arguments(p)
     p.set_defaults(tokens="1e12", verify=3, price=None)
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds of the CPU check (default 7)")

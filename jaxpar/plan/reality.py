@@ -63,6 +63,7 @@ class Measured:
     compile_s: float
     compiled_bytes: dict      # mesh axis label -> bytes per step, from the compiled HLO
     cpu_times: list[float] = dataclasses.field(default_factory=list)   # this process's CPU seconds per step
+    memory_bytes: float = 0.0  # the compiled step's per-device peak (measure.memory.compiled_memory)
 
     @property
     def median_s(self) -> float:
@@ -76,6 +77,7 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
     import jax
 
     from jaxpar.measure import hlo
+    from jaxpar.measure.memory import compiled_memory
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
     from jaxpar.parallel.registry import make_trainer
@@ -94,6 +96,7 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
         with jax.set_mesh(mesh):
             compiled = trainer.lower_step().compile()
         compile_s = time.perf_counter() - start
+        peak = compiled_memory(compiled, jax.devices()[0].platform).peak
         found = hlo.collectives(compiled.as_text(), mesh)
         by_axis: dict[str, float] = {}
         for c in found:
@@ -105,7 +108,7 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
                 state, metrics = compiled(state, batch)
             jax.block_until_ready(metrics)
         log(f"  compiled {cand.label()} in {compile_s:.1f} s")
-        built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis)])
+        built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis, memory_bytes=peak)])
     for r in range(rounds):
         for item in built:
             cand, compiled, state, batch, mesh, measured = item
