@@ -134,6 +134,7 @@ def run(args) -> int:
         return run_collect(args.action)
     from jaxpar.plan.planner import plan
     from jaxpar.plan.shape import ModelShape
+    from jaxpar.plan.steptime import GPU_CALIBRATION, HOST_CALIBRATION
     config, cluster, tokens, note = check_inputs(args)
     if cluster is None:
         cluster = host_cluster(args.cpu_devices)
@@ -141,9 +142,10 @@ def run(args) -> int:
     seq_len = args.seq_len if args.seq_len is not None else config.data.seq_len
     one = getattr(args, "candidate", None)
     space = {} if cluster.platform == "gpu" else {"precisions": ("float32",), "attentions": ("dot",)}
+    calibration = GPU_CALIBRATION if cluster.platform == "gpu" else HOST_CALIBRATION
     p = plan(ModelShape.from_config(config), cluster, global_batch=global_batch, seq_len=seq_len, tokens=tokens,
              headroom=args.headroom, layout=args.layout, candidates=[one] if one else None,
-             check_fits=one is None, **space)
+             check_fits=one is None, calibration=calibration, **space)
     p.budget_note = note
     text = strategy_report(p, config) if one else ranked_report(p, config, args)
     print(text)

@@ -90,6 +90,10 @@ class Calibration:
 
 
 GPU_CALIBRATION = Calibration()
+# `jaxpar plan --cpu-devices N`: the host probe's rates as they are, nothing hidden, no overheads (uncalibrated: lab 07
+# measures η and the CPU's fixed overheads, plan/reality.py).
+HOST_CALIBRATION = Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
+                               source="host probe rates, uncalibrated (lab 07 calibrates them)")
 
 
 @dataclasses.dataclass(frozen=True)
