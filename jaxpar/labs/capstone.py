@@ -135,9 +135,11 @@ def part_reality(args, out: Path, log) -> dict:
     shape = ModelShape.from_config(base)
     batch, seq = base.train.batch_size, base.data.seq_len
     strategies = default_strategies()
-    log(f"  measuring {len(strategies)} strategies of the default config, {args.rounds} interleaved rounds")
-    measured = measure_steps(base, strategies, batch, seq, args.rounds, log=log)
-    calibration = calibrate(cluster, shape, measured[0], batch, seq)
+    log(f"  measuring {len(strategies)} strategies of the default config (and the first at half the batch, for the "
+        f"fixed per-step overhead), {args.rounds} interleaved rounds")
+    measured = measure_steps(base, [*strategies, (strategies[0], batch // 2)], batch, seq, args.rounds, log=log)
+    half = measured.pop() if len(measured) > 1 and measured[-1].global_batch != batch else None
+    calibration = calibrate(cluster, shape, measured[0], half, seq)
     rows = []
     for m in measured:
         r = evaluate(shape, m.cand, cluster, batch, seq, 1e9, headroom=0.0, calibration=calibration)
@@ -154,7 +156,9 @@ def part_reality(args, out: Path, log) -> dict:
     from jaxpar.plan.sweep import spearman
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     return {"cluster": cluster.describe(), "host": info["host"]["source"], "fits": info["fits"],
-            "rounds": args.rounds, "calibration": calibration.source, "eta": calibration.compute, "rows": rows,
+            "rounds": args.rounds, "calibration": calibration.source, "eta": calibration.compute,
+            "step_overhead_s": calibration.step_overhead_s, "half_batch_s": half.median_s if half else None,
+            "rows": rows,
             "within": sum(abs(r["ratio"] - 1) <= WITHIN for r in checked), "checked": len(checked),
             "fastest": fastest["strategy"], "fastest_predicted_rank": fastest["predicted_rank"], "spearman": rho}
 
