@@ -108,6 +108,9 @@ LABS = (
      "the chunked loss, compile times."),
     ("ops", "module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
      "Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, resharding."),
+    ("pytorch", "the same model in PyTorch and jaxpar: DDP, FSDP2, TP(+SP), pipelines on N CPU processes",
+     "Lab 08 (experiments/08_pytorch): losses, bytes per collective, memory, step time and lines of code of "
+     "each PyTorch strategy beside jaxpar's automatic and hand-written counterpart."),
     ("capstone", "module 7: plan a 7B Arabic LM on H100s, checked by compiles and CPU runs",
      "Lab 07 (experiments/07_capstone): writes report.md and plots into --out."),
 )

@@ -56,12 +56,18 @@ def learning_rate(train_cfg) -> optax.Schedule:
         end_value=train_cfg.lr * train_cfg.min_lr_ratio)
 
 
+def decay_mask(params):
+    """AdamW's weight-decay mask: True for arrays with more than one axis. The final norm (1-D) is not
+    decayed; the per-layer norms are stacked on `layers` ([L, D]) and are."""
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """AdamW with warmup + cosine, global-norm clipping; no weight decay on norms (1-D params)."""
+    """AdamW with warmup + cosine, global-norm clipping; weight decay where `decay_mask` says."""
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(learning_rate(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
-                    weight_decay=train_cfg.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params)),
+                    weight_decay=train_cfg.weight_decay, mask=decay_mask),
     )
 
 
