@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "m=microbatches, remat, precision, attention, pipeline schedule), buildable or not")
     p.add_argument("--json", metavar="FILE", help="write every candidate's predictions to FILE (tokens/s per GPU, "
                                                   "step time, MFU, memory, exposed communication per axis)")
-    p.add_argument("--cpu-devices", type=int, metavar="N",
+    p.add_argument("--cpu-devices", dest="host_devices", type=int, metavar="N",
                    help="plan for N virtual CPU devices of this host instead of GPUs (rates from a short host probe)")
     p.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="write a Slurm job array into --out: one task per top-N buildable candidate, each trains "
@@ -89,7 +89,7 @@ def check_inputs(args):
     from jaxpar import checks
     from jaxpar.plan.layouts import check_layout
     check_layout(args.layout)
-    cpu_devices = getattr(args, "cpu_devices", None)
+    cpu_devices = getattr(args, "host_devices", None)       # `jaxpar plan --cpu-devices` (not the lab's)
     if cpu_devices is not None and cpu_devices < 1:
         raise ConfigError("--cpu-devices", f"is {cpu_devices}; must be a positive whole number")
     cluster = None if cpu_devices else gpu_cluster_of(args)
@@ -137,7 +137,7 @@ def run(args) -> int:
     from jaxpar.plan.steptime import GPU_CALIBRATION, HOST_CALIBRATION
     config, cluster, tokens, note = check_inputs(args)
     if cluster is None:
-        cluster = host_cluster(args.cpu_devices)
+        cluster = host_cluster(args.host_devices)
     global_batch = args.global_batch if args.global_batch is not None else config.train.batch_size
     seq_len = args.seq_len if args.seq_len is not None else config.data.seq_len
     one = getattr(args, "candidate", None)
@@ -161,7 +161,7 @@ def run(args) -> int:
         if args.sweep:
             from jaxpar.plan.sweep import write_sweep
             script = write_sweep(p, args.config or str(DEFAULT_CONFIG), args.overrides, args.sweep, args.steps, out,
-                                 cluster.platform, args.cpu_devices, args.layout)
+                                 cluster.platform, args.host_devices, args.layout)
             print(f"wrote {script}: sbatch it, then `jaxpar plan collect {out}`")
     return 0
 
