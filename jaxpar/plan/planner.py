@@ -178,7 +178,7 @@ def defence(p: Plan, runners_up: int = 2) -> str:
     c = best.cand
     t = best.time
     lines = [f"Choose {best.label} ({family(c)}): {t.total_s:.2f} s per step of {p.global_batch} x {p.seq_len} tokens, "
-             f"{best.tokens_per_s / 1e6:.2f} M tokens/s, MFU {best.mfu:.0%}, {best.days:.1f} days for "
+             f"{best.tokens_per_s / 1e6:.2f} M tokens/s, MFU {best.mfu:.0%} of the bf16 peak, {best.days:.1f} days for "
              f"{p.tokens:.3g} tokens; {_share(t)}, and it fits in {best.memory.total / GB:.0f} of "
              f"{best.memory.limit / GB:.0f} usable GB per device."]
     exposed = {k: v for k, v in t.exposed_s.items() if v > 0}
