@@ -85,10 +85,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel = ml_collections.ConfigDict()   # which implementation runs each mesh axis (parallel/registry.py)
     c.parallel.data = "auto"      # auto (XLA all-reduces) | ddp | zero1 | zero2 | zero3 (shard_map, parallel/zero.py)
     c.parallel.fsdp = "auto"      # auto: params, grads, Adam state split on `embed`; XLA gathers and scatters
-    c.parallel.pipe = "auto"      # mesh.pipe > 1: gpipe | 1f1b | interleaved | zb-h1 (parallel/pipeline.py) |
+    c.parallel.pipe = "auto"      # mesh.pipe > 1: gpipe | 1f1b | interleaved | zb-h1 | dualpipev | pipedream-2bw
+                                  # (asynchronous: one step of weight staleness) (parallel/pipeline.py) |
                                   # circular (compiler-driven, parallel/circular.py)
     c.parallel.pipe_microbatches = 0   # the pipeline's own microbatches m (0: 2 x mesh.pipe)
-    c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved, else 1; circular: repeats)
+    c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved and dualpipev, else 1; circular: repeats)
     c.parallel.expert = "auto"    # auto: experts split over `expert` by the rules | manual: all_to_all in shard_map
     c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
@@ -416,7 +417,8 @@ def validate(config, num_devices: int, processes: int | None = None) -> dict[str
     sizes = mesh_shape(config, num_devices)
     if sizes["pipe"] > 1 and config.parallel.pipe == "auto":
         raise ConfigError("parallel.pipe", f"is 'auto' but mesh.pipe={sizes['pipe']}; choose a schedule: "
-                          "gpipe, 1f1b, interleaved, zb-h1, or circular (the compiler-driven pipeline)")
+                          "gpipe, 1f1b, interleaved, zb-h1, dualpipev, pipedream-2bw, or circular (the compiler-driven "
+                          "pipeline)")
     for field in ("pipe_microbatches", "pipe_virtual"):
         if config.parallel[field] < 0:
             raise ConfigError(f"parallel.{field}", f"is {config.parallel[field]}; must be positive, or 0 (default)")
@@ -466,12 +468,6 @@ def validate_moe(config, sizes: dict[str, int]) -> None:
             raise ConfigError("mesh.expert", f"is {ep} but the model is dense; expert parallelism needs "
                               "model.moe.experts > 0")
         return
-    if sizes["pipe"] > 1:
-        raise ConfigError("mesh.pipe", f"is {sizes['pipe']}, but MoE models do not run in a pipeline yet (the "
-                          "aux losses and router statistics are not carried across stages); use mesh.pipe=1")
-    if config.parallel.tensor == "manual":
-        raise ConfigError("parallel.tensor", "is 'manual', but the manual Megatron trainer has no MoE layer; "
-                          "use parallel.tensor=auto (experts are split over tensor inside each expert)")
     if moe.experts % ep:
         raise ConfigError("model.moe.experts", f"{moe.experts} experts are not divisible by mesh.expert={ep}")
     if not 1 <= moe.top_k <= moe.experts:

@@ -190,7 +190,7 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
     from jaxpar.model.counting import param_count
     from jaxpar.train.step import activation_dtype
 
-    if config.parallel.tensor == "manual":
+    if config.parallel.tensor == "manual" and sizes.get("pipe", 1) == 1:
         return manual_tensor_bytes(config, model_cfg, sizes, platform)
     counts = param_count(model_cfg)
     psi, psi_layers = counts["total"], counts["blocks"]
@@ -268,16 +268,21 @@ def manual_tensor_bytes(config, model_cfg, sizes: dict[str, int], platform: str,
            Both, per microbatch: the cross-entropy's three fp32 reductions (max, sum of exponentials,
                target logit) 3·2(T-1)/T·4·b·s; once per step: the grad-norm scalar 2(T-1)/T·4.
     data:  DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(Ψ_split/T + Ψ_norms), plus
-           the loss 2(D-1)/D·4.
+           the loss 2(D-1)/D·4 (with fsdp F > 1: this device's share of each parameter, Ψ_leaf/(T·F)).
+    fsdp:  F > 1, per parameter split over fsdp, fp32, g = its size / T if split over tensor:
+           (F-1)/F·4·g for each all-gather, 3 per layer weight (forward, the backward's re-gather, the
+           gradient's reduce-scatter), 2 for the embedding and head (gathered once; a tied one twice); the parameters
+           fsdp does not split (norms, the router bias) all-reduce their gradient, 2(F-1)/F·4·size.
+           The scalars (loss, norm) that reduce over data x fsdp together are left out.
     """
     import numpy as np
 
     from jaxpar.model.counting import param_count
     from jaxpar.train.step import activation_dtype
 
-    T, D = sizes.get("tensor", 1), sizes.get("data", 1)
+    T, D, F = sizes.get("tensor", 1), sizes.get("data", 1), sizes.get("fsdp", 1)
     m, L, h, s = config.train.microbatches, model_cfg.layers, model_cfg.d_model, config.data.seq_len
-    b = config.train.batch_size // m // D
+    b = config.train.batch_size // m // (D * F)
     e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
     norms = (2 * L + 1) * h
     out = {}
@@ -287,62 +292,118 @@ def manual_tensor_bytes(config, model_cfg, sizes: dict[str, int], platform: str,
         ring = 2 * (T - 1) / T
         out["tensor"] = (m * ((per_layer * L + 4) * u + ring * 4 * 3 * b * s) + ring * 4
                          + (ring * 4 * norms if config.parallel.sequence else 0))
-    if D > 1:
+    if F > 1:
+        out["fsdp"], stored = _fsdp_bytes(model_cfg, T, F)
+        if D > 1:
+            out["data"] = 2 * (D - 1) / D * 4 * (stored + 1)
+    elif D > 1:
         psi = param_count(model_cfg)["total"]
         out["data"] = 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1)
     return out
 
 
+def _fsdp_bytes(model_cfg, T: int, F: int) -> tuple[float, float]:
+    """(fsdp bytes per device per step, elements this device stores) of manual TP x FSDP (default rules)."""
+    import jax
+    import numpy as np
+
+    from jaxpar.model.transformer import init_params
+    from jaxpar.parallel.rules import DEFAULT
+
+    shapes = jax.eval_shape(lambda: init_params(model_cfg, 0))
+    specs = DEFAULT.tree_specs(model_cfg.param_axes(), ("tensor", "fsdp"))
+    sent = stored = 0.0
+    for (path, shape), spec in zip(jax.tree_util.tree_leaves_with_path(shapes),
+                                   jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))):
+        axes = jax.tree.leaves(tuple(spec))
+        size = float(np.prod(shape.shape)) / (T if "tensor" in axes else 1)
+        name = jax.tree_util.keystr(path[:1], simple=True)
+        gathers = 3 if name in ("blocks", "moe_blocks") else 4 if name == "embed" and model_cfg.tie_embeddings else 2
+        if "fsdp" in axes:
+            sent += (F - 1) / F * 4 * size * gathers
+            stored += size / F
+        else:
+            sent += 2 * (F - 1) / F * 4 * size
+            stored += size
+    return sent, stored
+
+
 def _pipeline_collective_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
     """Bytes per device per step of the pipeline trainers (parallel/pipeline.py, parallel/circular.py).
 
-    b = microbatch rows per data shard, a = b·s·h·e one microbatch's activation (e: compute dtype bytes on
-    GPU, 4 on CPU, where XLA moves bf16 as fp32).
+    b = microbatch rows per batch shard (data x fsdp, x expert for MoE), a = b·s·h·e one microbatch's
+    activation (e: compute dtype bytes on GPU, 4 on CPU, where XLA moves bf16 as fp32); r =
+    train.microbatches, the whole pipeline run r times per step (gradient accumulation). Ψ_P = the
+    pipelined stack (`moe_blocks` for MoE), Ψ_x its routed experts, Ψ_o everything else (embedding, head,
+    final norm, an MoE model's dense stack), all replicated over pipe.
     hand-written schedules, the busiest stage, T ticks of the table:
-      pipe    2·T·a: every tick each stage sends one activation forward and one gradient backward
+      pipe    2·T·a·r: every tick each stage sends one activation forward and one gradient backward
               (lock-step SPMD: a buffer moves even in a bubble; the textbook 2(p-1)·m·a counts only the
-              useful ones, see measure/bubble.p2p_bytes), + the embedding/head gradients summed over
-              pipe, 2(p-1)/p·4·Ψ_o/T. With v > 1 XLA also re-deals the chunks (not predicted).
+              useful ones, see measure/bubble.p2p_bytes), + the gradients of Ψ_o summed over pipe,
+              2(p-1)/p·4·Ψ_o/T. With v > 1 XLA also re-deals the chunks (not predicted).
       tensor  Megatron, 2(T-1)/T·a each: 2 per layer per F (g after wo, down), 2 per layer per B (f's
               backward before q/k/v and gate/up; zb-h1's W has none), +1 per layer per B with remat
               'full' (XLA recomputes the attention's g, not the MLP's), + 1 per embedding lookup (g) and
               1 per head (f's backward); the cross-entropy's per-token reductions are left out.
-      data    the stage's gradients all-reduced once, 2(D-1)/D·4·(Ψ_L/p + Ψ_o)/T.
-      fsdp    the stage's fp32 weights all-gathered once and gradients reduce-scattered once,
-              2·(F-1)/F·4·(Ψ_L/p + Ψ_o)/T.
+      gradients (fp32, once per step): Ψ_o summed over pipe, then every gradient averaged over the batch
+              shards: all-reduced over data (and, but for the routed experts, over expert), reduce-scattered
+              over fsdp where the weight is sliced, (F-1)/F·4, after the weights' all-gather, (F-1)/F·4 for Ψ_o
+              and (F-1)/F·e for the chunks (XLA moves their cast to the compute dtype ahead of the gather). Per
+              device: Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). An all-reduce over n devices sends
+              2(n-1)/n of its buffer. XLA:GPU folds consecutive all-reduces into one over the union of their
+              axes (labelled e.g. `data+pipe+expert`); XLA:CPU keeps one per axis.
+      expert  MoE: the routed experts' all_to_alls of the stage's MoE layers (`moe_all_to_all_bytes` with
+              L/p layers and m·r microbatches: F sends, B recomputes under remat and sends the gradients
+              back). The balance statistics' means over the batch shards (E numbers per layer and
+              microbatch) are left out.
+      With v > 1 XLA re-deals the chunks between the stored [L] layout and the staged one (params in, grads
+      out), with permutes and all-to-alls whose groups span pipe and other axes (label `?`): not predicted.
     circular: v·m + p - 1 iterations, each rolling one activation forward and one gradient back: pipe 2·it·a.
     """
     import numpy as np
 
-    from jaxpar.model.counting import param_count
+    from jaxpar.model.counting import block_params, param_count
     from jaxpar.parallel.pipeline import compile_program, part_ticks, pipe_microbatches, pipe_virtual
     from jaxpar.parallel.schedules import build
     from jaxpar.train.step import activation_dtype
 
     p, D, F, T = sizes["pipe"], sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get("tensor", 1)
-    m, v = pipe_microbatches(config, p), pipe_virtual(config)
+    X = sizes.get("expert", 1) if model_cfg.moe else 1
+    m, v, r = pipe_microbatches(config, p), pipe_virtual(config), config.train.microbatches
     e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
-    b = config.train.batch_size // (D * F) // m
+    b = config.train.batch_size // (D * F * X) // (m * r)
     a = b * config.data.seq_len * model_cfg.d_model * e
     counts = param_count(model_cfg)
-    psi_layers, psi_other = counts["blocks"], counts["total"] - counts["blocks"]
-    stage_params = (psi_layers / p + psi_other) / T
+    psi_pipelined = counts["blocks"] - (model_cfg.dense_layers * block_params(model_cfg) if model_cfg.moe else 0)
+    psi_other, psi_x = counts["total"] - psi_pipelined, counts["experts"]
     out = {}
     if config.parallel.pipe == "circular":
-        out["pipe"] = 2 * (v * m + p - 1) * a
+        out["pipe"] = 2 * (v * m + p - 1) * a * r
         return out
+
+    def all_reduce(axes, nbytes, gathered=4):
+        axes = [x for x in ("data", "pipe", "expert") if x in axes and {"data": D, "pipe": p, "expert": X}[x] > 1]
+        groups = [axes] if platform != "cpu" and axes else [[x] for x in axes]
+        for group in groups:
+            n = int(np.prod([{"data": D, "pipe": p, "expert": X}[x] for x in group]))
+            out["+".join(group)] = out.get("+".join(group), 0.0) + 2 * (n - 1) / n * nbytes
+        if F > 1:    # the weights' all-gather (`gathered` bytes per fp32 element) and the gradients' reduce-scatter
+            out["fsdp"] = out.get("fsdp", 0.0) + (F - 1) / F * (gathered / 4 + 1) * nbytes
+
     program = compile_program(build(config.parallel.pipe, p, m, v))
     ticks = part_ticks(program)
-    out["pipe"] = 2 * program.ticks * a + 2 * (p - 1) / p * 4 * psi_other / T
+    out["pipe"] = 2 * program.ticks * a * r
+    all_reduce(("pipe", "data", "expert"), 4 * psi_other / T)
+    all_reduce(("data", "expert"), 4 * (psi_pipelined - psi_x) / (p * T), gathered=e)
+    all_reduce(("data",), 4 * psi_x / (p * X * T), gathered=e)
     if T > 1:
         chunk = model_cfg.layers // (p * v)
         per_backward = 2 + (1 if config.train.remat == "full" else 0)
         reductions = (2 * ticks["F"] + per_backward * ticks["B"]) * chunk + ticks["embed"] + ticks["head"]
-        out["tensor"] = float(reductions.max()) * 2 * (T - 1) / T * a
-    if D > 1:
-        out["data"] = 2 * (D - 1) / D * 4 * stage_params
-    if F > 1:
-        out["fsdp"] = 2 * (F - 1) / F * 4 * stage_params
+        out["tensor"] = float(reductions.max()) * 2 * (T - 1) / T * a * r
+    if X > 1:
+        out["expert"] = out.get("expert", 0.0) + moe_all_to_all_bytes(
+            config, model_cfg, sizes, platform, microbatches=m * r, layers=model_cfg.moe_layers // p)["predicted"]
     return out
 
 
@@ -362,8 +423,12 @@ def pipeline_summary(trainer, compiled_peak: int) -> dict | None:
     return out
 
 
-def moe_all_to_all_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
+def moe_all_to_all_bytes(config, model_cfg, sizes: dict[str, int], platform: str, *, microbatches: int | None = None,
+                         layers: int | None = None) -> dict[str, float]:
     """Bytes each device sends per step in the MoE layers' all_to_alls over `expert` (X devices).
+
+    `microbatches`, `layers`: a pipeline's (m·train.microbatches, the MoE layers of one stage); default
+    train.microbatches and every MoE layer.
 
     formula    the course's: per MoE layer, dispatch + combine move 2·T·k·h·e forward and again
                backward, T = tokens per device per microbatch; a device keeps the 1/X share bound
@@ -380,11 +445,11 @@ def moe_all_to_all_bytes(config, model_cfg, sizes: dict[str, int], platform: str
     from jaxpar.train.step import activation_dtype
 
     moe = model_cfg.moe
-    X, m = sizes.get("expert", 1), config.train.microbatches
+    X, m = sizes.get("expert", 1), microbatches or config.train.microbatches
     b = config.train.batch_size // m // (sizes.get("data", 1) * sizes.get("fsdp", 1) * X)
     T, k, h, E = b * config.data.seq_len, moe.top_k, model_cfg.d_model, moe.experts
     e = 4 if platform == "cpu" else np.dtype(activation_dtype(config.train.compute_dtype)).itemsize
-    ring, per_step = (X - 1) / X, model_cfg.moe_layers * m
+    ring, per_step = (X - 1) / X, (model_cfg.moe_layers if layers is None else layers) * m
     forward_runs = 1 if config.train.remat == "none" else 2
     formula = ring * 2 * T * k * h * e * 2 * per_step
     if moe.dispatch == "capacity":

@@ -16,7 +16,7 @@ from synthetic import counting_batches
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.launch import launch
-from jaxpar.measure.bubble import bubble_fraction
+from jaxpar.measure.bubble import bubble_fraction, dualpipe_idle
 from jaxpar.measure.flops import compiled_flops
 from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
@@ -39,6 +39,11 @@ CASES = {
     "circular p=4 m=8": (["mesh.data=1", "mesh.pipe=4", "parallel.pipe=circular", "parallel.pipe_microbatches=8"], 4),
     "3d data=2 pipe=2 tensor=2": (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b",
                                    "parallel.pipe_microbatches=4"], 8),
+    # DualPipeV's V (device 0 holds model stages 0 and 3, device 1 stages 1 and 2: sends down, up and to itself)
+    # with manual TP x FSDP inside its stages
+    "dualpipev, manual tp: fsdp=2 pipe=2 tensor=2": (["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.tensor=2",
+                                                      "parallel.pipe=dualpipev", "parallel.tensor=manual",
+                                                      "parallel.pipe_microbatches=4"], 8),
 }
 
 
@@ -104,11 +109,25 @@ def test_each_table_bubble_equals_its_formula(name):
     for p in (2, 3, 4, 8):
         for m in (p, p + 1, 2 * p, 4 * p):
             for v in ((2, 3) if name == "interleaved" else (1,)):
-                if name == "interleaved" and m % p:
+                if name == "interleaved" and m % p or name == "dualpipev" and m < 2 * p:
                     continue
                 schedule = build(name, p, m, v)
                 validate(schedule)
                 assert schedule.bubble() == bubble_fraction(name, p, m, v), (name, p, m, v)
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_dualpipev_table_has_the_published_bubble_and_activation_memory(p):
+    """DeepSeek's (PP/2-1)(F&B+B-3W) idle per device with PP = 2p model stages, a tick per F, B (input
+    gradient) or W: F&B = F+B = 3 (nothing overlaps in a tick table), a full backward B = 2, W = 1; and
+    PP+1 chunk-microbatches alive at most on each device."""
+    for m in (2 * p, 2 * p + 1, 4 * p):
+        schedule = build("dualpipev", p, m)
+        validate(schedule)
+        assert schedule.idle_ticks() == [dualpipe_idle(2 * p, f_and_b=3, b=2, w=1)] * p, m
+        assert max(schedule.in_flight()) == 2 * p + 1
+        assert schedule.placement(0) == (0, 0) and schedule.placement(2 * p - 1) == (0, 1)   # the V
+        assert schedule.placement(p - 1) == (p - 1, 0) and schedule.placement(p) == (p - 1, 1)
 
 
 def test_in_flight_bounds_gpipe_m_1f1b_and_zb_p():
@@ -286,7 +305,8 @@ def _cli(capsys, tmp_path, *sets):
     (["model.layers=4", "mesh.pipe=2", "parallel.pipe=interleaved", "parallel.pipe_virtual=3"],
      "parallel.pipe_virtual"),                                                               # v does not divide
     (["model.layers=4", "mesh.pipe=2"], "parallel.pipe"),                                     # auto: not a pipeline
-    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=2"], "train.microbatches"),
+    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=8"],
+     "parallel.pipe_microbatches"),                                                          # a·m rows > 16 / data
 ])
 def test_bad_pipeline_input_exits_2_with_one_line(capsys, tmp_path, sets, field):
     code, err = _cli(capsys, tmp_path, *sets)
@@ -314,3 +334,21 @@ def test_1f1b_and_3d_on_two_processes_match_one_device(monkeypatch, runs, oracle
     assert set(found) == set(WORKER_CASES)
     for name, losses in found.items():
         np.testing.assert_allclose(losses, oracle[0], rtol=1e-4, err_msg=name)
+
+
+def test_pipedream_2bw_applies_each_gradient_one_step_late():
+    """W(t+1) = W(t) - lr·g(W(t-1)): the first step applies nothing, every later step the gradient before it."""
+    import optax
+
+    from jaxpar.parallel.pipedream import delayed_gradient
+    optimizer = delayed_gradient(optax.sgd(0.5))
+    params = {"w": jnp.ones(3)}
+    state = optimizer.init(params)
+    grads = [{"w": jnp.full(3, float(i + 1))} for i in range(3)]
+    applied = []
+    for g in grads:
+        updates, state = optimizer.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        applied.append(float(updates["w"][0]))
+    assert applied == [0.0, -0.5 * 1, -0.5 * 2]     # nothing, then gradient 1, then gradient 2
+    assert build("pipedream-2bw", 4, 8).grid == build("1f1b", 4, 8).grid

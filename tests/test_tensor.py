@@ -1,5 +1,5 @@
-"""Manual Megatron TP and TP+SP (parallel/tensor.py) on data=2 x tensor=4: the single device's losses and
-gradients, the compiled collectives against the formula, SP's saved activations, checkpoints, bad input."""
+"""Manual Megatron TP and TP+SP (parallel/tensor.py) on data=2 x tensor=4, TP x FSDP (torchtitan's 2D) on
+data=2 x fsdp=2 x tensor=2: the single device's losses and gradients, the compiled collectives against the formula, SP's saved activations, checkpoints, bad input."""
 import json
 from collections import defaultdict
 
@@ -29,7 +29,9 @@ BASE = ["model.kv_heads=4", "train.warmup_steps=1", "train.grad_clip=0.05"]
 VARIANTS = {"tp": ["parallel.tensor=manual"], "sp": ["parallel.tensor=manual", "parallel.sequence=true"],
             # gradient accumulation and full remat change the program, not the numbers
             "sp-accumulate": ["parallel.tensor=manual", "parallel.sequence=true", "train.microbatches=2",
-                              "train.remat=full"]}
+                              "train.remat=full"],
+            "tp-fsdp": ["parallel.tensor=manual"]}
+LAYOUTS = {"tp-fsdp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]}   # default: data=D x tensor=T
 
 
 def configure(overrides):
@@ -39,7 +41,7 @@ def configure(overrides):
 
 
 def manual(variant, **options):
-    config = configure([f"mesh.data={D}", f"mesh.tensor={T}", *VARIANTS[variant]])
+    config = configure([*LAYOUTS.get(variant, [f"mesh.data={D}", f"mesh.tensor={T}"]), *VARIANTS[variant]])
     mesh = make_mesh(config, jax.devices())
     assert select(config, dict(mesh.shape)) is TensorTrainer
     return TensorTrainer(config, ModelConfig.from_config(config.model, VOCAB), mesh, **options)
@@ -102,7 +104,7 @@ def built():
 
 # ---------------------------------------------------------------------------- equivalence
 
-@pytest.mark.parametrize("variant", ["tp", "sp", "sp-accumulate"])
+@pytest.mark.parametrize("variant", ["tp", "sp", "sp-accumulate", "tp-fsdp"])
 def test_matches_single_device(variant, built, oracle):
     """Five steps' losses and gradient norms, the params after them, and every gradient of one batch."""
     compiled, (losses, norms, state) = built(variant)
@@ -120,9 +122,9 @@ def test_matches_single_device(variant, built, oracle):
         for (path, got), want in zip(flat, jax.tree.leaves(oracle["grads"])):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7,
                                        err_msg=jax.tree_util.keystr(path))
-    # the stored layout: Megatron's splits over tensor, replicated over data
-    wq = state["params"]["blocks"]["wq"]
-    assert wq.sharding.shard_shape(wq.shape) == (wq.shape[0], wq.shape[1], wq.shape[2] // T, wq.shape[3])
+    # the stored layout: Megatron's splits over tensor (and d_model over fsdp), replicated over data
+    wq, tp, fsdp = state["params"]["blocks"]["wq"], t.mesh.shape["tensor"], t.mesh.shape["fsdp"]
+    assert wq.sharding.shard_shape(wq.shape) == (wq.shape[0], wq.shape[1] // fsdp, wq.shape[2] // tp, wq.shape[3])
     norm = state["params"]["blocks"]["attn_norm"]
     assert norm.sharding.shard_shape(norm.shape) == norm.shape
 
@@ -172,6 +174,24 @@ def test_collective_bytes_match_the_formula(variant, built):
     assert len(data) == 1 and data[0].runs_per_step == 1
 
 
+def test_fsdp_gathers_each_layer_where_it_runs_and_sends_the_predicted_bytes(built):
+    """TP x FSDP: the weights' all-gathers over fsdp run inside the layer loops (forward and the backward's
+    re-gather), their gradients reduce-scatter there; bytes per axis as `manual_tensor_bytes` predicts."""
+    compiled, _ = built("tp-fsdp")
+    t = compiled.trainer
+    found = compiled.collectives()
+    L = t.model_cfg.layers
+    in_loops = {c.op for c in found if c.axes == ("fsdp",) and c.runs_per_step == L}
+    assert {"all-gather", "reduce-scatter"} <= in_loops
+    total = defaultdict(float)
+    for c in found:
+        total[c.axis_label] += c.bytes_per_step
+    predicted = manual_tensor_bytes(t.config, t.model_cfg, dict(t.mesh.shape), "cpu")
+    assert set(predicted) == {"tensor", "fsdp", "data"}
+    for axis, value in predicted.items():    # the loss and norm scalars reduce over two axes at once: 4-8 bytes
+        assert total[axis] == pytest.approx(value, rel=1e-4), axis
+
+
 def test_sp_keeps_a_t_th_of_the_sequence_region():
     """The activations SP splits (norm inputs and outputs, residual stream) are 1/t of TP's per layer;
     the attention and MLP ones are the same. Keeping the gathered matmul inputs loses part of it."""
@@ -217,7 +237,8 @@ def test_registry_choices():
     (["parallel.tensor=manual", "mesh.tensor=4", "model.kv_heads=2"], "model.kv_heads"),
     (["parallel.tensor=manual", "mesh.tensor=4", "model.mlp_dim=130"], "model.mlp_dim"),
     (["parallel.tensor=manual", "mesh.tensor=4", "model.vocab_size=1030"], "model.vocab_size"),
-    (["parallel.tensor=manual", "mesh.tensor=2", "mesh.fsdp=2"], "parallel.tensor"),
+    (["parallel.tensor=manual", "mesh.tensor=2", "parallel.sequence=true", "model.moe.experts=4"],
+     "parallel.sequence"),                                                                  # SP with MoE
     (["parallel.tensor=manual", "mesh.tensor=4", "parallel.data=zero1"], "parallel.data"),
     (["parallel.tensor=manual", "mesh.tensor=4", "parallel.rules=length=tensor"], "parallel.rules"),
     (["parallel.tensor=megatron"], "parallel.tensor"),

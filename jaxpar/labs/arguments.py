@@ -12,7 +12,8 @@ import argparse
 # keeps the whole lab under 12 minutes on 2 CPU cores (measured: ~0.17 CPU-s per capacity step on one device).
 MOE_SETTINGS = ("model.layers=2", "data.seq_len=64")
 MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense")
-PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun")
+TENSOR_PARTS = ("equivalence", "communication", "memory", "layouts")
+PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "dualpipev", "pipedream", "moe")
 
 
 def zero(p: argparse.ArgumentParser) -> None:
@@ -43,6 +44,8 @@ def tensor(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-tensor-<time>)")
     p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
     p.add_argument("--tensor", type=int, default=4, help="mesh.tensor (default 4); mesh.data takes the other devices")
+    p.add_argument("--parts", metavar="LIST", default=",".join(TENSOR_PARTS),
+                   help=f"comma-separated parts to run (default all: {','.join(TENSOR_PARTS)})")
 
 
 def pipeline(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,7 @@ def pipeline(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-pipeline-<time>)")
     p.add_argument("--steps", type=int, default=5, help="training steps of the equivalence part (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="steps run before the profiled one (default 2)")
+    p.add_argument("--pipedream-steps", type=int, default=60, help="training steps of part h (default 60)")
     p.add_argument("--parts", metavar="LIST", default=",".join(PIPELINE_PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(PIPELINE_PARTS)})")
 

@@ -1,6 +1,6 @@
 """Lab 03 (pipeline parallelism): schedules as tables, their bubble, measured; memory vs m; p2p bytes; a 7B dry run.
 
-Six parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
+Seven parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
 
 a. tables       the bubble of every schedule's table (parallel/schedules.py) against (p-1)/(m+p-1),
                 (p-1)/(v*m+p-1) and (p-1)/(3m+p-1) (measure/bubble.py), exact fractions, and the tables drawn.
@@ -16,9 +16,16 @@ e. p2p bytes    collective-permute bytes per step over `pipe` (compiled HLO) aga
                 (K = p·v model stages) and the table's own sends.
 f. dry run      configs/arabic_7b.py with pipe=4 x tensor=8 x fsdp=2 on 64 devices (a subprocess: the CPU device
                 count is fixed when JAX starts): memory per stage, bytes per axis, predicted bubble.
+g. dualpipev    DeepSeek's V-shaped schedule (torchtitan's ScheduleDualPipeV): each table's idle ticks per stage
+                against the published (PP/2-1)(F&B+B-3W) and its activations against PP+1; DualPipeV and manual
+                TP x FSDP inside pipelines against the single device.
+h. pipedream    PipeDream-2BW (asynchronous, one step of weight staleness) against synchronous 1F1B from the same
+                initial state: the loss curves and their gap (not an equivalence: staleness is the design).
+i. moe          MoE in every schedule, expert parallelism inside the stages, accumulation and rules, each
+                against one device accumulating the same microbatches (labs/pipeline_moe.py).
 
 Files in the run directory: report.md, results.json, tables.png, timeline.png, memory.png, bytes.png,
-dryrun_7b/ (dryrun.md, dryrun.json). `--parts` runs a subset.
+dryrun_7b/ (dryrun.md, dryrun.json), pipedream.png. `--parts` runs a subset.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import numpy as np
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
+from jaxpar.labs.pipeline_moe import moe_pipelines
 from jaxpar.labs.report import (
     byte_unit,
     draw_plots,
@@ -53,9 +61,9 @@ from jaxpar.labs.report import (
     write_report,
 )
 from jaxpar.measure import hlo
-from jaxpar.measure.bubble import bubble_fraction, p2p_bytes
+from jaxpar.measure.bubble import bubble_fraction, dualpipe_idle, p2p_bytes
 from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W, executed_collectives
-from jaxpar.parallel.schedules import build, validate
+from jaxpar.parallel.schedules import build, dualpipev as dualpipev_table, validate
 
 TOLERANCE = 1e-4
 VOCAB = 512
@@ -105,6 +113,8 @@ class Lab:
         return self._built[key]
 
     def initial(self, trainer):
+        if trainer.config.parallel.pipe == "pipedream-2bw":   # its optimizer state is its own pytree; same params
+            return trainer.init_state()
         if self._initial is None:
             self._initial = jax.device_get(self.trainer(["mesh.data=1"], 1).init_state())
         return jax.device_put(self._initial, trainer.state_shardings)
@@ -184,11 +194,18 @@ EQUIVALENCE = [
 
 
 def equivalence(lab: Lab, steps: int) -> dict:
+    result = equivalence_of(lab, EQUIVALENCE, steps)
+    md = "\n".join([f"## b. Equivalence with one device ({steps} steps, fp32, batches of {MICRO} rows per microbatch)",
+                    "", result["table"]])
+    return {"cases": result["cases"], "markdown": md}
+
+
+def equivalence_of(lab: Lab, cases, steps: int) -> dict:
+    """Each (label, overrides, devices) against one device over the same batches: {"cases", "table"}."""
     rows, out = [], {}
-    for label, overrides, devices in EQUIVALENCE:
+    for label, overrides, devices in cases:
         trainer, step = lab.compiled(overrides, devices)
-        batch_size = trainer.config.train.batch_size
-        oracle_t, oracle_s = lab.compiled(["mesh.data=1", f"train.batch_size={batch_size}"], 1)
+        oracle_t, oracle_s = lab.compiled(["mesh.data=1", f"train.batch_size={trainer.config.train.batch_size}"], 1)
         want_losses, want_norms = lab.run(oracle_t, oracle_s, steps)
         losses, norms = lab.run(trainer, step, steps)
         dev = max(abs(g / w - 1) for g, w in zip(losses, want_losses))
@@ -196,10 +213,9 @@ def equivalence(lab: Lab, steps: int) -> dict:
         out[label] = {"losses": losses, "oracle": want_losses, "max_rel_loss": dev, "max_rel_grad_norm": dev_norm}
         rows.append([label, f"{losses[0]:.4f} -> {losses[-1]:.4f}", f"{dev:.1e}", f"{dev_norm:.1e}",
                      "yes" if max(dev, dev_norm) <= TOLERANCE else "NO"])
-    md = "\n".join([f"## b. Equivalence with one device ({steps} steps, fp32, batches of {MICRO} rows per microbatch)",
-                    "", md_table(["layout", "loss", "max rel. dev. loss", "max rel. dev. grad norm",
-                                f"within {TOLERANCE:g}"], rows)])
-    return {"cases": out, "markdown": md}
+    table = md_table(["layout", "loss", "max rel. dev. loss", "max rel. dev. grad norm", f"within {TOLERANCE:g}"],
+                     rows)
+    return {"cases": out, "table": table}
 
 
 # ============================================================================ c. timeline
@@ -574,14 +590,105 @@ PLOTS = {"tables.png": ("tables", plot_tables), "timeline.png": ("timeline", plo
          "memory.png": ("memory", plot_memory), "bytes.png": ("p2p", plot_bytes)}
 
 
+# ============================================================================ g. DualPipeV
+
+DUALPIPEV_EQUIVALENCE = [
+    ("DualPipeV p=4 m=8", _pipe("dualpipev", 4, 8, 2), 4),
+    ("DualPipeV p=2 m=4, manual TP x FSDP: fsdp=2 x tensor=2", _pipe("dualpipev", 2, 4, 2, fsdp=2, tensor=2)
+     + ["parallel.tensor=manual"], 8),
+    ("1F1B p=2 m=4, manual TP: data=2 x tensor=2", _pipe("1f1b", 2, 4, data=2, tensor=2)
+     + ["parallel.tensor=manual"], 8),
+]
+
+
+def dualpipev(lab: Lab, steps: int) -> dict:
+    rows, sweep = [], []
+    for p in (2, 4, 8):
+        for m in (2 * p, 4 * p):
+            s = build("dualpipev", p, m)
+            validate(s)
+            published = dualpipe_idle(2 * p, f_and_b=3, b=2, w=1)
+            idle, peak = s.idle_ticks(), max(s.in_flight())
+            unblocked = dualpipev_table(p, m, blocks=False)
+            validate(unblocked)
+            sweep.append({"p": p, "m": m, "ticks": s.ticks, "idle": idle, "published_idle": published,
+                          "in_flight": peak, "published_in_flight": 2 * p + 1, "bubble": float(s.bubble()),
+                          "zb_h1_bubble": float(build("zb-h1", p, m).bubble()),
+                          "idle_without_blocks": unblocked.idle_ticks(),
+                          "exact": idle == [published] * p and peak == 2 * p + 1})
+            rows.append([p, 2 * p, m, s.ticks, ", ".join(map(str, sorted(set(idle)))), f"{published:g}", peak,
+                         2 * p + 1, f"{float(s.bubble()):.4f}", f"{float(build('zb-h1', p, m).bubble()):.4f}",
+                         ", ".join(map(str, sorted(set(unblocked.idle_ticks())))),
+                         "yes" if sweep[-1]["exact"] else "NO"])
+    cases = equivalence_of(lab, DUALPIPEV_EQUIVALENCE, steps)
+    md = "\n".join([
+        "## g. DualPipeV: DeepSeek's V as a table (torchtitan: `ScheduleDualPipeV`)", "",
+        "2p model stages on p stages in a V (stage s holds model stages s and 2p-1-s); every F, B (input gradient) "
+        "and W one tick; an overlapped F&B pair is one block (it starts when both inputs are there; what it sends "
+        "leaves when it is done), so F&B = F+B = 3, B (full) = 2, W = 1 ticks. Published (DeepSeek-V3 report, "
+        "deepseek-ai/DualPipe): bubble (PP/2-1)(F&B+B-3W) per device, activations PP+1, PP = 2p.", "",
+        md_table(["p", "PP", "m", "ticks", "idle ticks per stage (table)", "published", "max in flight (table)",
+                  "PP+1", "bubble fraction", "ZB-H1's", "idle without blocks", "equal"], rows), "",
+        "Without blocks (the same per-stage orders, each action sending as soon as it is done) a stage idles only "
+        "the V's fill; the blocks cost the rest. In ticks DualPipeV's bubble fraction is ZB-H1's "
+        "(p-1)/(3m+p-1); what DualPipe adds on a GPU, the F&B overlap of compute with the EP all_to_alls, "
+        "a tick table does not model.", "",
+        f"```\ndualpipev p=4 m=8\n{build('dualpipev', 4, 8).picture()}\n```", "",
+        f"Against one device, {steps} steps, fp32:", "", cases["table"]])
+    return {"sweep": sweep, "all_exact": all(r["exact"] for r in sweep), "cases": cases["cases"], "markdown": md}
+
+
+# ============================================================================ h. PipeDream-2BW
+
+def pipedream(lab: Lab, steps: int) -> dict:
+    curves = {}
+    for name in ("1f1b", "pipedream-2bw"):
+        trainer, step = lab.compiled(_pipe(name, 4, 8), 4)
+        curves[name] = lab.run(trainer, step, steps)[0]
+    sync, stale = np.array(curves["1f1b"]), np.array(curves["pipedream-2bw"])
+    gap = stale - sync
+    marks = sorted({0, 1, 4, 9, steps // 2, steps - 1} & set(range(steps)))
+    rows = [[i + 1, f"{sync[i]:.4f}", f"{stale[i]:.4f}", f"{gap[i]:+.4f}", f"{gap[i] / sync[i]:+.2%}"] for i in marks]
+    below = lambda curve, level: next((i + 1 for i, x in enumerate(curve) if x <= level), None)
+    level = float(sync[0] - 0.5 * (sync[0] - sync[-1]))
+    md = "\n".join([
+        f"## h. PipeDream-2BW against synchronous 1F1B: p=4, m=8, {steps} steps from the same initial state", "",
+        "PipeDream-2BW keeps two weight versions so that no stage waits for a flush: W(t+1) = W(t) - lr·g(W(t-1)), "
+        "one step of staleness (parallel/pipedream.py; the first step applies nothing). It does not reproduce one "
+        "device, by design. PyTorch counterparts: DeepSpeed's pipeline engine runs the synchronous PipeDream-Flush "
+        "(1F1B, `TrainSchedule`); the asynchronous 2BW is the PipeDream authors' own code.", "",
+        md_table(["step", "1F1B loss", "2BW loss", "2BW - 1F1B", "relative"], rows), "",
+        f"Steps to halve the 1F1B run's loss drop (to {level:.4f}): 1F1B {below(sync, level)}, "
+        f"2BW {below(stale, level)}. Mean gap over the last half: {float(gap[steps // 2:].mean()):+.4f}."])
+    return {"steps": steps, "losses": curves, "gap": gap.tolist(), "markdown": md}
+
+
+@styled
+def plot_pipedream(result: dict, path: Path):
+    fig = figure(8, 5)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, curve in result["losses"].items():
+        ax.plot(range(1, len(curve) + 1), curve, "-", label=name)
+    ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)",
+           title="PipeDream-2BW (weights one step stale) against synchronous 1F1B")
+    legend_below(ax, ncols=2, gap=0.16)
+    integer_steps(ax)
+    return save(fig, path)
+
+
+# the figure is drawn after its part: PLOTS is complete only once every plot function exists
+PLOTS["pipedream.png"] = ("pipedream", plot_pipedream)
+
+
 # ============================================================================ the whole lab
 
 
 def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int = 5, warmup: int = 2,
-            parts: tuple[str, ...] = PARTS, log=print) -> dict:
+            parts: tuple[str, ...] = PARTS, pipedream_steps: int = 60, log=print) -> dict:
     start = time.perf_counter()
-    if steps < 1 or warmup < 1:
-        raise ConfigError("--steps" if steps < 1 else "--warmup", "must be at least 1")
+    if steps < 1 or warmup < 1 or pipedream_steps < 2:
+        raise ConfigError("--steps" if steps < 1 else "--warmup" if warmup < 1 else "--pipedream-steps",
+                          "must be at least 1 (--pipedream-steps: 2)")
     unknown = [x for x in parts if x not in PARTS]
     if unknown:
         raise ConfigError("--parts", f"unknown {', '.join(unknown)}; valid: {', '.join(PARTS)}")
@@ -611,7 +718,9 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
     report = [header]
     plan = {"tables": lambda: tables(lab), "equivalence": lambda: equivalence(lab, steps),
             "timeline": lambda: timeline(lab, p, m, warmup), "memory": lambda: memory(lab, p),
-            "p2p": lambda: p2p(lab, p, m), "dryrun": lambda: dryrun_7b(lab, out)}
+            "p2p": lambda: p2p(lab, p, m), "dryrun": lambda: dryrun_7b(lab, out),
+            "dualpipev": lambda: dualpipev(lab, steps), "pipedream": lambda: pipedream(lab, pipedream_steps),
+            "moe": lambda: moe_pipelines(lab, steps)}
     steps_plan = [(name, plan[name]) for name in PARTS if name in parts]
     for name, fn in steps_plan:
         t0 = time.perf_counter()
@@ -632,7 +741,8 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
 
 def run_from_args(args) -> int:
     parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
-    run_lab(args.overrides, args.out, steps=args.steps, warmup=args.warmup, parts=parts)
+    run_lab(args.overrides, args.out, steps=args.steps, warmup=args.warmup, parts=parts,
+            pipedream_steps=args.pipedream_steps)
     return 0
 
 

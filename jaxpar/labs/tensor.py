@@ -12,11 +12,14 @@ c. memory        activation bytes per layer: the compiled gradient program's tem
                  count doubled (temp(2L) - temp(L)) / L; the tensors autodiff saves, split into the
                  sequence region (norms, residual stream) and the tensor region (attention, MLP);
                  Korthikanti's formula (bf16, GPT) and jaxpar's own count (`measure.memory`).
+d. layouts       manual TP x FSDP (torchtitan's 2D) and an MoE model under it (experts' hidden over tensor,
+                 Megatron-Core's default): losses and gradient norms against one device, bytes per axis
+                 of the compiled step against `dryrun.manual_tensor_bytes`.
 
 The mesh is data x tensor (tensor 4 by default, data = devices / tensor). Every part runs in float32.
 Every program is compiled once (`lower().compile()`) and that executable is run and read.
 Files in the run directory: report.md, results.json, config.json, equivalence.png, communication.png,
-memory.png.
+memory.png. `--parts` runs a subset.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
 from jaxpar.labs import report
+from jaxpar.labs.arguments import TENSOR_PARTS as PARTS
 from jaxpar.labs.arguments import tensor as add_arguments
 from jaxpar.labs.report import (
     byte_unit,
@@ -481,11 +485,17 @@ PLOTS = {"equivalence.png": ("equivalence", plot_equivalence), "communication.pn
 
 # ============================================================================ the whole lab
 
-def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: int = 4, log=print) -> dict:
+
+
+def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: int = 4,
+            parts: tuple[str, ...] = PARTS, log=print) -> dict:
     """Run parts a-c on every local device; write the run directory; return every number."""
     start = time.perf_counter()
     if steps < 1:
         raise ConfigError("--steps", f"is {steps}; must be at least 1")
+    unknown = [x for x in parts if x not in PARTS]
+    if unknown:
+        raise ConfigError("--parts", f"unknown {', '.join(unknown)}; valid: {', '.join(PARTS)}")
     devices = jax.devices()
     if tensor < 2 or len(devices) % tensor:
         raise ConfigError("--tensor", f"is {tensor}; must be at least 2 and divide the {len(devices)} devices "
@@ -513,24 +523,96 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
     ])
     results = {"config": config.name, "devices": len(devices), "platform": devices[0].platform,
                "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "tensor": tensor, "data": lab.d}
-    parts = [header]
+    sections = [header]
     log(header + "\n")
-    for name, fn in (("equivalence", lambda: equivalence(lab, steps)), ("communication", lambda: communication(lab)),
-                     ("memory", lambda: memory(lab))):
+    plan = {"equivalence": lambda: equivalence(lab, steps), "communication": lambda: communication(lab),
+            "memory": lambda: memory(lab), "layouts": lambda: layouts(lab, steps)}
+    for name, fn in ((name, plan[name]) for name in PARTS if name in parts):
         t0 = time.perf_counter()
         log(f"[{name}]")
         result = fn()
         result["seconds"] = time.perf_counter() - t0
         results[name] = result
-        parts.append(result["markdown"])
+        sections.append(result["markdown"])
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    footer = write_report(out, parts, results, start,
-                          {k: results[k]["seconds"] for k in ("equivalence", "communication", "memory")},
-                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
+    footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in PARTS if k in results},
+                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values()))
+                          if lab._cache else None)     # (part d compiles its own programs, not cached)
     log(footer)
     report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
-    log(f"wrote {out / 'report.md'}, results.json and 3 plots")
+    log(f"wrote {out / 'report.md'}, results.json and the plots")
     return results
+
+
+# ============================================================================ d. layouts
+
+# the MoE of part d: fine-grained experts, a shared one, the sigmoid router and its bias; no Switch balance loss,
+# which each batch shard computes from its own batch means (as every data-parallel trainer does): not one device's
+LAYOUT_MOE = ["model.moe.experts=4", "model.moe.router=sigmoid", "model.moe.balance_loss=0",
+              "model.moe.shared_experts=1"]
+
+
+def layouts(lab: Lab, steps: int) -> dict:
+    from jaxpar.dryrun import manual_tensor_bytes
+    from jaxpar.measure.hlo import collectives
+    from jaxpar.mesh import make_mesh
+    from jaxpar.model.transformer import ModelConfig
+    from jaxpar.parallel.registry import make_trainer
+
+    n, t = len(lab.devices), lab.t
+    half = [f"model.moe.expert_mlp_dim={lab.base.model.mlp_dim // 2}"]
+    cases = [(f"TP x FSDP: fsdp={n // t} x tensor={t}", [f"mesh.fsdp={n // t}", f"mesh.tensor={t}"], []),
+             ("TP x FSDP x DDP: data=2 x fsdp=2 x tensor=2", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], []),
+             (f"MoE, TP x FSDP: fsdp={n // t} x tensor={t}", [f"mesh.fsdp={n // t}", f"mesh.tensor={t}"],
+              LAYOUT_MOE + half)]
+    batches, rows, out = lab.batches(steps), [], {}
+
+    def build(overrides, devices):
+        config = copy.deepcopy(lab.base)
+        apply_overrides(config, ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipe=1", "mesh.expert=1",
+                                 "train.compute_dtype=float32", "train.microbatches=1", "train.remat=none",
+                                 "parallel.sequence=false", "parallel.data=auto", "parallel.rules=", *overrides])
+        model_cfg = ModelConfig.from_config(config.model, lab.model_cfg.vocab_size)
+        trainer = make_trainer(config, model_cfg, make_mesh(config, lab.devices[:devices]))
+        with jax.set_mesh(trainer.mesh):
+            compiled = trainer.lower_step().compile()
+        state, losses, norms = trainer.init_state(), [], []
+        with jax.set_mesh(trainer.mesh):
+            for batch in batches:
+                state, metrics = compiled(state, jax.device_put(batch, trainer.batch_sharding))
+                losses.append(float(metrics["loss"]))
+                norms.append(float(metrics["grad_norm"]))
+        return config, trainer, compiled, losses, norms
+
+    for label, mesh, model in cases:
+        if n % (2 * t) and label.startswith("TP x FSDP x DDP"):
+            continue
+        _, _, _, want, want_norms = build(["parallel.tensor=auto", *model], 1)
+        config, trainer, compiled, losses, norms = build(["parallel.tensor=manual", *mesh, *model], n)
+        measured = defaultdict(float)
+        for c in collectives(compiled.as_text(), trainer.mesh):
+            measured[c.axis_label] += c.bytes_per_step
+        predicted = manual_tensor_bytes(config, trainer.model_cfg, dict(trainer.mesh.shape), lab.devices[0].platform)
+        if model:                    # the experts' f/g are not in the dense formula: fsdp and data only
+            predicted.pop("tensor", None)
+        out[label] = {"losses": losses, "oracle": want, "max_rel_loss": max_rel_dev(losses, want),
+                      "max_rel_grad_norm": max_rel_dev(norms, want_norms), "measured_bytes": dict(measured),
+                      "predicted_bytes": predicted}
+        bytes_ = "; ".join(f"{axis} {fmt_bytes(measured[axis])} / {fmt_bytes(v)} = {ratio(measured[axis], v)}"
+                           for axis, v in predicted.items())
+        rows.append([label, f"{losses[0]:.4f} -> {losses[-1]:.4f}", f"{out[label]['max_rel_loss']:.1e}",
+                     f"{out[label]['max_rel_grad_norm']:.1e}", bytes_])
+    md = "\n".join([
+        f"## d. Layouts: manual TP with FSDP, and MoE under it ({steps} steps, fp32, against one device)", "",
+        md_table(["layout", "loss", "max rel. dev. loss", "max rel. dev. grad norm",
+                  "bytes per step per axis: compiled / predicted"], rows), "",
+        "FSDP x TP as torchtitan lays it out: weights rest split over fsdp (on d_model) and tensor; each layer's "
+        "weights are all-gathered over fsdp inside the layer loop, again in the backward pass, and their "
+        "gradients reduce-scattered there (3 x (F-1)/F of a layer's tensor shard per step; the embedding and head "
+        "2x). MoE: every expert's hidden dimension split over tensor (Megatron-Core's default expert tensor "
+        "parallelism), the router replicated; the MoE row's tensor bytes are not predicted. Its Switch balance "
+        "loss is off: each batch shard's is a product of its own means, not one device's."])
+    return {"steps": steps, "cases": out, "markdown": md}
 
 
 # ============================================================================ command line
@@ -539,7 +621,8 @@ def run_from_args(args) -> int:
     """`jaxpar lab tensor` and run.py: the CPU device count must already be set (before JAX started)."""
     config = load_config(args.config)
     apply_overrides(config, args.overrides)
-    run_lab(config, args.out, steps=args.steps, tensor=args.tensor)
+    run_lab(config, args.out, steps=args.steps, tensor=args.tensor,
+            parts=tuple(x.strip() for x in args.parts.split(",") if x.strip()))
     return 0
 
 

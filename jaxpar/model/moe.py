@@ -147,13 +147,22 @@ def route(x, w, cfg: MoEConfig, noise=None):
     return logits, probs, ids, gates
 
 
-def router_outputs(logits, probs, ids, kept, cfg: MoEConfig) -> dict:
-    """The layer's weighted losses and statistics (see the module docstring)."""
+def router_outputs(logits, probs, ids, kept, cfg: MoEConfig, batch_mean=None) -> dict:
+    """The layer's weighted losses and statistics (see the module docstring).
+
+    `batch_mean`: for a manual strategy whose devices each hold a shard of the batch (the pipelines),
+    the mean over those shards; f_i and P_i of the balance loss are then the whole batch's, as one
+    device sees them, while P_i's gradient stays this shard's own (the shards' gradients, averaged
+    by the trainer, are the single device's). The other statistics are means the trainer averages.
+    """
     E, k = cfg.experts, cfg.top_k
     assigned = jax.nn.one_hot(ids, E, dtype=jnp.float32)                      # [B, S, k, E]
     routed = jnp.mean(jnp.sum(assigned, axis=2), axis=(0, 1)) / k             # f_i: no gradient (from ids)
     dropped = jnp.mean(jnp.sum(assigned * (~kept)[..., None], axis=2), axis=(0, 1)) / k
     importance = jnp.mean(probs, axis=(0, 1))                                 # P_i: the gradient's path
+    if batch_mean is not None:
+        routed = batch_mean(routed)
+        importance = importance + jax.lax.stop_gradient(batch_mean(importance) - importance)
     balance = E * jnp.sum(routed * importance)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     entropy = jnp.mean(-jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1))
@@ -297,14 +306,21 @@ def routed_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops, length=None):
 
 @dataclasses.dataclass(frozen=True)
 class MoEOps(Ops):
-    """`Ops` plus the MoE piece a strategy swaps: `routed_experts` (dispatch, experts, combine)."""
+    """`Ops` plus the MoE pieces a strategy swaps: `routed_experts` (dispatch, experts, combine) and
+    `batch_mean` (the balance loss's statistics over a manual strategy's batch shards, `router_outputs`)."""
 
     routed_experts: Callable = routed_experts
+    batch_mean: Callable | None = None
+
+
+def with_moe_ops(ops: Ops, **changes) -> MoEOps:
+    """`ops` (an `Ops` or a `MoEOps`) as a `MoEOps` with the named MoE pieces replaced."""
+    return MoEOps(**{**{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}, **changes})
 
 
 def with_routed_experts(ops: Ops, fn: Callable) -> MoEOps:
     """`ops` with its routed-experts implementation replaced by `fn` (same signature as `routed_experts`)."""
-    return MoEOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(Ops)}, routed_experts=fn)
+    return with_moe_ops(ops, routed_experts=fn)
 
 
 def decode_ops(length) -> MoEOps:
@@ -318,10 +334,12 @@ def moe_feed_forward(x, w, cfg: MoEConfig, ops: Ops, noise=None):
     """The routed experts of one MoE layer: x [B, S, D] (normed) -> (output [B, S, D], aux).
 
     The router sees x itself; the experts see ops.column_in(x) and their combined output goes
-    through ops.row_out, like the dense MLP's column- and row-parallel matmuls.
+    through ops.row_out, like the dense MLP's column- and row-parallel matmuls. The gates enter
+    that parallel region too (through column_in: Megatron's f): under manual TP each device
+    combines its partial expert outputs with them, so their gradient is summed over `tensor`.
     """
     w = weights_in_use(w, ops)
     logits, probs, ids, gates = route(x, w, cfg, noise)
-    dispatch = ops.routed_experts if isinstance(ops, MoEOps) else routed_experts
-    y, kept = dispatch(ops.column_in(x), ids, gates, expert_weights(w), cfg, ops)
-    return ops.row_out(y), router_outputs(logits, probs, ids, kept, cfg)
+    dispatch, mean = (ops.routed_experts, ops.batch_mean) if isinstance(ops, MoEOps) else (routed_experts, None)
+    y, kept = dispatch(ops.column_in(x), ids, ops.column_in(gates), expert_weights(w), cfg, ops)
+    return ops.row_out(y), router_outputs(logits, probs, ids, kept, cfg, mean)

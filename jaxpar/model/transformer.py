@@ -215,13 +215,14 @@ def embed(params, tokens, ops: Ops = REFERENCE_OPS):
     return ops.constrain(ops.embed(tokens, ops.weights("embed", params["embed"])), ACT["residual"])
 
 
-def run_blocks(blocks, x, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_policy=None, seeds=None):
+def run_blocks(blocks, x, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_policy=None, seeds=None, first_layer=0):
     """Run the stacked layers `blocks` (any contiguous slice of one stack) over x -> (x, aux).
 
     aux: what the blocks report per layer (stacked on a leading layers axis); keys ending
     in `_loss` are weighted auxiliary losses the objective adds (see `loss`).
     `remat_policy`: None keeps every activation; else a `jax.checkpoint` policy for the body.
     `seeds` [B]: the noisy router's per-sequence noise seeds (training only; MoE blocks).
+    `first_layer`: the stack index of the slice's first layer (a pipeline stage's chunk), which keys the noise.
     """
     if "router" not in blocks:
         def body(x, stored):
@@ -231,7 +232,7 @@ def run_blocks(blocks, x, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_poli
             stored, index = layer
             noise = None if seeds is None else (seeds, index)
             return block(x, ops.weights("moe_blocks", stored), cfg, ops, noise)
-        blocks = (blocks, jnp.arange(jax.tree.leaves(blocks)[0].shape[0]))
+        blocks = (blocks, first_layer + jnp.arange(jax.tree.leaves(blocks)[0].shape[0]))
 
     if remat_policy is not None:
         body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)

@@ -13,6 +13,13 @@ the interleaved assignment. v*m + p - 1 iterations in all.
 backward iteration in reverse, which is GPipe's order with GPipe's memory (every
 iteration's activations are kept). The rest of the model (embedding, head, data /
 fsdp / tensor splits) is the automatic trainer's: the logical-axis rules place it.
+
+MoE models pipeline their `moe_blocks` (the dense leading layers run before, with the
+embedding). Each iteration's per-layer auxiliary outputs of the stages that hold a real
+microbatch are summed into a [v, p, Lc] buffer (/ m); the weighted losses in it join the
+objective, so jax.grad carries them too: one device accumulating over the same m strided
+microbatches, to rounding. Gradient accumulation (train.microbatches) wraps the whole
+pipelined step, as in the automatic trainer.
 """
 from __future__ import annotations
 
@@ -26,72 +33,96 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.model.axes import ACTIVATION_AXES
-from jaxpar.model.transformer import embed, head_loss, run_blocks
+from jaxpar.model.moe import noise_seeds
+from jaxpar.model.transformer import embed, head_loss, run_blocks, split_aux
 from jaxpar.parallel.auto import rules_embedding
 from jaxpar.parallel.pipeline import check_pipeline, pipe_microbatches, pipe_virtual
 from jaxpar.parallel.rules import AxisRules, parse_rules
+from jaxpar.train.step import accumulate, apply_outside_gradient
 from jaxpar.train.strategy import Strategy
 
 AXIS = "pipe"
 
 
-def pipelined_blocks(staged, x, *, cfg, ops, policy, constrain):
-    """staged: blocks [v, p, Lc, ...]; x: embedded microbatches [m, b, S, D] -> after all layers, same shape."""
-    v, p = jax.tree.leaves(staged)[0].shape[:2]
+def pipelined_blocks(staged, x, *, cfg, ops, policy, constrain, seeds=None):
+    """staged: blocks [v, p, Lc, ...]; x: embedded microbatches [m, b, S, D] -> (after all layers, same shape;
+    the blocks' aux per layer [v, p, Lc, ...] summed over microbatches / m). seeds [m, b]: the noisy router's."""
+    v, p, Lc = jax.tree.leaves(staged)[0].shape[:3]
     m = x.shape[0]
     stages = jnp.arange(p)
     on_stages = lambda a: constrain(a, ("layers", *ACTIVATION_AXES["residual"]))   # layers -> pipe
 
+    def stage_loop(i):
+        """Loop c = (i - s) // m of the microbatch each stage holds at iteration i, and whether it holds one."""
+        return jnp.clip((i - stages) // m, 0, v - 1), (i >= stages) & (i - stages < v * m)
+
     def stage_weights(i):
-        """Each stage's chunk at iteration i: loop c = (i - s) // m of the microbatch it holds."""
+        """Each stage's chunk at iteration i."""
         if v == 1:
             return jax.tree.map(lambda w: w[0], staged)
-        loop = jnp.clip((i - stages) // m, 0, v - 1)
-        chosen = jax.vmap(lambda w, c: jax.tree.map(lambda a: a[c], w), in_axes=(1, 0))(staged, loop)
+        chosen = jax.vmap(lambda w, c: jax.tree.map(lambda a: a[c], w), in_axes=(1, 0))(staged, stage_loop(i)[0])
         return checkpoint_name(chosen, "circular_weights")
 
-    def run_stage(weights, h):
-        return run_blocks(weights, h, cfg, ops, policy)[0]
+    def run_stage(weights, h, seed, first_layer):
+        return run_blocks(weights, h, cfg, ops, policy, seed, first_layer)
 
     def iteration(carry, i):
         # previous [p, b, S, D]: what each stage received last; queue [p, m, b, S, D]: each stage's copy of the
         # microbatches waiting to enter stage 0 (only stage 0's copy is read; all stay on their own device)
-        previous, queue = carry
+        previous, queue, aux = carry
         slot = jnp.full((p,), i % m)
         waiting = jax.vmap(lambda q, j: q[j])(queue, slot)
         inputs = on_stages(jnp.where((stages == 0)[:, None, None, None], waiting, previous))
-        outputs = jax.vmap(run_stage, spmd_axis_name=AXIS)(stage_weights(i), inputs)
+        loop, holds = stage_loop(i)
+        held = None if seeds is None else seeds[(i - stages) % m]
+        outputs, stats = jax.vmap(run_stage, spmd_axis_name=AXIS)(stage_weights(i), inputs, held,
+                                                                  (loop * p + stages) * Lc)
+        place = (jnp.arange(v)[:, None] == loop[None, :]) & holds[None, :]           # [v, p]: this chunk, real
+        add = lambda total, a: total + jnp.where(place.reshape(v, p, *[1] * (a.ndim - 1)), a[None] / m, 0)
+        aux = jax.tree.map(add, aux, stats)
         sent = on_stages(jnp.roll(outputs, 1, axis=0))   # stage s -> s+1; the last stage -> stage 0's queue
         back = jnp.full((p,), (i - (p - 1)) % m)          # the microbatch leaving the last stage now
         file = lambda q, j, out: q.at[j].set(jnp.where(i >= p - 1, out, q[j]))
-        return (sent, jax.vmap(file)(queue, back, sent)), None
+        return (sent, jax.vmap(file)(queue, back, sent), aux), None
 
     if v > 1:   # recompute the per-iteration weight pick in backward instead of keeping v*m + p - 1 copies
         iteration = jax.checkpoint(iteration, prevent_cse=False,
                                    policy=jax.checkpoint_policies.save_anything_except_these_names("circular_weights"))
     queue = constrain(jnp.broadcast_to(x, (p, *x.shape)), ("layers", None, *ACTIVATION_AXES["residual"]))
-    start = (on_stages(jnp.zeros((p, *x.shape[1:]), x.dtype)), queue)
-    (_, queue), _ = jax.lax.scan(iteration, start, jnp.arange(v * m + p - 1))
+    one = jax.eval_shape(lambda: run_blocks(jax.tree.map(lambda w: w[0, 0], staged), x[0], cfg, ops)[1])
+    aux = jax.tree.map(lambda a: jnp.zeros((v, p, *a.shape), jnp.float32), one)
+    start = (on_stages(jnp.zeros((p, *x.shape[1:]), x.dtype)), queue, aux)
+    (_, queue, aux), _ = jax.lax.scan(iteration, start, jnp.arange(v * m + p - 1))
     # stage 0's queue now holds every microbatch's output: share it with the other stages (one all-reduce)
-    return jnp.sum(jnp.where((stages == 0)[:, None, None, None, None], queue, 0), axis=0)
+    return jnp.sum(jnp.where((stages == 0)[:, None, None, None, None], queue, 0), axis=0), aux
 
 
-def circular_loss(params, tokens, *, cfg, ops, outer_ops, policy, p, v, m):
-    """The mean next-token cross-entropy of a [B, S+1] batch through the pipelined layers. `outer_ops` run the head
-    (batch split over `pipe` too, so the pipe devices share it), `ops` the embedding and the stages."""
+def circular_loss(params, tokens, *, cfg, ops, outer_ops, policy, p, v, m, training=True):
+    """The training objective of a [B, S+1] batch through the pipelined layers -> (loss, metrics), as
+    `transformer.loss` reports them. `outer_ops` run the head (batch split over `pipe` too, so the pipe
+    devices share it), `ops` the embedding, the dense stack of an MoE model and the stages. `training`: draw
+    the noisy router's noise (as `transformer.loss` does; evaluation does not)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     B, S = inputs.shape
     constrain = ops.constrain
+    stack = "moe_blocks" if cfg.moe else "blocks"
     x = embed(params, inputs, ops)
+    if stack != "blocks" and "blocks" in params:
+        x = run_blocks(params["blocks"], x, cfg, ops, policy)[0]
     # microbatch i takes rows i, i+m, ...: every microbatch spans every data shard
-    x = x.reshape(B // m, m, S, -1).swapaxes(0, 1)
-    x = constrain(x, (None, *ACTIVATION_AXES["residual"]))
+    micro = lambda a: a.reshape(B // m, m, *a.shape[1:]).swapaxes(0, 1)
+    x = constrain(micro(x), (None, *ACTIVATION_AXES["residual"]))
+    seeds = micro(noise_seeds(inputs)) if training and cfg.moe and cfg.moe.router == "noisy" else None
     layers = lambda w: w.reshape(v, p, -1, *w.shape[1:])
-    out = pipelined_blocks(jax.tree.map(layers, params["blocks"]), x, cfg=cfg, ops=ops, policy=policy,
-                           constrain=constrain)
+    out, aux = pipelined_blocks(jax.tree.map(layers, params[stack]), x, cfg=cfg, ops=ops, policy=policy,
+                                constrain=constrain, seeds=seeds)
     y = outer_ops.constrain(out.swapaxes(0, 1).reshape(B, S, -1), ACTIVATION_AXES["residual"])
-    loss = head_loss(params, y, targets, cfg, outer_ops)
-    return loss, {"loss": loss}
+    ce = head_loss(params, y, targets, cfg, outer_ops)
+    if not aux:
+        return ce, {"loss": ce}
+    losses, stats = split_aux(jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), aux))   # [L, ...], layer order
+    loss = ce + sum(losses.values())
+    return loss, {"loss": loss, "ce_loss": ce, **losses, **stats}
 
 
 class CircularTrainer(Strategy):
@@ -111,11 +142,15 @@ class CircularTrainer(Strategy):
         overrides = parse_rules(config.parallel.rules)
         self.rules = AxisRules({**overrides, "layers": (AXIS,)})
         self.ops = self.ops.replace(embed=rules_embedding(self.rules), constrain=self.rules.constrain)
-        batch = config.train.batch_size % (int(mesh.shape["data"]) * int(mesh.shape["fsdp"]) * self.p) == 0
+        batch = (config.train.batch_size // self.microbatches) % (int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
+                                                                  * self.p) == 0
         outer_rules = AxisRules({**overrides, "layers": (AXIS,), **({"batch": ("data", "fsdp", AXIS)} if batch else {})})
         outer_ops = self.ops.replace(embed=rules_embedding(outer_rules), constrain=outer_rules.constrain)
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
-        self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
+        specs = self.rules.tree_specs(model_cfg.param_axes(), mesh.axis_names)
+        if model_cfg.moe and "blocks" in specs:      # an MoE model's dense stack runs before the pipeline: not staged
+            specs["blocks"] = jax.tree.map(lambda s: P(None, *s[1:]), specs["blocks"], is_leaf=lambda x: isinstance(x, P))
+        self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         abstract = jax.eval_shape(self._init_state)
         replicated = NamedSharding(mesh, P())
         self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=replicated)
@@ -124,12 +159,19 @@ class CircularTrainer(Strategy):
                                  p=self.p, v=self.v, m=self.m)
         self.step_fn = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                                out_shardings=(self.state_shardings, replicated), donate_argnums=self.donate_argnums)
-        self.eval_fn = jax.jit(lambda params, tokens: self.objective(params, tokens)[0],
-                               in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
+        self.eval_fn = jax.jit(self._evaluate, in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
+
+    def _evaluate(self, params, tokens):
+        """The mean cross-entropy (auxiliary losses left out, no router noise)."""
+        loss, metrics = self.objective(params, tokens, training=False)
+        return metrics.get("ce_loss", loss)
 
     def _step(self, state, tokens):
-        (_, metrics), grads = jax.value_and_grad(self.objective, has_aux=True)(state["params"], tokens)
+        split = lambda t, a: self.ops.constrain(t.reshape(t.shape[0] // a, a, -1).swapaxes(0, 1), (None, "batch", None))
+        (_, metrics), grads = accumulate(jax.value_and_grad(self.objective, has_aux=True), state["params"], tokens,
+                                         self.microbatches, split=split)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
+        params = apply_outside_gradient(state["params"], params, metrics, self.model_cfg)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics

@@ -12,7 +12,9 @@ the einsum's own transpose (`weight_grads`). The model is untouched.
 `stage_backward_input` and `stage_backward_weight`.)
 
 Norm scales (1-D, elementwise) get their cheap gradients in B; every weight of 2 or
-more dimensions in a block is consumed by exactly one matmul and is deferred.
+more dimensions in a block is consumed by exactly one matmul and is deferred, except an
+MoE block's router and routed experts (their einsums and grouped matmuls are model/moe.py's
+own, not `ops.matmul`): they get their gradients in B too.
 """
 from __future__ import annotations
 
@@ -60,8 +62,10 @@ tapped_matmul.defvjp(_tapped_fwd, _tapped_bwd)
 
 
 def deferred_names(blocks) -> tuple[str, ...]:
-    """The block weights whose gradients W computes: every one with 2+ dimensions per layer."""
-    return tuple(name for name, w in blocks.items() if w.ndim >= 3)   # [layers, ...] stacked
+    """The block weights whose gradients W computes: every one with 2+ dimensions per layer that goes
+    through `ops.matmul` (not the MoE router's or routed experts')."""
+    return tuple(name for name, w in blocks.items()                     # [layers, ...] stacked
+                 if w.ndim >= 3 and not name.startswith(("router", "expert_")))
 
 
 def deferred_ops(base: Ops, sites: dict[str, Site]) -> Ops:
@@ -69,7 +73,7 @@ def deferred_ops(base: Ops, sites: dict[str, Site]) -> Ops:
     their weight gradient. Every tapped matmul records its `Site` in `sites` while being traced."""
     def fetch(name, weights):
         weights = base.fetch(name, weights)
-        if name != "blocks" or "taps" not in weights:
+        if name not in ("blocks", "moe_blocks") or "taps" not in weights:
             return weights
         taps = weights["taps"]
         return {k: Tapped(k, w, taps.get(k)) if k in taps else w for k, w in weights.items() if k != "taps"}

@@ -13,7 +13,8 @@ microbatch and chunk, and which buffer slot it reads and writes. The step is a
   1. runs its cell with `lax.switch` (idle, F, B or W; the first and last model stages
      have their own F and B, which embed or take the loss),
   2. sends its forward output to the next stage and its input gradient to the previous
-     one (two `ppermute`s over `pipe`),
+     one (two `ppermute`s over `pipe`; under DualPipeV's V a chunk-1 cell sends the other way
+     round, and the V's bottom hands over to itself),
   3. files what arrived into the slot the table names.
 
 F is `jax.vjp` of the chunk: the output goes on, the residuals (activations) are kept
@@ -30,13 +31,25 @@ stage's weights once per step and reduce-scatters its gradients once (Megatron's
 distributed optimizer with pipelining); `tensor` runs Megatron's f/g inside every
 stage (`parallel/megatron.py`). The embedding and head are replicated over `pipe`;
 their gradients (non-zero on the first and last stage only) are summed over `pipe`,
-Megatron's embedding all-reduce. Pipeline microbatches are the pipeline's own:
-gradient accumulation (train.microbatches > 1) does not combine with them.
+Megatron's embedding all-reduce. Gradient accumulation (train.microbatches = a > 1) runs
+the whole pipeline a times per step on strided slices of the batch and averages.
+
+MoE models: the pipelined stack is `moe_blocks`; a leading dense stack (`moe.dense_layers`)
+runs with the embedding on the first model stage, like Megatron-Core's uneven first stage.
+Each F also returns the chunk's auxiliary outputs: its weighted losses join the objective
+(B differentiates them with cotangent 1/m, they end the graph where they are made) and the
+per-layer statistics are summed into a [v, Lc] buffer per stage, gathered over `pipe` at the
+end. Microbatch i of every shard is rows i, i+m, ... of it, so the pipeline equals one device
+accumulating over the same m strided microbatches (the balance loss, a product of two batch
+means, depends on the microbatching; its means are taken over the data shards inside the
+layer, `MoEOps.batch_mean`). With `expert` > 1 the batch is split over it too and the routed
+experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_alls).
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -47,15 +60,19 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.measure import hlo
-from jaxpar.model.transformer import embed, head_loss, run_blocks
+from jaxpar.model.moe import noise_seeds, with_moe_ops
+from jaxpar.model.transformer import embed, head_loss, run_blocks, split_aux
 from jaxpar.parallel import deferred
+from jaxpar.parallel.expert import capacity_exchange, dropless_exchange
 from jaxpar.parallel.megatron import tensor_parallel_ops
+from jaxpar.parallel.pipedream import delayed_gradient
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import NAMES, Schedule, build, run_orders, validate
+from jaxpar.train.step import accumulate, apply_outside_gradient, microbatch_rows
 from jaxpar.train.strategy import Strategy
 
 AXIS = "pipe"
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("expert", "data", "fsdp")          # `expert` splits the batch only for MoE models
 # a table cell: F and B on the first / a middle / the last model stage differ in what they do around the chunk
 IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, W = range(7)
 
@@ -68,37 +85,60 @@ def pipe_microbatches(config, p: int) -> int:
 
 
 def pipe_virtual(config) -> int:
-    """parallel.pipe_virtual, 0 meaning 2 for the interleaved schedule and 1 otherwise."""
-    return config.parallel.pipe_virtual or (2 if config.parallel.pipe == "interleaved" else 1)
+    """parallel.pipe_virtual, 0 meaning 2 for the interleaved and DualPipeV schedules and 1 otherwise."""
+    return config.parallel.pipe_virtual or (2 if config.parallel.pipe in ("interleaved", "dualpipev") else 1)
+
+
+def pipelined_stack(model) -> tuple[str, int]:
+    """The layer stack a pipeline cuts into stages and its depth: `moe_blocks` for an MoE model (its leading
+    dense layers ride with the embedding on the first stage), else `blocks`. `model`: config.model."""
+    if model.moe.experts:
+        return "moe_blocks", model.layers - model.moe.dense_layers
+    return "blocks", model.layers
 
 
 def check_pipeline(config, sizes: dict[str, int], name: str, virtual_ok: bool, min_microbatches: int) -> None:
     """What every pipeline trainer needs of a config (ConfigError, one line, before anything is built)."""
-    p, v, layers = sizes["pipe"], pipe_virtual(config), config.model.layers
+    p, v, a = sizes["pipe"], pipe_virtual(config), config.train.microbatches
+    stack, layers = pipelined_stack(config.model)
+    field = "model.layers" if stack == "blocks" else "model.moe.dense_layers"
     m = pipe_microbatches(config, p)
     if p < 2:
         raise ConfigError("parallel.pipe", f"is '{name}' but mesh.pipe={p}; a pipeline needs mesh.pipe >= 2 "
                           "(or parallel.pipe=auto without one)")
-    if config.train.microbatches != 1:
-        raise ConfigError("train.microbatches", f"is {config.train.microbatches}; under a pipeline the microbatches "
-                          "are the pipeline's own: set train.microbatches=1 and parallel.pipe_microbatches")
-    if config.parallel.rules:
-        raise ConfigError("parallel.rules", "the pipeline trainers place parameters themselves; leave it empty")
     if v > 1 and not virtual_ok:
         raise ConfigError("parallel.pipe_virtual", f"is {v}; only interleaved and circular run several chunks "
                           "per stage, use 1 (or 0)")
     if layers % p:
-        raise ConfigError("model.layers", f"{layers} layers do not split into mesh.pipe={p} stages")
+        raise ConfigError(field, f"the {layers} pipelined layers ({stack}) do not split into mesh.pipe={p} stages")
     if (layers // p) % v:
         raise ConfigError("parallel.pipe_virtual", f"v={v} chunks per stage do not divide the {layers // p} "
-                          f"layers of each of the {p} stages (model.layers={layers})")
+                          f"layers ({stack}) of each of the {p} stages")
     if m < min_microbatches:
         raise ConfigError("parallel.pipe_microbatches", f"is {m}; {name} needs at least mesh.pipe={p} "
                           "microbatches (m >= p)")
-    rows = config.train.batch_size // (sizes["data"] * sizes["fsdp"])
-    if rows % m:
-        raise ConfigError("parallel.pipe_microbatches", f"{m} microbatches do not divide the {rows} sequences "
-                          "of each data-parallel shard (train.batch_size / (data x fsdp))")
+    shards = sizes["data"] * sizes["fsdp"] * (sizes["expert"] if stack == "moe_blocks" else 1)
+    rows = config.train.batch_size // shards
+    if rows % (m * a):
+        raise ConfigError("parallel.pipe_microbatches", f"{m} microbatches x train.microbatches={a} do not divide "
+                          f"the {rows} sequences of each batch shard (train.batch_size / (data x fsdp x expert))")
+    if stack == "moe_blocks" and config.model.moe.dispatch == "capacity" and (rows // (m * a)) % \
+            config.model.moe.group_sequences:
+        raise ConfigError("model.moe.group_sequences", f"is {config.model.moe.group_sequences}; capacity groups "
+                          f"must divide the {rows // (m * a)} sequences of a device's pipeline microbatch")
+
+
+def check_manual_placement(config, sizes: dict[str, int]) -> None:
+    """The hand-written pipeline places activations itself and runs Megatron's split over `tensor` and the
+    experts' exchange over `expert`: `parallel.rules` may only choose which parameter dims `fsdp` slices."""
+    fixed = {"layers"} | {n for n in ("vocab", "heads", "kv_heads", "mlp") if sizes["tensor"] > 1} | \
+            ({"experts"} if sizes["expert"] > 1 else set())
+    params = {"vocab", "embed", "heads", "kv_heads", "mlp", "head_dim", "norm", "experts"} - fixed
+    for name, axes in parse_rules(config.parallel.rules).items():
+        if name not in params or set(axes) - {"fsdp"}:
+            raise ConfigError("parallel.rules", f"'{name}={'+'.join(axes)}': under parallel.pipe="
+                              f"{config.parallel.pipe} a rule may only map {', '.join(sorted(params))} to fsdp "
+                              "or to nothing (replicated)")
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -106,7 +146,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     orders = [[row[s] for row in schedule.grid if row[s] is not None and row[s].kind == "F"]
               for s in range(schedule.stages)]
     return dataclasses.replace(schedule, name=f"{schedule.name} forward", split_backward=False,
-                               grid=run_orders(orders, schedule.virtual, False))
+                               grid=run_orders(orders, schedule.virtual, False, schedule.shape))
 
 
 # ============================================================================ table -> program
@@ -136,8 +176,11 @@ class Program:
     branch, microbatch, chunk: what the stage runs. act / grad: the slot of the activation
     F reads / the gradient B reads (F on the last model stage writes its dy there). stash:
     where F keeps its residuals and B finds them; wstash: where B keeps the taps for W.
-    act_in / grad_in: the slot an arriving activation / gradient is filed into (the extra
-    last slot of the buffer takes what arrives when nothing was sent).
+    <route>_act_in / <route>_grad_in: the slot an activation / gradient arriving by that route is
+    filed into (the extra last slot of the buffer takes what arrives when nothing was sent).
+    Routes: `down` (from stage s-1: activations, and DualPipeV's chunk-1 gradients), `up` (from
+    s+1: gradients, and DualPipeV's chunk-1 activations), `local` (the V's bottom hands its
+    chunk 0 to its own chunk 1). flip: this cell's send travels against the usual direction.
     """
 
     schedule: Schedule
@@ -149,13 +192,24 @@ class Program:
         return self.schedule.ticks
 
 
-FIELDS = ("branch", "microbatch", "chunk", "act", "grad", "stash", "wstash", "act_in", "grad_in")
+ROUTES = ("down", "up", "local")
+ARRIVALS = tuple(f"{route}_{buffer}_in" for route in ROUTES for buffer in ("act", "grad"))
+FIELDS = ("branch", "microbatch", "chunk", "act", "grad", "stash", "wstash", "flip", *ARRIVALS)
+
+
+def _route(schedule: Schedule, buffer: str, sender: int, receiver: int, flip: bool) -> str:
+    """How a send reaches `receiver`: activations go down the stages and gradients up, reversed on the V's
+    way back (flip); a stage sending to itself keeps it (the V's bottom)."""
+    if sender == receiver and schedule.shape == "v":
+        return "local"
+    return ("down" if buffer == "act" else "up") if not flip else ("up" if buffer == "act" else "down")
 
 
 def compile_program(schedule: Schedule) -> Program:
     p, K, T = schedule.stages, schedule.model_stages, schedule.ticks
     table = {f: np.zeros((T, p), np.int32) for f in FIELDS}
-    table["act_in"][:] = table["grad_in"][:] = -1
+    for field in ARRIVALS:
+        table[field][:] = -1
     pools = [{b: _Slots() for b in ("act", "grad", "stash", "wstash")} for _ in range(p)]
     for t, row in enumerate(schedule.grid):
         arrivals = []
@@ -164,6 +218,8 @@ def compile_program(schedule: Schedule) -> Program:
                 continue
             k, key, pool = schedule.model_stage(s, action.chunk), (action.microbatch, action.chunk), pools[s]
             table["microbatch"][t, s], table["chunk"][t, s] = action.microbatch, action.chunk
+            flip = schedule.shape == "v" and action.chunk == 1
+            table["flip"][t, s] = flip
             if action.kind == "F":
                 table["branch"][t, s] = F_FIRST if k == 0 else F_LAST if k == K - 1 else F_MID
                 if k > 0:
@@ -172,7 +228,7 @@ def compile_program(schedule: Schedule) -> Program:
                 if k == K - 1:
                     table["grad"][t, s] = pool["grad"].take(key)
                 else:
-                    arrivals.append(("act", (s + 1) % p, (action.microbatch, (k + 1) // p)))
+                    arrivals.append(("act", s, schedule.placement(k + 1), action.microbatch, flip))
             elif action.kind == "B":
                 table["branch"][t, s] = B_FIRST if k == 0 else B_MID
                 table["grad"][t, s] = pool["grad"].free(key)
@@ -180,15 +236,16 @@ def compile_program(schedule: Schedule) -> Program:
                 if schedule.split_backward:
                     table["wstash"][t, s] = pool["wstash"].take(key)
                 if k > 0:
-                    arrivals.append(("grad", (s - 1) % p, (action.microbatch, (k - 1) // p)))
+                    arrivals.append(("grad", s, schedule.placement(k - 1), action.microbatch, flip))
             else:
                 table["branch"][t, s] = W
                 table["wstash"][t, s] = pool["wstash"].free(key)
-        for buffer, s, key in arrivals:
-            table[f"{buffer}_in"][t, s] = pools[s][buffer].take(key)
+        for buffer, sender, (s, chunk), microbatch, flip in arrivals:
+            route = _route(schedule, buffer, sender, s, flip)
+            table[f"{route}_{buffer}_in"][t, s] = pools[s][buffer].take((microbatch, chunk))
     slots = {b: max(pool[b].size for pool in pools) for b in ("act", "grad", "stash", "wstash")}
-    for buffer in ("act", "grad"):
-        table[f"{buffer}_in"][table[f"{buffer}_in"] < 0] = slots[buffer]     # nothing sent: the spare slot
+    for field in ARRIVALS:
+        table[field][table[field] < 0] = slots[field.split("_")[1]]     # nothing sent: the spare slot
     return Program(schedule, table, slots)
 
 
@@ -198,54 +255,60 @@ class StageFunctions:
     """One chunk of layers as a stage runs it: a forward that keeps jax.vjp's residuals (without the
     weights, which stay where they are), the backward that applies them, and under the split
     backward (zb-h1) the deferred weight step. `plan` traces the chunk once, before the tick loop,
-    to learn the residuals' layout; F and B are traced in different branches and meet through it."""
+    to learn the residuals' layout; F and B are traced in different branches and meet through it.
+    The chunk's output is (y, its summed weighted auxiliary losses); its statistics ride along."""
 
-    def __init__(self, cfg, ops, policy, split: bool, chunk_layers: int):
+    def __init__(self, cfg, ops, policy, split: bool, chunk_layers: int, microbatches: int = 1):
         self.cfg, self.policy, self.split, self.chunk_layers = cfg, policy, split, chunk_layers
         self.sites: dict = {}
         self.base_matmul = ops.matmul
         self.ops = deferred.deferred_ops(ops, self.sites) if split else ops
+        self.aux_cotangent = 1.0 / microbatches          # each microbatch's aux losses enter the mean
 
-    def run(self, weights, x, taps=None):
+    def run(self, weights, x, taps=None, seeds=None, first_layer=0):
+        """(y, aux per layer) of the chunk; `seeds`, `first_layer`: the noisy router's keys."""
         blocks = weights if taps is None else {**weights, "taps": taps}
-        y, aux = run_blocks(blocks, x, self.cfg, self.ops, self.policy)
-        if any(name.endswith("_loss") for name in aux):
-            raise NotImplementedError("the pipeline trainers do not carry the blocks' auxiliary losses yet")
-        return y
+        return run_blocks(blocks, x, self.cfg, self.ops, self.policy, seeds, first_layer)
 
-    def _vjp(self, weights, x):
+    def _objective(self, weights, x, taps=None, **keys):
+        y, aux = self.run(weights, x, taps, **keys)
+        losses, _ = split_aux(aux)
+        return (y, sum(losses.values(), jnp.zeros((), jnp.float32))), aux
+
+    def _vjp(self, weights, x, **keys):
         if self.split:
             taps = deferred.zero_taps(self.sites, self.chunk_layers)
-            return jax.vjp(lambda w, t, x: self.run(w, x, t), weights, taps, x)
-        return jax.vjp(self.run, weights, x)
+            return jax.vjp(lambda w, t, x: self._objective(w, x, t, **keys), weights, taps, x, has_aux=True)
+        return jax.vjp(lambda w, x: self._objective(w, x, **keys), weights, x, has_aux=True)
 
-    def plan(self, weights, x) -> None:
+    def plan(self, weights, x, **keys) -> None:
         if self.split:
-            self.run(weights, x, deferred.recording_taps(deferred.deferred_names(weights)))
-        _, pullback = self._vjp(weights, x)
+            self.run(weights, x, deferred.recording_taps(deferred.deferred_names(weights)), **keys)
+        _, pullback, _ = self._vjp(weights, x, **keys)
         leaves, self.treedef = jax.tree.flatten(pullback)
         params = jax.tree.leaves(weights)
         self.sources = [next((i for i, w in enumerate(params) if w is leaf), None) for leaf in leaves]
         self.kept = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf, src in zip(leaves, self.sources)
                      if src is None]
 
-    def forward(self, weights, x):
-        """F: (output, residuals to keep)."""
-        y, pullback = self._vjp(weights, x)
+    def forward(self, weights, x, **keys):
+        """F: (output, the chunk's weighted aux losses summed, aux per layer, residuals to keep)."""
+        (y, aux_loss), pullback, aux = self._vjp(weights, x, **keys)
         leaves, params = jax.tree.leaves(pullback), jax.tree.leaves(weights)
         assert len(leaves) == len(self.sources) and all(
             leaf is params[src] for leaf, src in zip(leaves, self.sources) if src is not None), "residual layout changed"
-        return y, [leaf for leaf, src in zip(leaves, self.sources) if src is None]
+        return y, aux_loss, aux, [leaf for leaf, src in zip(leaves, self.sources) if src is None]
 
     def backward(self, weights, kept, dy):
         """B: (weight gradients computed now, taps for W or None, input gradient)."""
         stored, params = iter(kept), jax.tree.leaves(weights)
         pullback = jax.tree.unflatten(self.treedef, [next(stored) if src is None else params[src]
                                                      for src in self.sources])
+        cotangent = (dy, jnp.asarray(self.aux_cotangent, jnp.float32))
         if not self.split:
-            dw, dx = pullback(dy)
+            dw, dx = pullback(cotangent)
             return dw, None, dx
-        dw, taps, dx = pullback(dy)
+        dw, taps, dx = pullback(cotangent)
         return {k: g for k, g in dw.items() if k not in taps}, taps, dx
 
     def weight(self, weights, taps):
@@ -299,8 +362,9 @@ def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
 
 
 def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, *, cfg, ops, train: bool):
-    """Run the tick loop on this device: chunks [v, Lc, ...] (compute dtype), outer = embed / final_norm /
-    lm_head, tokens [rows, S+1] this data shard's. Returns (sum of microbatch losses / m, grads or None).
+    """Run the tick loop on this device: chunks [v, Lc, ...] (compute dtype), outer = everything but the
+    pipelined stack (embed, final_norm, lm_head; an MoE model's dense `blocks`), tokens [rows, S+1] this
+    shard's. Returns (sum of microbatch cross-entropies / m, grads or None, per-chunk aux [v, Lc, ...] / m).
 
     The big buffers (stash, gradient accumulators, received activations) never pass through the tick's
     `lax.switch`: each tick slices out the one slot its cell uses, the branch returns that slot's new
@@ -309,24 +373,37 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
     sched = program.schedule
     p, v, m = sched.stages, sched.virtual, sched.microbatches
     me = jax.lax.axis_index(AXIS)
-    micro = tokens.reshape(m, tokens.shape[0] // m, tokens.shape[1])
+    micro = microbatch_rows(tokens, m)                       # microbatch i: rows i, i+m, ... of this shard
     inputs, targets = micro[:, :, :-1], micro[:, :, 1:]
     head_names = ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
+    first_names = ("embed", "blocks") if "blocks" in outer else ("embed",)
+    noisy = train and cfg.moe is not None and cfg.moe.router == "noisy"
     dtype = ops.dtype
 
-    def embed_of(microbatch):
-        return embed(outer, inputs[microbatch], ops)
+    def first_part(weights, microbatch):
+        """The first model stage's own layers: the embedding (and an MoE model's dense stack)."""
+        x = embed(weights, inputs[microbatch], ops)
+        return run_blocks(weights["blocks"], x, cfg, ops)[0] if "blocks" in weights else x
 
-    act_shape = jax.eval_shape(embed_of, 0)
+    def keys(row):
+        """The noisy router's noise keys of this cell: the microbatch's seeds, the chunk's first layer."""
+        seeds = noise_seeds(inputs[row["microbatch"]]) if noisy else None
+        return {"seeds": seeds, "first_layer": (row["chunk"] * p + me) * stage.chunk_layers}
+
+    act_shape = jax.eval_shape(lambda: first_part(outer, 0))
     zeros_act = jnp.zeros(act_shape.shape, act_shape.dtype)
     zeros_outer = lambda: jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), outer)
+    first_chunk = jax.tree.map(lambda w: w[0], chunks)
+    aux_shape = jax.eval_shape(lambda: stage.run(first_chunk, zeros_act)[1])
+    zeros_aux = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape)
     if train:
-        stage.plan(jax.tree.map(lambda w: w[0], chunks), zeros_act)
+        stage.plan(first_chunk, zeros_act, **keys({"microbatch": 0, "chunk": 0}))
 
     # ---- the branches: (this tick's slots, row) -> the slots' new values and what leaves the device
     def idle(io, row):
-        return {**io, "send_act": zeros_act, "send_grad": zeros_act, "d_outer": zeros_outer(),
-                "loss": jnp.zeros((), jnp.float32)}
+        out = {**io, "send_act": zeros_act, "send_grad": zeros_act, "d_outer": zeros_outer(),
+               "loss": jnp.zeros((), jnp.float32)}
+        return {**out, "aux": zeros_aux()} if train else out
 
     @scoped("head")
     def head(y, row):
@@ -341,13 +418,14 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
     @scoped("F")
     def forward(io, row):
         out = idle(io, row)
-        x = jax.lax.cond(row["branch"] == F_FIRST, scoped("embed")(lambda: embed_of(row["microbatch"])),
+        x = jax.lax.cond(row["branch"] == F_FIRST, scoped("embed")(lambda: first_part(outer, row["microbatch"])),
                          lambda: io["x"])
         weights = jax.tree.map(lambda w: w[row["chunk"]], chunks)
         if train:
-            y, out["kept"] = stage.forward(weights, x)
+            y, _, aux, out["kept"] = stage.forward(weights, x, **keys(row))
+            out["aux"] = jax.tree.map(lambda a: a.astype(jnp.float32) / m, aux)
         else:
-            y = stage.run(weights, x)
+            y = stage.run(weights, x)[0]
         no_head = lambda y, row: (jnp.zeros((), jnp.float32), zeros_outer(), io["dy"] if train else zeros_act)
         loss, d_outer, dy = jax.lax.cond(row["branch"] == F_LAST, head, no_head, y, row)
         out.update(loss=loss, d_outer=d_outer, send_act=y.astype(dtype))
@@ -357,10 +435,10 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
 
     @scoped("embed_grad")
     def embed_grad(dx, row):
-        """The first model stage: the input gradient becomes the embedding's."""
-        tokens_in = inputs[row["microbatch"]]
-        (d_embed,) = jax.vjp(lambda table: embed({"embed": table}, tokens_in, ops), outer["embed"])[1](dx)
-        return {**zeros_outer(), "embed": d_embed}
+        """The first model stage: the input gradient becomes the embedding's (and the dense stack's)."""
+        own = {k: outer[k] for k in first_names}
+        (d_first,) = jax.vjp(lambda w: first_part(w, row["microbatch"]), own)[1](dx)
+        return {**zeros_outer(), **d_first}
 
     @scoped("B")
     def backward(io, row):
@@ -393,12 +471,30 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
         carry["stash"] = [jnp.zeros((max(slots["stash"], 1), *a.shape), a.dtype) for a in stage.kept]
         carry["chunk_grads"] = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), chunks)
         carry["outer_grads"] = zeros_outer()
+        carry["aux"] = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), jnp.float32), aux_shape)
         if sched.split_backward:
             carry["wstash"] = {k: tuple(jnp.zeros((slots["wstash"], stage.chunk_layers, *s.shape), s.dtype)
                                         for s in (site.x, site.y)) for k, site in stage.sites.items()}
-    forward_pairs = [(s, (s + 1) % p) for s in range(p if v > 1 else p - 1)]     # v > 1: a ring
+    ring = v > 1 and sched.shape == "loop"
+    forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]     # interleaved: a ring
     backward_pairs = [(b, a) for a, b in forward_pairs]
+    used = [f for f in ARRIVALS if (program.table[f] != slots[f.split("_")[1]]).any()]   # routes in use
+    flips = bool(program.table["flip"].any())
     table = {k: jnp.asarray(t) for k, t in program.table.items()}
+
+    def deliver(carry, row, out):
+        """The tick's sends: one ppermute down the stages, one up, and the V's hand-over to itself."""
+        down, up = out["send_act"], out["send_grad"]
+        if flips:
+            down, up = jnp.where(row["flip"], up, down), jnp.where(row["flip"], down, up)
+        arrived = {"down": lambda: jax.lax.ppermute(down, AXIS, forward_pairs),
+                   "up": lambda: jax.lax.ppermute(up, AXIS, backward_pairs), "local": lambda: down}
+        received = {route: arrived[route]() for route in ROUTES if any(f.startswith(route) for f in used)}
+        for field in used:
+            route, buffer = field.split("_")[:2]
+            name = "acts" if buffer == "act" else "grads_in"
+            carry[name] = carry[name].at[row[field]].set(received[route])
+        return carry
 
     def tick(carry, t):
         row = {k: column[t, me] for k, column in table.items()}
@@ -415,16 +511,15 @@ def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, 
             carry["stash"] = _put(carry["stash"], row["stash"], out["kept"])
             carry["chunk_grads"] = _put(carry["chunk_grads"], row["chunk"], out["acc"])
             carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], out["d_outer"])
+            carry["aux"] = jax.tree.map(lambda a, new: a.at[row["chunk"]].add(new), carry["aux"], out["aux"])
             if sched.split_backward:
                 carry["wstash"] = _put(carry["wstash"], row["wstash"], out["taps"])
-            carry["grads_in"] = carry["grads_in"].at[row["grad_in"]].set(
-                jax.lax.ppermute(out["send_grad"], AXIS, backward_pairs))
-        carry["acts"] = carry["acts"].at[row["act_in"]].set(jax.lax.ppermute(out["send_act"], AXIS, forward_pairs))
-        return carry, None
+        return deliver(carry, row, out), None
 
     carry, _ = jax.lax.scan(tick, carry, jnp.arange(program.ticks))
-    grads = {"chunks": carry["chunk_grads"], "outer": carry["outer_grads"]} if train else None
-    return carry["loss"], grads
+    if not train:
+        return carry["loss"], None, None
+    return carry["loss"], {"chunks": carry["chunk_grads"], "outer": carry["outer_grads"]}, carry["aux"]
 
 
 # ============================================================================ the trainer
@@ -434,25 +529,45 @@ def _dim_of(spec: P, axis: str):
 
 
 class PipelineTrainer(Strategy):
-    """GPipe, 1F1B, interleaved 1F1B and ZB-H1 over `pipe`, with data / fsdp / tensor around them."""
+    """GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV and PipeDream-2BW over `pipe`, with data / fsdp / tensor
+    around them, and for MoE models the experts split over `expert` inside the stages (parallel.expert=manual)."""
 
-    RUNS = {"pipe": NAMES}
+    RUNS = {"pipe": NAMES, "tensor": ("manual",), "expert": ("manual",)}   # tensor: Megatron's f/g in every stage
 
     @classmethod
     def check(cls, config, sizes):
         name = config.parallel.pipe
-        check_pipeline(config, sizes, name, virtual_ok=name == "interleaved",
+        check_pipeline(config, sizes, name, virtual_ok=name in ("interleaved", "dualpipev"),
                        min_microbatches=1 if name == "gpipe" else sizes["pipe"])
+        check_manual_placement(config, sizes)
         m, p = pipe_microbatches(config, sizes["pipe"]), sizes["pipe"]
+        if config.parallel.sequence:
+            raise ConfigError("parallel.sequence", "the pipeline trainers run Megatron's TP inside each stage "
+                              "without sequence parallelism; set parallel.sequence=false")
+        if name == "dualpipev":
+            if pipe_virtual(config) != 2:
+                raise ConfigError("parallel.pipe_virtual", f"is {pipe_virtual(config)}; dualpipev holds exactly 2 "
+                                  "chunks per stage (a V): use 2 (or 0)")
+            if m < 2 * p:
+                raise ConfigError("parallel.pipe_microbatches", f"is {m}; dualpipev needs at least 2 x mesh.pipe = "
+                                  f"{2 * p} microbatches")
         if name == "interleaved":
             if pipe_virtual(config) < 2:
                 raise ConfigError("parallel.pipe_virtual", "is 1; interleaved needs v >= 2 chunks per stage")
             if m % p:
                 raise ConfigError("parallel.pipe_microbatches", f"is {m}; interleaved 1F1B runs microbatches in "
                                   f"groups of mesh.pipe={p}: use a multiple of {p}")
+        if config.model.moe.experts and sizes["tensor"] > 1:
+            raise ConfigError("mesh.tensor", f"is {sizes['tensor']}; an MoE model in the hand-written pipeline has "
+                              "no Megatron split of its experts yet: use mesh.tensor=1 (or parallel.pipe=circular)")
+        if sizes["expert"] > 1 and config.parallel.expert != "manual":
+            raise ConfigError("parallel.expert", f"is '{config.parallel.expert}' with mesh.expert={sizes['expert']}; "
+                              "inside a hand-written pipeline the experts' exchange is manual: set parallel.expert=manual")
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
+        if config.parallel.pipe == "pipedream-2bw":      # asynchronous: one step of weight staleness
+            self.optimizer = delayed_gradient(self.optimizer)
         sizes = {axis: int(size) for axis, size in mesh.shape.items()}
         self.p, self.v = sizes[AXIS], pipe_virtual(config)
         self.m = pipe_microbatches(config, self.p)
@@ -460,28 +575,33 @@ class PipelineTrainer(Strategy):
         validate(self.schedule)                           # before anything compiles
         self.program = compile_program(self.schedule)
         self.eval_program = compile_program(forward_only(self.schedule))
-        self.chunk_layers = model_cfg.layers // (self.p * self.v)
+        self.stack, layers = pipelined_stack(config.model)
+        self.chunk_layers = layers // (self.p * self.v)
         self.live = tuple(a for a in mesh.axis_names if sizes[a] > 1)
+        self.batch_axes = tuple(a for a in BATCH_AXES if a in self.live and (a != "expert" or model_cfg.moe))
         self.rules = AxisRules({**parse_rules(config.parallel.rules), "layers": (AXIS,)})
-        self.stage_ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
+        self.stage_ops = self._stage_ops(sizes)
 
         abstract = jax.eval_shape(self._init_state)
         self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), self.live)
+        if self.stack != "blocks" and "blocks" in self.param_specs:     # the dense stack: whole on every stage
+            self.param_specs["blocks"] = jax.tree.map(lambda s: P(None, *s[1:]), self.param_specs["blocks"],
+                                                      is_leaf=lambda x: isinstance(x, P))
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs)
         replicated = NamedSharding(mesh, P())
         self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=replicated)
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
-        batch_axes = tuple(a for a in BATCH_AXES if a in self.live) or None
-        self.batch_spec = P(batch_axes, None)
+        self.batch_spec = P(self.batch_axes or None, None)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
 
-        # the step's view: blocks [L, ...] -> [v, p, Lc, ...], model stage c*p + s on pipe device s
-        self.staged_specs = {**self.param_specs,
-                             "blocks": jax.tree.map(lambda s: P(None, AXIS, None, *s[1:]), self.param_specs["blocks"],
-                                                    is_leaf=lambda x: isinstance(x, P))}
+        # the step's view: stack [L, ...] -> [v, p, Lc, ...], model stage c*p + s on pipe device s
+        staged = lambda s: P(None, AXIS, None, *s[1:])
+        self.staged_specs = {**self.param_specs, self.stack: jax.tree.map(
+            staged, self.param_specs[self.stack], is_leaf=lambda x: isinstance(x, P))}
         self.staged_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.staged_specs)
+        aux_specs = P(None, AXIS) if model_cfg.moe else P()
         grads = jax.shard_map(self._local_grads, mesh=mesh, in_specs=(self.staged_specs, self.batch_spec),
-                              out_specs=(P(), self.staged_specs), check_vma=False)
+                              out_specs=(P(), aux_specs, self.staged_specs), check_vma=False)
         self._grads = grads
         self.step_fn = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                                out_shardings=(self.state_shardings, replicated), donate_argnums=self.donate_argnums)
@@ -490,6 +610,18 @@ class PipelineTrainer(Strategy):
         self.eval_fn = jax.jit(lambda params, tokens: evaluate(self._staged(params), tokens),
                                in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
 
+    def _stage_ops(self, sizes):
+        """The ops inside a stage: Megatron's f/g over `tensor`; for MoE the balance statistics over the batch
+        shards, and with `expert` > 1 the routed experts' all_to_all exchange (parallel/expert.py)."""
+        ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
+        if not self.model_cfg.moe:
+            return ops
+        changes = {"batch_mean": self._mean_over_batch}
+        if sizes["expert"] > 1:
+            exchange = dropless_exchange if self.model_cfg.moe.dispatch == "dropless" else capacity_exchange
+            changes["routed_experts"] = partial(exchange, n=sizes["expert"], tensor_sum=lambda out: out)
+        return with_moe_ops(ops, **changes)
+
     def collectives(self, hlo_text: str):
         """The compiled step's collectives as the busiest stage executes them (`executed_collectives`)."""
         per_stage = [executed_collectives(hlo_text, self.mesh, self.program, s) for s in range(self.p)]
@@ -497,24 +629,40 @@ class PipelineTrainer(Strategy):
 
     # ---------------------------------------------------------------- layout
     def _staged(self, params):
-        """[L, ...] -> [v, p, Lc, ...]: model stage c*p + s goes to pipe device s (a re-deal of chunks when v > 1)."""
-        to = lambda w: w.reshape(self.v, self.p, self.chunk_layers, *w.shape[1:])
-        staged = {**params, "blocks": jax.tree.map(to, params["blocks"])}
+        """[L, ...] -> [v, p, Lc, ...]: model stage c*p + s goes to pipe device s (a re-deal of chunks when v > 1);
+        under DualPipeV's V chunk 1 of device s is model stage 2p-1-s (the second half reversed)."""
+        to = lambda w: self._v_order(w.reshape(self.v, self.p, self.chunk_layers, *w.shape[1:]))
+        staged = {**params, self.stack: jax.tree.map(to, params[self.stack])}
         return jax.lax.with_sharding_constraint(staged, self.staged_shardings)
 
+    def _v_order(self, w):
+        """[v, p, ...] in model-stage order <-> the V's placement (its own inverse); the loop: as it is."""
+        return w if self.schedule.shape != "v" else jnp.concatenate([w[:1], w[1:, ::-1]])
+
     def _unstaged(self, grads):
-        back = lambda g: g.reshape(-1, *g.shape[3:])
-        grads = {**grads, "blocks": jax.tree.map(back, grads["blocks"])}
+        back = lambda g: self._v_order(g).reshape(-1, *g.shape[3:])
+        grads = {**grads, self.stack: jax.tree.map(back, grads[self.stack])}
         return jax.lax.with_sharding_constraint(grads, self.param_shardings)
 
     # ---------------------------------------------------------------- the step (global view)
     def _step(self, state, tokens):
-        loss, grads = self._grads(self._staged(state["params"]), tokens)
+        ce, aux, grads = self._grads(self._staged(state["params"]), tokens)
         grads = self._unstaged(grads)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = self._metrics(ce, aux)
+        params = apply_outside_gradient(state["params"], params, metrics, self.model_cfg)
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+    def _metrics(self, ce, aux):
+        """The single device's metrics: loss = cross-entropy + the aux losses summed over layers, and each
+        statistic per layer ([v, p, Lc, ...] -> [L, ...], the model's layer order)."""
+        if not self.model_cfg.moe:
+            return {"loss": ce}
+        per_layer = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), aux)
+        losses, stats = split_aux(per_layer)
+        return {"loss": ce + sum(losses.values()), "ce_loss": ce, **losses, **stats}
 
     # ---------------------------------------------------------------- per device (inside shard_map)
     def _gather_fsdp(self, params):
@@ -527,46 +675,54 @@ class PipelineTrainer(Strategy):
         return jax.tree.map(gather, params, self.staged_specs, is_leaf=lambda x: isinstance(x, P))
 
     def _split(self, params):
-        chunks = jax.tree.map(lambda w: w[:, 0].astype(self.ops.dtype), params["blocks"])   # [v, Lc, ...]
-        outer = {k: w for k, w in params.items() if k != "blocks"}
+        chunks = jax.tree.map(lambda w: w[:, 0].astype(self.ops.dtype), params[self.stack])   # [v, Lc, ...]
+        outer = {k: w for k, w in params.items() if k != self.stack}
         return chunks, outer
 
     def _local_grads(self, params, tokens):
-        chunks, outer = self._split(self._gather_fsdp(params))
+        """(cross-entropy, aux [v, 1, Lc, ...], grads) of this device's stage and batch shard, accumulated over
+        train.microbatches runs of the whole pipeline (rows i, i+a, ... each)."""
         stage = StageFunctions(self.model_cfg, self.stage_ops, self.policy, self.schedule.split_backward,
-                               self.chunk_layers)
+                               self.chunk_layers, self.m)
         self.stage_functions = stage            # the residual layout, for the lab's memory prediction
-        loss, grads = run_program(self.program, stage, chunks, outer, tokens, cfg=self.model_cfg,
-                                  ops=self.stage_ops, train=True)
-        grads = {**grads["outer"], "blocks": jax.tree.map(lambda g: g[:, None], grads["chunks"])}
-        grads = {**grads, **{k: jax.lax.psum(grads[k], AXIS) for k in outer}}   # first / last stage's
-        return self._mean_over_batch(jax.lax.psum(loss, AXIS)), self._reduce_grads(grads)
+
+        def one_run(params, tokens):
+            chunks, outer = self._split(params)
+            ce, grads, aux = run_program(self.program, stage, chunks, outer, tokens, cfg=self.model_cfg,
+                                         ops=self.stage_ops, train=True)
+            return (ce, {"loss": ce, "aux": aux}), {**grads["outer"],
+                                                    self.stack: jax.tree.map(lambda g: g[:, None], grads["chunks"])}
+
+        (ce, out), grads = accumulate(one_run, self._gather_fsdp(params), tokens, self.microbatches)
+        aux = out["aux"]
+        grads = {**grads, **{k: jax.lax.psum(grads[k], AXIS) for k in grads if k != self.stack}}  # first / last stage's
+        aux = jax.tree.map(lambda a: self._mean_over_batch(a)[:, None], aux)
+        return self._mean_over_batch(jax.lax.psum(ce, AXIS)), aux, self._reduce_grads(grads)
 
     def _local_eval(self, params, tokens):
         chunks, outer = self._split(self._gather_fsdp(params))
         stage = StageFunctions(self.model_cfg, self.stage_ops, None, False, self.chunk_layers)
-        loss, _ = run_program(self.eval_program, stage, chunks, outer, tokens, cfg=self.model_cfg,
-                              ops=self.stage_ops, train=False)
+        loss, _, _ = run_program(self.eval_program, stage, chunks, outer, tokens, cfg=self.model_cfg,
+                                 ops=self.stage_ops, train=False)
         return self._mean_over_batch(jax.lax.psum(loss, AXIS))
 
     def _mean_over_batch(self, x):
-        for axis in BATCH_AXES:
-            if axis in self.live:
-                x = jax.lax.pmean(x, axis)
+        for axis in self.batch_axes:
+            x = jax.lax.pmean(x, axis)
         return x
 
     def _reduce_grads(self, grads):
-        """Mean over the batch shards: all-reduce over data, reduce-scatter over fsdp where the weight is sliced."""
+        """Mean over the batch shards: all-reduce over data, reduce-scatter over fsdp where the weight is sliced;
+        over `expert`, the experts' own gradients already hold every shard's tokens (the exchange's transpose)."""
         shards = 1
-        if "data" in self.live:
-            grads = jax.lax.psum(grads, "data")
-            shards *= self.mesh.shape["data"]
-        if "fsdp" in self.live:
-            def reduce(g, spec):
-                dim = _dim_of(spec, "fsdp")
+        for axis in self.batch_axes:
+            def reduce(g, spec, axis=axis):
+                dim = _dim_of(spec, axis)
                 if dim is None:
-                    return jax.lax.psum(g, "fsdp")
-                return jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
+                    return jax.lax.psum(g, axis)
+                if axis == "expert":
+                    return g
+                return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
             grads = jax.tree.map(reduce, grads, self.staged_specs, is_leaf=lambda x: isinstance(x, P))
-            shards *= self.mesh.shape["fsdp"]
+            shards *= self.mesh.shape[axis]
         return jax.tree.map(lambda g: g / shards, grads)

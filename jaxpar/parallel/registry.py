@@ -18,9 +18,10 @@ AUTO = "jaxpar.parallel.auto:AutoTrainer"
 STRATEGIES = (
     "jaxpar.parallel.zero:ZeroTrainer",        # data: ddp | zero1 | zero2 | zero3
     "jaxpar.parallel.tensor:TensorTrainer",    # tensor: manual (+ parallel.sequence), data: ddp
-    "jaxpar.parallel.pipeline:PipelineTrainer",  # pipe: gpipe | 1f1b | interleaved | zb-h1
-    "jaxpar.parallel.circular:CircularTrainer",  # pipe: circular (the compiler-driven pipeline)
     "jaxpar.parallel.expert:ExpertTrainer",    # expert: manual (all_to_all in shard_map)
+    "jaxpar.parallel.pipeline:PipelineTrainer",  # pipe: gpipe | 1f1b | interleaved | zb-h1 | dualpipev | pipedream-2bw
+                                                 # (+ tensor: manual, expert: manual)
+    "jaxpar.parallel.circular:CircularTrainer",  # pipe: circular (the compiler-driven pipeline)
 )
 
 

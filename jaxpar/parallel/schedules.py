@@ -12,7 +12,9 @@ arrives at tick t+1), else it idles. Every action takes one tick.
   W(i, c)  zero-bubble only: the weight gradient of a B done earlier
 
 Stage s holds chunks c = 0..v-1; chunk c of stage s is model stage c*p + s (Megatron's
-interleaved assignment; v = 1 is the plain pipeline). `validate` checks a table before
+interleaved assignment, `shape` "loop"; v = 1 is the plain pipeline), or under DualPipeV's
+`shape` "v" (v = 2) chunk 0 is model stage s and chunk 1 model stage 2p-1-s: the microbatch
+goes down the stages and back up, so stage 0 holds the first and the last model stage. `validate` checks a table before
 anything compiles: every action present exactly once on the stage that holds it, every
 dependency met at an earlier tick, and at most `in_flight_bound` chunk-microbatches
 alive on any stage (an F done whose B, or W when split, is not).
@@ -20,10 +22,12 @@ alive on any stage (an F done whose B, or W when split, is not).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter, deque
 from fractions import Fraction
 from typing import NamedTuple
 
-NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "pipedream-2bw")
+SHAPES = ("loop", "v")
 
 
 class Action(NamedTuple):
@@ -48,6 +52,7 @@ class Schedule:
     split_backward: bool           # B is the input gradient only, W the weight gradient
     in_flight_bound: int           # claimed: chunk-microbatches alive per stage, at most
     grid: tuple                    # grid[tick][stage] -> Action | None
+    shape: str = "loop"            # chunk placement: "loop" (c*p + s) or "v" (DualPipeV)
 
     @property
     def ticks(self) -> int:
@@ -58,7 +63,15 @@ class Schedule:
         return self.stages * self.virtual
 
     def model_stage(self, stage: int, chunk: int) -> int:
-        return chunk * self.stages + stage
+        return model_stage(stage, chunk, self.stages, self.shape)
+
+    def placement(self, k: int) -> tuple[int, int]:
+        """Model stage k -> (stage, chunk) that holds it."""
+        return placement(k, self.stages, self.shape)
+
+    def idle_ticks(self) -> list[int]:
+        """Per stage: the ticks it idles (the bubble in units of one action)."""
+        return [sum(row[s] is None for row in self.grid) for s in range(self.stages)]
 
     def bubble(self) -> Fraction:
         """Idle cells / all cells of the table (every action one tick)."""
@@ -91,11 +104,25 @@ class Schedule:
 
 # ============================================================================ running per-stage orders
 
-def _needs(action: Action, stage: int, p: int, v: int, split: bool) -> list[tuple[Action, int]]:
+def model_stage(stage: int, chunk: int, p: int, shape: str = "loop") -> int:
+    """The model stage chunk `chunk` of stage `stage` holds."""
+    if shape == "v":
+        return stage if chunk == 0 else 2 * p - 1 - stage
+    return chunk * p + stage
+
+
+def placement(k: int, p: int, shape: str = "loop") -> tuple[int, int]:
+    """Model stage k -> (stage, chunk)."""
+    if shape == "v":
+        return (k, 0) if k < p else (2 * p - 1 - k, 1)
+    return k % p, k // p
+
+
+def _needs(action: Action, stage: int, p: int, v: int, split: bool, shape: str = "loop") -> list[tuple[Action, int]]:
     """(action, stage) pairs that must be done at an earlier tick before `action` runs on `stage`."""
-    k = action.chunk * p + stage                     # model stage
+    k = model_stage(stage, action.chunk, p, shape)
     i = action.microbatch
-    where = lambda k: (k % p, k // p)                # model stage -> (stage, chunk)
+    where = lambda k: placement(k, p, shape)
     if action.kind == "F":
         if k == 0:
             return []
@@ -110,27 +137,36 @@ def _needs(action: Action, stage: int, p: int, v: int, split: bool) -> list[tupl
     return [(Action("B", i, action.chunk), stage)]   # W after its own B
 
 
-def run_orders(orders: list[list[Action]], v: int, split: bool) -> tuple:
-    """Lock-step list scheduling: each stage runs its next action as soon as its inputs exist."""
+def run_orders(orders: list[list], v: int, split: bool, shape: str = "loop") -> tuple:
+    """Lock-step list scheduling: each stage runs its next action as soon as its inputs exist.
+
+    An item of an order may be a tuple of actions, a block (DualPipe's overlapped F&B): it runs on
+    consecutive ticks, starts only when the inputs of all its actions are there, and what it produces
+    counts as sent when the whole block is done (the pair's sends overlap the pair's compute)."""
     p = len(orders)
+    items = [[(item,) if isinstance(item, Action) else tuple(item) for item in order] for order in orders]
     done: dict[tuple[Action, int], int] = {}
-    position = [0] * p
+    position, inside = [0] * p, [0] * p            # the current item, and how far into it the stage is
     grid = []
-    while any(position[s] < len(orders[s]) for s in range(p)):
+    total = sum(len(item) for order in items for item in order)
+    while any(position[s] < len(items[s]) for s in range(p)):
         tick = len(grid)
         row = []
         for s in range(p):
-            action = orders[s][position[s]] if position[s] < len(orders[s]) else None
-            if action is not None and all(done.get(need, tick) < tick for need in _needs(action, s, p, v, split)):
-                row.append(action)
-            else:
-                row.append(None)
+            block = items[s][position[s]] if position[s] < len(items[s]) else ()
+            ready = inside[s] > 0 or all(done.get(need, tick) < tick for action in block
+                                         for need in _needs(action, s, p, v, split, shape)
+                                         if need[1] != s or need[0] not in block)
+            row.append(block[inside[s]] if block and ready else None)
         for s, action in enumerate(row):
             if action is not None:
-                done[(action, s)] = tick
-                position[s] += 1
+                inside[s] += 1
+                block = items[s][position[s]]
+                if inside[s] == len(block):            # a block's results leave when it is done
+                    done.update({(member, s): tick for member in block})
+                    position[s], inside[s] = position[s] + 1, 0
         grid.append(tuple(row))
-        if tick > 4 * sum(map(len, orders)) + 4 * p:
+        if tick > 4 * total + 4 * p:
             raise ScheduleError("per-stage orders deadlock: some action waits for one that never runs")
     return tuple(grid)
 
@@ -202,8 +238,76 @@ def zb_h1(p: int, m: int) -> Schedule:
     return Schedule("zb-h1", p, m, 1, True, p, run_orders(orders, 1, True))
 
 
+def dualpipev(p: int, m: int, blocks: bool = True) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half, as in deepseek-ai/DualPipe and torchtitan's
+    ScheduleDualPipeV): 2p model stages in a V over p stages, chunk 0 going down, chunk 1 coming back.
+    Stage r warms up with 2(p-r-1) forwards of chunk 0, then r+1 pairs F0 F1, then p-r-1 rounds of
+    zero-bubble I1 W F1; the steady state alternates "F0 & B1" and "F1 & B0" (a forward of one chunk
+    overlapped with a full backward of the other in DualPipe; here one after the other: F, B, W);
+    the drain splits the backward (B now, W later) to fill the bubbles. Needs m >= 2p.
+    A full backward is B then W at once; a split one queues its W for the next free slot.
+    `blocks=False` (lab only) runs the same orders with each action sending as soon as it is done."""
+    if m < 2 * p:
+        raise ScheduleError(f"dualpipev needs at least 2p = {2 * p} microbatches, got {m}")
+    orders = []
+    for r in range(p):
+        order, count, pending = [], Counter(), deque()
+
+        def run(kind, chunk):
+            i = count[kind, chunk]
+            count[kind, chunk] += 1
+            order.append(Action(kind, i, chunk))
+            return i
+
+        def backward(chunk, full=True):
+            i = run("B", chunk)
+            if full:
+                order.append(Action("W", i, chunk))
+            else:
+                pending.append(Action("W", i, chunk))
+
+        def weight():
+            if pending:
+                order.append(pending.popleft())
+
+        def f_and_b(forward_chunk, backward_chunk):      # DualPipe's overlapped pair: one block
+            start = len(order)
+            run("F", forward_chunk)
+            backward(backward_chunk)
+            if blocks:
+                order[start:] = [tuple(order[start:])]
+
+        for _ in range(2 * (p - r - 1)):
+            run("F", 0)
+        for _ in range(r + 1):
+            run("F", 0), run("F", 1)
+        for _ in range(p - r - 1):
+            backward(1, full=False), weight(), run("F", 1)
+        for i in range(m - 2 * p + r + 1):
+            if i == 0 and r == p - 1:      # the bottom of the V: not overlapped, to shorten the bubble
+                run("F", 0), backward(1)
+            else:
+                f_and_b(0, 1)
+            f_and_b(1, 0)
+        for _ in range(p - r - 1):
+            backward(1), f_and_b(1, 0)
+        split = False
+        for i in range(r + 1):        # the second half of the last backwards is split
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            backward(1, full=not split)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            backward(0, full=not split)
+        for _ in range(p - r - 1):
+            weight(), backward(0, full=not split)
+        while pending:
+            weight()
+        orders.append(order)
+    bound = 2 * p + 1     # the published activation memory: PP + 1 chunks with PP = 2p model stages
+    return Schedule("dualpipev", p, m, 2, True, bound, run_orders(orders, 2, True, "v"), "v")
+
+
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The named schedule for p stages, m microbatches (v chunks per stage for `interleaved`)."""
+    """The named schedule for p stages, m microbatches (v chunks per stage for `interleaved`; dualpipev has 2)."""
     if name == "gpipe":
         return gpipe(p, m)
     if name == "1f1b":
@@ -212,6 +316,10 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
         return interleaved(p, v, m)
     if name == "zb-h1":
         return zb_h1(p, m)
+    if name == "dualpipev":
+        return dualpipev(p, m)
+    if name == "pipedream-2bw":      # 1F1B's table per step; the staleness is the optimizer's (parallel/pipedream.py)
+        return dataclasses.replace(one_f_one_b(p, m), name="pipedream-2bw")
     raise ScheduleError(f"unknown schedule '{name}'; valid: {', '.join(NAMES)}")
 
 
@@ -240,7 +348,7 @@ def validate(schedule: Schedule) -> None:
                     if (Action(kind, i, c), s) not in when:
                         raise ScheduleError(f"{Action(kind, i, c)} never runs on stage {s}")
     for (action, s), tick in when.items():
-        for need in _needs(action, s, p, v, split):
+        for need in _needs(action, s, p, v, split, schedule.shape):
             if when[need] >= tick:
                 raise ScheduleError(f"{action} on stage {s} at tick {tick} needs {need[0]} of stage {need[1]}, "
                                     f"which runs at tick {when[need]}")

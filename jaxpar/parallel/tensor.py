@@ -20,10 +20,23 @@ weights then see only a device's tokens, so their gradients are summed over `ten
 
 The data axis is DDP by hand: each (data) row of devices computes the gradient of its
 batch shard, which is averaged over `data` with one `pmean` after the backward pass.
+
+With mesh.fsdp > 1 this is torchtitan's 2D layout, FSDP x TP written out: parameters and
+Adam moments rest split over `fsdp` too (on `embed`, as the default rules say) and over
+`tensor`; each layer's weights are all-gathered over `fsdp` where the layer runs (`Ops.fetch`,
+inside the scan: one layer's full weights at a time, gathered again in the backward pass as
+FSDP2's reshard-after-forward does) and their gradients reduce-scattered over `fsdp` there.
+The batch is split over data x fsdp. Megatron's f/g then run on the gathered [D, H/t] shards.
+
+MoE layers (model.moe.experts > 0) keep Megatron-Core's default expert tensor parallelism
+(expert_tensor_parallel_size = tensor size): every expert's hidden dimension is split over
+`tensor` (gate/up column-parallel, down row-parallel, the dense MLP's f and g), the router
+runs replicated on every tensor rank, so routing needs no all_to_all and any expert count
+works; the gates enter the parallel region through f (model/moe.py).
 What the registry runs here: parallel.tensor=manual with parallel.data=auto or ddp (both
-mean this DDP), mesh.fsdp = pipe = expert = 1, no parallel.rules overrides. Anything else is
+mean this DDP), mesh.pipe = expert = 1, no parallel.rules overrides. Anything else is
 refused with one line. The state is every trainer's (same pytree, same global shapes):
-params and Adam moments split over `tensor` as the default rules say, replicated over `data`.
+params and Adam moments split over `tensor` (and `fsdp`) as the default rules say, replicated over `data`.
 Under `train.compute_dtype=float8` each device scales its own shards (per-shard amax), so the
 losses are close to, not equal to, one device's.
 """
@@ -40,28 +53,41 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
-from jaxpar.train.step import accumulate, clip_to_norm
+from jaxpar.parallel.zero import STACKS, all_gather_weight, refetch_policy
+from jaxpar.train.step import accumulate, apply_outside_gradient, clip_to_norm
 from jaxpar.train.strategy import Strategy
 
 AXIS = "tensor"
 DATA = "data"
+FSDP = "fsdp"
+BATCH = (DATA, FSDP)
 
 
-def _is_split(spec: P) -> bool:
-    return AXIS in jax.tree.leaves(tuple(spec))
+def _is_split(spec: P, axis: str = AXIS) -> bool:
+    return axis in jax.tree.leaves(tuple(spec))
+
+
+def _fsdp_dim(spec: P, stacked: bool) -> int:
+    """The dimension of a parameter split over `fsdp` as a layer uses it (-1: not split)."""
+    dim = next((d for d, entry in enumerate(spec) if FSDP in jax.tree.leaves(entry)), -1)
+    return dim - 1 if stacked and dim > 0 else dim
 
 
 class TensorTrainer(Strategy):
-    """Manual Megatron TP (+ SP) over `tensor`, DDP over `data`; checkpoints interchange with every trainer."""
+    """Manual Megatron TP (+ SP) over `tensor`, FSDP over `fsdp`, DDP over `data`; checkpoints interchange
+    with every trainer."""
 
     RUNS = {"tensor": ("manual",), "data": ("ddp",)}
 
     @classmethod
     def check(cls, config, sizes):
-        others = [f"mesh.{axis}={size}" for axis, size in sizes.items() if axis not in (AXIS, DATA) and size > 1]
+        others = [f"mesh.{axis}={size}" for axis, size in sizes.items() if axis not in (AXIS, DATA, FSDP) and size > 1]
         if others:
-            raise ConfigError("parallel.tensor", f"manual runs over mesh.tensor and mesh.data only, but "
+            raise ConfigError("parallel.tensor", f"manual runs over mesh.tensor, mesh.fsdp and mesh.data only, but "
                               f"{', '.join(others)}; set those axes to 1 or use parallel.tensor=auto")
+        if config.parallel.sequence and config.model.moe.experts:
+            raise ConfigError("parallel.sequence", "sequence parallelism does not split an MoE layer's routing "
+                              "(the router runs replicated over tensor); set parallel.sequence=false")
         if config.parallel.rules.strip():
             raise ConfigError("parallel.rules", "parallel.tensor=manual places every array itself (Megatron's "
                               "layout); leave parallel.rules empty or use parallel.tensor=auto")
@@ -70,7 +96,7 @@ class TensorTrainer(Strategy):
         """`regather=False` (lab only) keeps the gathered [b, s, h] input of each column-parallel layer for
         the backward pass instead of gathering it again: exactly TP's bytes, less memory saved."""
         super().__init__(config, model_cfg, mesh, donate)
-        self.t, self.d = int(mesh.shape[AXIS]), int(mesh.shape[DATA])
+        self.t, self.d, self.f = int(mesh.shape[AXIS]), int(mesh.shape[DATA]), int(mesh.shape[FSDP])
         if model_cfg.vocab_size % self.t:
             raise ConfigError("model.vocab_size", f"{model_cfg.vocab_size} is not divisible by mesh.tensor={self.t} "
                               "(the vocabulary-parallel embedding and head split it)")
@@ -83,26 +109,37 @@ class TensorTrainer(Strategy):
             self.ops = tensor_parallel_ops(self.ops, AXIS)
 
         abstract = jax.eval_shape(self._init_state)       # the same pytree as every trainer's
-        self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), (AXIS,))
+        self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), (AXIS, FSDP) if self.f > 1 else (AXIS,))
+        if self.f > 1:   # FSDP: every layer gathers its weights where it runs, and again in the backward pass
+            self.fsdp_dims = {name: jax.tree.map(lambda s, stacked=name in STACKS: _fsdp_dim(s, stacked), specs,
+                                                 is_leaf=lambda x: isinstance(x, P))
+                              for name, specs in self.param_specs.items()}
+            self.ops = self.ops.replace(fetch=self._gather)
+            self.policy = refetch_policy(self.policy)
         self.state_specs = self._state_layout(abstract, self.param_specs, replicated=P())
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs)
         self.param_shardings = self.state_shardings["params"]
-        self.batch_sharding = NamedSharding(mesh, P(DATA, None))
+        self.batch_sharding = NamedSharding(mesh, P(BATCH, None))
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
 
         replicated = NamedSharding(mesh, P())
         shard = partial(jax.shard_map, mesh=mesh, check_vma=False)   # every collective is written out
-        step = shard(self._local_step, in_specs=(self.state_specs, P(DATA, None)), out_specs=(self.state_specs, P()))
+        step = shard(self._local_step, in_specs=(self.state_specs, P(BATCH, None)), out_specs=(self.state_specs, P()))
         self.step_fn = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                                out_shardings=(self.state_shardings, replicated), donate_argnums=self.donate_argnums)
-        evaluate = shard(self._local_eval, in_specs=(self.param_specs, P(DATA, None)), out_specs=P())
+        evaluate = shard(self._local_eval, in_specs=(self.param_specs, P(BATCH, None)), out_specs=P())
         self.eval_fn = jax.jit(evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
                                out_shardings=replicated)
         # (loss, mean gradient) of a batch in the state's layout: for tests and the lab, not the loop
-        grads = shard(self._local_grads, in_specs=(self.param_specs, P(DATA, None)), out_specs=(P(), self.param_specs))
+        grads = shard(self._local_grads, in_specs=(self.param_specs, P(BATCH, None)), out_specs=(P(), self.param_specs))
         self.grad_fn = jax.jit(grads)
 
     # ---------------------------------------------------------------- per-device program
+    def _gather(self, name, shards):
+        """Ops.fetch under FSDP: all-gather over `fsdp` (backward: reduce-scatter) what rests split on it."""
+        return jax.tree.map(lambda w, dim: w if dim < 0 else all_gather_weight(w, dim, FSDP), shards,
+                            self.fsdp_dims[name])
+
     def _local_grads(self, params, tokens):
         """Loss and gradient of the whole batch on this device's shards: Megatron's collectives inside the
         forward and backward pass, then SP's norm-weight sums over `tensor` and DDP's mean over `data`."""
@@ -112,15 +149,20 @@ class TensorTrainer(Strategy):
         if self.sequence:   # a replicated weight used on s/t tokens: each device holds a partial gradient
             grads = jax.tree.map(lambda g, spec: g if _is_split(spec) else jax.lax.psum(g, AXIS),
                                  grads, self.param_specs)
-        return jax.lax.pmean(metrics, DATA), jax.lax.pmean(grads, DATA)   # ALL-REDUCE over data (DDP)
+        if self.f > 1:      # split leaves were reduce-scattered in the backward pass; the others are summed here
+            grads = jax.tree.map(lambda g, spec: (g if _is_split(spec, FSDP) else jax.lax.psum(g, FSDP)) / self.f,
+                                 grads, self.param_specs)
+        return jax.lax.pmean(metrics, BATCH), jax.lax.pmean(grads, DATA)   # ALL-REDUCE over data (DDP)
 
     def _global_norm(self, grads):
-        """L2 norm of the whole gradient: split leaves summed over `tensor`, replicated ones counted once."""
-        square = lambda leaves: sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves), jnp.float32(0))
+        """L2 norm of the whole gradient: each leaf's square summed over the axes it is split on (tensor,
+        fsdp), replicated ones counted once."""
+        groups = {}
         flat, specs = jax.tree.leaves(grads), jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, P))
-        split = square(g for g, s in zip(flat, specs) if _is_split(s))
-        whole = square(g for g, s in zip(flat, specs) if not _is_split(s))
-        return jnp.sqrt(jax.lax.psum(split, AXIS) + whole)
+        for g, spec in zip(flat, specs):
+            axes = tuple(a for a in (AXIS, FSDP) if _is_split(spec, a))
+            groups[axes] = groups.get(axes, jnp.float32(0)) + jnp.sum(jnp.square(g.astype(jnp.float32)))
+        return jnp.sqrt(sum(jax.lax.psum(total, axes) if axes else total for axes, total in groups.items()))
 
     def _local_step(self, state, tokens):
         params = state["params"]
@@ -128,9 +170,10 @@ class TensorTrainer(Strategy):
         norm = self._global_norm(grads)
         grads = clip_to_norm(grads, norm, self.config.train.grad_clip)   # by the true global norm
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], params)
-        params = optax.apply_updates(params, updates)
+        params = apply_outside_gradient(state["params"], optax.apply_updates(params, updates), metrics,
+                                        self.model_cfg)   # the MoE router's aux-free bias (replicated)
         metrics = {**metrics, "grad_norm": norm}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def _local_eval(self, params, tokens):
-        return jax.lax.pmean(cross_entropy_and_aux(params, tokens, self.model_cfg, self.ops)[0], DATA)
+        return jax.lax.pmean(cross_entropy_and_aux(params, tokens, self.model_cfg, self.ops)[0], BATCH)

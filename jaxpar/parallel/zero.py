@@ -89,21 +89,27 @@ STAGES = {"ddp": ddp_step, "zero1": zero1_step, "zero2": zero2_step, "zero3": ze
 
 # ============================================================================ the weight fetches
 
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def all_gather_weight(shard, dim, axis):
+    """ZeRO-3's / FSDP's pair of collectives over `axis`: forward all-gathers the weight, backward
+    reduce-scatters its gradient (the sum over `axis`; the caller divides by the axis size)."""
+    return jax.lax.all_gather(shard, axis, axis=dim, tiled=True)
+
+
+def _gather_fwd(shard, dim, axis):
+    return all_gather_weight(shard, dim, axis), None
+
+
+def _gather_bwd(dim, axis, _, full_grad):
+    return (jax.lax.psum_scatter(full_grad, axis, scatter_dimension=dim, tiled=True),)
+
+
+all_gather_weight.defvjp(_gather_fwd, _gather_bwd)
+
+
 def gather_weight(shard, dim):
-    """ZeRO-3's pair of collectives: forward all-gathers the weight, backward reduce-scatters its gradient."""
-    return jax.lax.all_gather(shard, AXIS, axis=dim, tiled=True)
-
-
-def _gather_fwd(shard, dim):
-    return gather_weight(shard, dim), None
-
-
-def _gather_bwd(dim, _, full_grad):
-    return (jax.lax.psum_scatter(full_grad, AXIS, scatter_dimension=dim, tiled=True),)
-
-
-gather_weight.defvjp(_gather_fwd, _gather_bwd)
+    """ZeRO-3's fetch over `data`."""
+    return all_gather_weight(shard, dim, AXIS)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

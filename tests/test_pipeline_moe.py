@@ -1,0 +1,115 @@
+"""MoE inside the pipelines against one device: aux losses, router statistics and the aux-free bias update.
+
+A pipeline with m microbatches (and train.microbatches = a) is one device accumulating over the same a·m
+strided microbatches: the balance loss multiplies two batch means, so it depends on the microbatching and
+nothing else may differ. The linear statistics (routed and dropped fractions, entropy, z) do not: step 1's
+telemetry per layer equals the plain single device's. A representative subset runs here (1F1B with
+data, GPipe with expert x fsdp, accumulation and rules, circular with virtual stages); lab 03's
+`moe` part runs every schedule.
+"""
+import jax
+import numpy as np
+import pytest
+from synthetic import counting_batches
+
+from jaxpar.config import ConfigError, apply_overrides, load_config
+from jaxpar.mesh import make_mesh
+from jaxpar.model.transformer import ModelConfig, loss
+from jaxpar.parallel.registry import make_trainer, select
+
+STEPS, VOCAB = 3, 512
+FAST = {"xla_backend_optimization_level": 0}        # the same HLO compiled at -O0: same numbers, faster
+MOE = ["train.warmup_steps=1", "model.layers=6", "model.moe.experts=4", "model.moe.top_k=2",
+       "model.moe.dense_layers=2", "model.moe.router=sigmoid", "model.moe.bias_rate=0.01",
+       "model.moe.balance_loss=0.1", "model.moe.z_loss=0.01"]
+CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's train.microbatches
+    "1f1b data=2 x pipe=2": (["mesh.data=2", "mesh.pipe=2", "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"], 4),
+    "gpipe fsdp=2 x pipe=2 x expert=2, accumulation 2, rules": (
+        ["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.expert=2", "parallel.expert=manual",
+         "parallel.pipe=gpipe", "parallel.pipe_microbatches=2", "train.microbatches=2", "parallel.rules=embed="], 8),
+    "circular data=2 x pipe=2 v=2": (["mesh.data=2", "mesh.pipe=2", "parallel.pipe=circular",
+                                      "parallel.pipe_virtual=2", "parallel.pipe_microbatches=4"], 4),
+}
+
+
+def make_config(overrides):
+    config = load_config("configs/test.py")
+    apply_overrides(config, MOE + overrides)
+    return config
+
+
+def train(overrides, devices: int, initial=None):
+    """Metrics of STEPS steps (host arrays) and the final params, from `initial` (host) if given."""
+    config = make_config(overrides)
+    trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:devices]))
+    with jax.set_mesh(trainer.mesh):
+        step = trainer.lower_step().compile(compiler_options=FAST)
+        state = trainer.init_state() if initial is None else jax.device_put(initial, trainer.state_shardings)
+        first = jax.device_get(state)
+        metrics = []
+        for batch in counting_batches(config, STEPS, VOCAB):
+            state, m = step(state, jax.device_put(batch, trainer.batch_sharding))
+            metrics.append(jax.device_get(m))
+    return {k: np.array([m[k] for m in metrics]) for k in metrics[0]}, jax.device_get(state["params"]), first
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    metrics, params, initial = train(["mesh.data=1", "train.microbatches=4"], 1)
+    assert metrics["loss"][-1] < metrics["loss"][0]
+    assert np.abs(params["moe_blocks"]["router_bias"]).max() > 0          # the bias update ran
+    return metrics, params, initial
+
+
+@pytest.fixture(scope="module")
+def runs(oracle):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            overrides, devices = CASES[name]
+            cache[name] = train(overrides, devices, oracle[2])
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_pipeline_matches_one_device_accumulating_its_microbatches(name, runs, oracle):
+    """Every metric (loss, cross-entropy, each aux loss, each statistic per layer, the gradient norm) at 1e-4
+    every step, and the final params, aux-free router bias included."""
+    metrics, params, _ = runs(name)
+    assert set(metrics) == set(oracle[0])
+    for key, want in oracle[0].items():
+        np.testing.assert_allclose(metrics[key], want, rtol=1e-4, atol=1e-7, err_msg=key)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(oracle[1])):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
+
+
+def test_pipeline_telemetry_per_layer_equals_the_single_device_step(runs, oracle):
+    """Step 1's routed / dropped fractions, entropy and z per MoE layer (stacked in the model's layer order
+    across the stages) equal the plain single device's forward on the whole batch (no microbatches)."""
+    metrics, _, _ = runs("1f1b data=2 x pipe=2")
+    config = make_config([])
+    batch = counting_batches(config, 1, VOCAB)[0]
+    model_cfg = ModelConfig.from_config(config.model, VOCAB)
+    _, want = jax.jit(lambda p, t: loss(p, t, model_cfg))(oracle[2]["params"], batch)
+    assert metrics["moe_routed"].shape == (STEPS, 4, 4)                    # [steps, MoE layers, experts]
+    for key in ("moe_routed", "moe_dropped", "moe_entropy", "moe_z", "ce_loss"):
+        np.testing.assert_allclose(metrics[key][0], np.asarray(want[key]), rtol=1e-4, atol=1e-7, err_msg=key)
+    assert len({tuple(np.round(layer, 6)) for layer in metrics["moe_routed"][0]}) == 4   # each layer its own
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b"], "mesh.tensor"),
+    (["mesh.data=2", "mesh.pipe=2", "mesh.expert=2", "parallel.pipe=1f1b"], "parallel.expert"),
+    (["mesh.data=4", "mesh.pipe=2", "parallel.pipe=1f1b", "parallel.rules=embed=data"], "parallel.rules"),
+    (["mesh.data=4", "mesh.pipe=2", "parallel.pipe=1f1b", "model.moe.dense_layers=1"], "model.moe.dense_layers"),
+    (["mesh.data=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=3"], "parallel.pipe_microbatches"),
+])
+def test_what_the_moe_pipeline_cannot_run_is_one_config_error(overrides, field):
+    config = make_config(overrides)
+    sizes = {"data": 1, "fsdp": 1, "pipe": 1, "expert": 1, "tensor": 1}
+    sizes.update({a: int(config.mesh[a]) for a in sizes if int(config.mesh[a]) > 0})
+    with pytest.raises(ConfigError) as error:
+        select(config, sizes)
+    assert error.value.field == field, str(error.value)
