@@ -141,11 +141,11 @@ def markdown(spec: dict, rows: list[dict], rho: float, missing: list[str]) -> st
              f"{spec['cluster']}; global batch {spec['global_batch']} x {spec['seq_len']} tokens; each array task "
              f"trained {spec['steps']} steps after one warm-up (median step, wall clock).", "",
              "| measured rank | planner's rank | strategy | predicted s | measured s (min-max) | measured / predicted "
-             "| memory GB predicted / compiled |", "|---:|---:|---|---:|---:|---:|---|"]
+             "| memory MB predicted / compiled |", "|---:|---:|---|---:|---:|---:|---|"]
     for rank, r in enumerate(by_measured, 1):
         lines.append(f"| {rank} | {r['index'] + 1} | {r['strategy']} | {r['predicted_step_s']:.4f} | "
                      f"{r['step_s']:.4f} ({min(r['times_s']):.4f}-{max(r['times_s']):.4f}) | {r['ratio']:.2f} | "
-                     f"{r['predicted_memory'] / 1e9:.3f} / {r['memory_compiled'] / 1e9:.3f} |")
+                     f"{r['predicted_memory'] / 1e6:,.1f} / {r['memory_compiled'] / 1e6:,.1f} |")
     verdict = ("the planner's choice is also the fastest measured" if best["index"] == 0 else
                f"the fastest measured is the planner's #{best['index'] + 1}, {best['strategy']}: choose it")
     spread = statistics.median(r["ratio"] for r in rows)
