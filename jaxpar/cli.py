@@ -43,6 +43,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDRESS",
+                   help="address the metrics server binds (default 127.0.0.1, this machine only; 0.0.0.0: every "
+                        "interface, for a Prometheus on another host; the endpoint has no authentication)")
     p.add_argument("--metrics-linger", type=non_negative_seconds, default=0.0, metavar="SECONDS",
                    help="keep serving the final metrics this long after training (so the last scrape sees them)")
 
@@ -267,13 +270,14 @@ def check_started(args) -> None:
         import jax
 
         from jaxpar.checks import port_free
-        port_free(args.metrics_port + jax.process_index(), "--metrics-port", getattr(args, "metrics_host", "0.0.0.0"))
+        port_free(args.metrics_port + jax.process_index(), "--metrics-port", args.metrics_host)
 
 
 def cmd_train(args) -> int:
     from jaxpar.train.loop import train
     train(args.config_loaded, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
-          metrics_port=args.metrics_port, metrics_linger_s=args.metrics_linger)
+          metrics_port=args.metrics_port, metrics_linger_s=args.metrics_linger, metrics_host=args.metrics_host,
+          restart=args.auto_resume and not args.resume)
     return 0
 
 
@@ -345,7 +349,14 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    from jaxpar.train.preemption import listen_from_start, stop_listening
+    if argv[:1] == ["train"]:       # from the first line, before parsing: a preemption notice is kept, not fatal
+        listen_from_start()
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except BaseException:
+        stop_listening()
+        raise
     try:
         check(args)
         if args.subcommand not in LOCAL_COMMANDS:
@@ -368,6 +379,8 @@ def main(argv=None) -> int:
             traceback.print_exc()
             _exit(1)
         raise
+    finally:
+        stop_listening()
 
 
 def _multi_process() -> bool:

@@ -13,9 +13,14 @@ peer), Ctrl-C stops them all, and an optional timeout bounds the whole run.
 
 Like torchrun's elastic agent, `--max-restarts K` then starts every process
 again, up to K times, and a `train` command resumes from its last checkpoint
-(`--auto-resume`). SIGTERM or SIGUSR1 to the launcher is a preemption notice: it
+(`--auto-resume`). An attempt that ends with exit status 2 (bad input, refused before
+any work: the same command would fail the same way) is not restarted. SIGTERM or
+SIGUSR1 to the launcher is a preemption notice: it
 is passed on to the children as SIGTERM, and the launcher waits for them to save
 and exit (up to `--preempt-grace` seconds) instead of killing them mid-save.
+
+The coordinator listens on 127.0.0.1 only (`JAX_COORDINATOR_BIND_ADDRESS`): JAX would
+otherwise bind every interface, and its service has no authentication.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ _POLL_S = 0.05
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_TIMEOUT = 124       # what coreutils `timeout` returns
 EXIT_TERMINATED = 143    # 128 + SIGTERM
+EXIT_BAD_INPUT = 2       # jaxpar's "refused before starting": deterministic, never worth a restart
+COORDINATOR_HOST = "127.0.0.1"
 
 
 class _Terminated(Exception):
@@ -184,6 +191,12 @@ def launch(
                               attempt, deadline, timeout, out, lock, grace, preempt_grace)
             if status in (0, EXIT_TIMEOUT, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_PREEMPTED):
                 return status
+            if status == EXIT_BAD_INPUT:
+                with lock:
+                    out.write("jaxpar launch: a process refused its input (exit 2); not restarting: "
+                              "the same command would fail the same way\n")
+                    out.flush()
+                return status
             with lock:
                 if attempt < max_restarts:
                     out.write(f"jaxpar launch: a process exited with code {status}; stopped the others; "
@@ -207,7 +220,8 @@ def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, pr
         for i in range(nproc):
             env = dict(os.environ)
             env.update({
-                ENV_COORDINATOR: f"127.0.0.1:{port}",
+                ENV_COORDINATOR: f"{COORDINATOR_HOST}:{port}",
+                "JAX_COORDINATOR_BIND_ADDRESS": f"{COORDINATOR_HOST}:{port}",
                 ENV_NUM_PROCESSES: str(nproc),
                 ENV_PROCESS_ID: str(i),
                 ENV_RESTARTS: str(attempt),

@@ -6,7 +6,8 @@ collective. With `raise`, process 1 raises an uncaught exception instead.
 With `crash`, process 1 exits with code 3 right after joining,
 while process 0 goes on into the collective and would wait there for its peer
 (until gloo gives up after 30 s). With `sleep`, each process only prints its pid
-and sleeps, for the timeout and Ctrl-C tests.
+and sleeps, for the timeout and Ctrl-C tests. With `refuse`, every process exits 2 at once
+(bad input). With `listen`, process 0 prints the addresses its coordinator listens on.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ def main(argv: list[str]) -> int:
     cpu_devices = int(argv[argv.index("--cpu-devices") + 1]) if "--cpu-devices" in argv else None
     crash = "crash" in argv
     raises = "raise" in argv
+    if "refuse" in argv:   # bad input: refused before any work
+        print("error: --set: refused", flush=True)
+        return 2
     if "sleep" in argv:   # for the timeout and Ctrl-C tests: never touches JAX
         print(f"sleeping pid={os.getpid()}", flush=True)
         time.sleep(120)
@@ -36,6 +40,11 @@ def main(argv: list[str]) -> int:
 
     print(f"process={jax.process_index()}/{jax.process_count()} "
           f"devices={jax.device_count()} local={jax.local_device_count()}", flush=True)
+    if "listen" in argv:
+        if jax.process_index() == 0:
+            port = int(os.environ["JAXPAR_COORDINATOR"].rsplit(":", 1)[1])
+            print(f"coordinator listens on {' '.join(listening(port))}", flush=True)
+        return 0
     if crash and jax.process_index() == 1:
         print("crashing", flush=True)
         # os._exit, not sys.exit: sys.exit runs JAX's atexit hook, whose
@@ -55,6 +64,23 @@ def main(argv: list[str]) -> int:
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
     print(f"sum={float(total):g}", flush=True)
     return 0
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses of TCP sockets listening on `port` (from /proc/net/tcp and tcp6), e.g. 127.0.0.1."""
+    import ipaddress
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:   # 0A: LISTEN
+                    raw = bytes.fromhex(address)   # little-endian 32-bit words
+                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    address = ipaddress.ip_address(raw)
+                    found.append(str(getattr(address, "ipv4_mapped", None) or address))   # ::ffff:a.b.c.d
+    return found
 
 
 if __name__ == "__main__":

@@ -305,7 +305,7 @@ def _cli(capsys, tmp_path, *sets):
     (["model.layers=4", "mesh.pipe=2", "parallel.pipe=interleaved", "parallel.pipe_virtual=3"],
      "parallel.pipe_virtual"),                                                               # v does not divide
     (["model.layers=4", "mesh.pipe=2"], "parallel.pipe"),                                     # auto: not a pipeline
-    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=8"],
+    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=4"],
      "parallel.pipe_microbatches"),                                                          # a·m rows > 16 / data
 ])
 def test_bad_pipeline_input_exits_2_with_one_line(capsys, tmp_path, sets, field):

@@ -1,7 +1,8 @@
 """Metrics sinks of the training loop: a Prometheus exporter and an optional TensorBoard writer.
 
 The exporter serves http://<host>:<port + process index>/metrics (prometheus_client),
-one target per process, each series labelled `process`. The metric names below are
+bound to loopback unless asked otherwise (`jaxpar train --metrics-host`: the endpoint
+has no authentication, so exposing it is an explicit choice), one target per process, each series labelled `process`. The metric names below are
 the ones the Prometheus config and the Grafana dashboard (jaxpar/cluster/dashboard.py)
 query. TensorBoard events go to <run_dir>/tensorboard from process 0 (tensorboardX,
 the `ops` extra).
@@ -18,7 +19,7 @@ SAVE_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.
 
 
 class PrometheusExporter:
-    def __init__(self, port: int, process: int, addr: str = "0.0.0.0"):
+    def __init__(self, port: int, process: int, addr: str = "127.0.0.1"):
         from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
         self.registry = CollectorRegistry()
@@ -44,8 +45,8 @@ class PrometheusExporter:
         try:
             self.server, self.thread = start_http_server(port + process, addr=addr, registry=self.registry)
         except OSError as err:
-            raise ConfigError("--metrics-port", f"cannot listen on port {port + process} "
-                              f"({err.strerror}); choose another port") from None
+            raise ConfigError("--metrics-port", f"cannot listen on {addr} port {port + process} "
+                              f"({err.strerror}); choose another port or --metrics-host") from None
         for metric in (self.step, self.loss, self.tokens, self.mfu, self.restarts, self.goodput, self.wall):
             metric.labels(self.process)   # every series exists from the start (0 until set)
 
@@ -112,8 +113,10 @@ class TensorBoardWriter:
 class Sinks:
     """Every metrics sink the run asked for, behind one interface the loop calls."""
 
-    def __init__(self, metrics_port: int | None, tensorboard_dir: Path | None, process: int):
-        self.prometheus = PrometheusExporter(metrics_port, process) if metrics_port else None
+    def __init__(self, metrics: int | tuple[int | None, str] | None, tensorboard_dir: Path | None, process: int):
+        """`metrics`: the exporter's port, or (port, bind address); None or port None: no exporter."""
+        port, host = metrics if isinstance(metrics, tuple) else (metrics, "127.0.0.1")
+        self.prometheus = PrometheusExporter(port, process, host) if port else None
         self.tensorboard = TensorBoardWriter(tensorboard_dir) if tensorboard_dir else None
 
     def log(self, step: int, record: dict) -> None:

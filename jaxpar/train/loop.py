@@ -76,20 +76,34 @@ class MetricsLog:
 
 
 def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrite: bool = False,
-          profile: str | None = None, metrics_port: int | None = None, metrics_linger_s: float = 0.0) -> dict:
+          profile: str | None = None, metrics_port: int | None = None, metrics_linger_s: float = 0.0,
+          metrics_host: str = "127.0.0.1", restart: bool = False) -> dict:
     """Train per `config`; returns a summary (losses, timings, goodput, run directory).
 
     `profile`: "START:END" traces those steps with jax.profiler into the run directory.
     `metrics_port`: serve Prometheus metrics on this port + the process index (`metrics_linger_s` more
-    seconds after the end, so that the last scrape sees the final values).
-    Raises `Preempted` after saving on SIGTERM/SIGUSR1 and `NonFiniteError` on bad numbers.
+    seconds after the end, so that the last scrape sees the final values), bound to `metrics_host` (loopback
+    by default: the endpoint has no authentication).
+    Raises `Preempted` after saving on SIGTERM/SIGUSR1, `NonFiniteError` on bad numbers, `SaveFailed` when a
+    checkpoint cannot be written. `restart`: the run directory may hold this run's config and no checkpoint
+    (a run that stopped before its first save, started again by `--auto-resume`): it starts again from step 0.
     """
     entered = time.time()
+    with Preemption() as preemption:   # from the first line: a notice during start-up is not lost
+        return _train(config, run_dir, resume, overwrite, restart, profile, (metrics_port, metrics_host),
+                      metrics_linger_s, entered, preemption)
+
+
+def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address, metrics_linger_s, entered,
+           preemption) -> dict:
+    """`train` once its preemption handlers are in place."""
     window = parse_window(profile, config.train.steps)
     run_dir = Path(run_dir) if run_dir else default_run_dir(config.name)
-    check_run_dir(run_dir, resume, overwrite)
-    saved_config = json.loads((run_dir / "config.json").read_text()) if resume else None
-    if resume:
+    restart = check_run_dir(run_dir, resume, overwrite, restart)
+    if restart:
+        say(f"no checkpoint in {run_dir}: the run stopped before its first save; starting it again from step 0")
+    saved_config = json.loads((run_dir / "config.json").read_text()) if resume or restart else None
+    if saved_config is not None:
         check_resume_config(config, saved_config)
     mesh = make_mesh(config)  # validates the config against the devices before any compile
     select(config, dict(mesh.shape))  # the strategy exists and accepts this config
@@ -100,11 +114,12 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     trainer = make_trainer(config, model_cfg, mesh)
     # Every input is checked; only now does anything touch the run directory.
     multihost_utils.sync_global_devices("jaxpar-inputs-checked")
+    preemption.stop_if_requested("before the run directory was written")
     if is_main():
         if overwrite and run_dir.exists() and not resume:
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        if resume and json.loads(to_json(config)) != saved_config:  # e.g. more steps: keep the old file
+        if saved_config is not None and json.loads(to_json(config)) != saved_config:  # e.g. more steps: keep it
             (run_dir / "config.json").rename(run_dir / f"config.before-resume-{int(time.time())}.json")
         (run_dir / "config.json").write_text(to_json(config))
         data.tokenizer.save(str(run_dir / "tokenizer.json"))
@@ -135,18 +150,18 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
         state = trainer.init_state()
     # The data position is global: the run continues at global batch `start`, whatever the process count.
     iterator = iter(train_dataset(data.train, config.train.batch_size, config.data.shuffle_seed, rows, start))
-    metrics_log = MetricsLog(run_dir / "metrics.jsonl", start if resume else None)
-    goodput = Goodput(run_dir / "goodput.json", start if resume else None, write=is_main(), entered=entered)
-    sinks = Sinks(metrics_port, run_dir / "tensorboard" if config.train.tensorboard and is_main() else None,
+    continued = start if resume or restart else None   # a restart from step 0 drops what the lost attempt logged
+    metrics_log = MetricsLog(run_dir / "metrics.jsonl", continued)
+    goodput = Goodput(run_dir / "goodput.json", continued, write=is_main(), entered=entered)
+    sinks = Sinks(metrics_address, run_dir / "tensorboard" if config.train.tensorboard and is_main() else None,
                   jax.process_index())
     guard = NonFiniteGuard(config.train.max_bad_steps)
-    preemption = Preemption()
     goodput.add("startup_compile", time.time() - goodput.start)
     try:
+        preemption.stop_if_requested(f"before step {start + 1}")
         return _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, validation, checkpoints,
                      metrics_log, goodput, sinks, guard, preemption, window, counts, peak)
     finally:
-        preemption.close()
         checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
         sinks.close(metrics_linger_s)
 
@@ -228,6 +243,7 @@ def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, val
                     metrics_log.write({"step": step, "val_loss": val_loss})
                     sinks.log(step, {"val_loss": val_loss})
                 if save:
+                    guard.check_state(step, state)   # nor an exploded one
                     save_start = time.perf_counter()
                     checkpoints.save(step, state, t.batch_size)
                     saved_s = time.perf_counter() - save_start

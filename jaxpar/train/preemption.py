@@ -5,53 +5,104 @@ A batch system announces the end of an allocation with a signal (Slurm's
 period ends). The loop finishes its current step, writes a checkpoint, and exits with
 EXIT_PREEMPTED; the next start of the job resumes from that checkpoint.
 
-Every process must stop at the same step or the ones that go on wait forever in a
+The notice can come at any moment, also while the job starts (joining the other
+processes, loading data, restoring, compiling): `jaxpar train` listens from its first
+line (`listen_from_start`), and `train` looks again before it touches the run
+directory and before its first step. A notice there ends the run with EXIT_PREEMPTED
+and saves nothing, as nothing new exists to save.
+
+Every process must stop at the same point or the ones that go on wait forever in a
 collective. In a multi-process job JAX's own preemption service does this: it turns
-SIGTERM into a notice that `reached_preemption_sync_point` reports on every process
-at the same step. SIGUSR1 is passed on to it as SIGTERM. A single process just sets a flag.
+SIGTERM into a notice that `reached_preemption_sync_point` reports on every process at
+the same call; SIGUSR1 is passed on to it as SIGTERM. The service agrees on "the next
+call after the fastest process's last one", so the calls are counted here (every
+process makes the same calls in the same order), not numbered by training step: a
+notice before the first call would otherwise name call 1 and a resumed run, whose
+steps start later, would never reach it. A single process just sets a flag.
 """
 from __future__ import annotations
 
 import os
 import signal
 
-import jax
-from jax.experimental import multihost_utils
-
 from jaxpar.cluster.env import EXIT_PREEMPTED
+
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+_early = {"requested": False, "previous": {}}   # what listen_from_start has seen and replaced
 
 
 class Preempted(Exception):
-    """The run saved a checkpoint after a preemption signal and stopped; the message is one line."""
+    """The run stopped after a preemption signal (saving first if it had anything new); the message is one line."""
 
     exit_code = EXIT_PREEMPTED
 
 
+def listen_from_start() -> None:
+    """Record a preemption notice from now on (the first line of `jaxpar train`, before JAX starts);
+    `Preemption` takes the notice and the handlers over."""
+    def early(signum, frame):
+        _early["requested"] = True
+
+    for sig in SIGNALS:
+        try:
+            _early["previous"].setdefault(sig, signal.signal(sig, early))
+        except ValueError:   # not the main thread
+            pass
+
+
+def stop_listening() -> None:
+    """Undo `listen_from_start` when no `Preemption` took over (the command ended before training)."""
+    for sig, handler in _early["previous"].items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+    _early.update(requested=False, previous={})
+
+
 class Preemption:
-    """Install the signal handlers for the life of a training loop (main thread only)."""
+    """Install the signal handlers for the life of a training run (main thread only); a context manager."""
 
     def __init__(self):
-        self.requested = False
+        import jax
+        self.requested, _early["requested"] = _early["requested"], False
         self.multi_process = jax.process_count() > 1
-        self._previous = {}
-        for sig in (signal.SIGUSR1,) if self.multi_process else (signal.SIGUSR1, signal.SIGTERM):
+        self.calls = 0
+        self._previous, _early["previous"] = dict(_early["previous"]), {}
+        for sig in (signal.SIGUSR1,) if self.multi_process else SIGNALS:
             try:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+                self._previous.setdefault(sig, signal.signal(sig, self._on_signal))
             except ValueError:   # not the main thread (e.g. a test runs the loop in a thread)
                 pass
+        if self.multi_process:
+            self._previous.pop(signal.SIGTERM, None)   # JAX's notifier holds SIGTERM now: leave it there
+            if self.requested:
+                os.kill(os.getpid(), signal.SIGTERM)   # a notice from before JAX started: pass it on
 
     def _on_signal(self, signum, frame) -> None:
         self.requested = True
         if self.multi_process and signum != signal.SIGTERM:
             os.kill(os.getpid(), signal.SIGTERM)   # JAX's preemption notifier listens for SIGTERM
 
-    def reached(self, step: int) -> bool:
-        """True on every process at the same step once any of them was signalled."""
+    def reached(self, step: int | None = None) -> bool:
+        """True on every process at the same call once any of them was signalled (`step`: for the reader)."""
+        self.calls += 1
         if self.multi_process:
-            return multihost_utils.reached_preemption_sync_point(step)
+            from jax.experimental import multihost_utils
+            return multihost_utils.reached_preemption_sync_point(self.calls)
         return self.requested
+
+    def stop_if_requested(self, stage: str) -> None:
+        """During start-up: raise `Preempted` (nothing saved: there is nothing new) once a notice came."""
+        if self.reached():
+            raise Preempted(f"preempted during start-up ({stage}); nothing new to save, nothing saved; "
+                            "start the run again to continue it")
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self._previous = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

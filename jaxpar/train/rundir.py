@@ -25,17 +25,29 @@ def default_run_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{datetime.fromtimestamp(stamp).strftime('%Y%m%d-%H%M%S')}"
 
 
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to clobber a run, or to resume one that has nothing to resume."""
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool, restart: bool = False) -> bool:
+    """Refuse to clobber a run, or to resume one that has nothing to resume.
+
+    `restart` (`--auto-resume` found no checkpoint): a run directory holding a config.json and no saved step
+    is a run that stopped before its first checkpoint; it may start again from step 0 (the caller compares
+    the configs). Returns True when that is the case."""
     writable_dir(run_dir, "--run-dir")
     exists = run_dir.exists() and any(run_dir.iterdir())
     if resume:
         if not (run_dir / "config.json").is_file() or not (run_dir / "checkpoints").is_dir():
             raise ConfigError("--resume", f"no checkpoint in '{run_dir}'; give the run directory of an "
                               "earlier run (--run-dir) or start a new run without --resume")
+    elif restart and exists and (run_dir / "config.json").is_file() and not _saved_steps(run_dir):
+        return True
     elif exists and not overwrite:
         raise ConfigError("--run-dir", f"'{run_dir}' already holds a run; pass --resume to continue it "
                           "or --overwrite to replace it")
+    return False
+
+
+def _saved_steps(run_dir: Path) -> list[str]:
+    checkpoints = run_dir / "checkpoints"
+    return [p.name for p in checkpoints.iterdir() if p.name.isdigit()] if checkpoints.is_dir() else []
 
 
 def _without_free(values: dict) -> dict:
