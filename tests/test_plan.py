@@ -336,7 +336,8 @@ def test_dry_run_reports_the_calibrated_step(tmp_path):
     host = probe_host()
     expected = predict_config(c, r["mesh"], c.model.vocab_size, cpu_cluster(8, {}, host.fp32_flops, host.hbm_bw,
                                                                              host.hbm_bytes or 16e9),
-                              Calibration(compute=1.0, overlap=0.0, memory=1.0))
+                              Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0,
+                                          layer_overhead_s=0.0))
     assert r["time"]["calibrated"]["step_s"] == pytest.approx(expected.total_s)
     text = markdown_report(r)
     assert "The planner's step model (jaxpar.plan) for these 8 virtual CPU devices:" in text
