@@ -19,7 +19,7 @@ from jaxpar.plan.memory import PIPELINE_EXTRA_SLOTS, memory
 from jaxpar.plan.planner import defence, plan, smallest_cluster
 from jaxpar.plan.shape import ModelShape
 from jaxpar.plan.space import Candidate, candidate_from_config, enumerate_candidates
-from jaxpar.plan.steptime import GPU_CALIBRATION, bubble_fraction, executed_flops_per_token, step_time
+from jaxpar.plan.steptime import bubble_fraction, executed_flops_per_token, step_time
 from jaxpar.plan.verify import candidate_config, candidate_overrides, verify
 
 ROOT = Path(__file__).resolve().parent.parent

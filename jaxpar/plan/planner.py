@@ -14,8 +14,8 @@ import dataclasses
 
 from jaxpar.config import ConfigError
 from jaxpar.plan.cluster import Cluster
-from jaxpar.plan.layouts import apply_layout, layout_flows
 from jaxpar.plan.comm import bytes_by_axis, flows
+from jaxpar.plan.layouts import apply_layout, layout_flows
 from jaxpar.plan.memory import Memory, memory, stored_params
 from jaxpar.plan.shape import ModelShape
 from jaxpar.plan.space import Candidate, enumerate_candidates
