@@ -307,6 +307,10 @@ def _cli(capsys, tmp_path, *sets):
     (["model.layers=4", "mesh.pipe=2"], "parallel.pipe"),                                     # auto: not a pipeline
     (["model.layers=4", "mesh.pipe=2", "parallel.pipe=gpipe", "train.microbatches=4"],
      "parallel.pipe_microbatches"),                                                          # a·m rows > 16 / data
+    (["model.layers=4", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=2"],
+     "parallel.pipe_microbatches"),                                                          # DualPipeV: m < 2p
+    (["model.layers=4", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b", "parallel.tensor=manual",
+      "parallel.sequence=true"], "parallel.sequence"),                                       # no SP in the stages
 ])
 def test_bad_pipeline_input_exits_2_with_one_line(capsys, tmp_path, sets, field):
     code, err = _cli(capsys, tmp_path, *sets)

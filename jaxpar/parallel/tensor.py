@@ -142,7 +142,8 @@ class TensorTrainer(Strategy):
 
     def _local_grads(self, params, tokens):
         """Loss and gradient of the whole batch on this device's shards: Megatron's collectives inside the
-        forward and backward pass, then SP's norm-weight sums over `tensor` and DDP's mean over `data`."""
+        forward and backward pass (FSDP's reduce-scatters too), then SP's norm-weight sums over `tensor`, the
+        unsplit weights' sums over `fsdp` and DDP's mean over `data`."""
         objective = partial(loss, cfg=self.model_cfg, ops=self.ops, remat_policy=self.policy)
         (_, metrics), grads = accumulate(jax.value_and_grad(objective, has_aux=True), params, tokens,
                                          self.microbatches)
