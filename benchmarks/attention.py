@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     from jaxpar.kernels.flash_attention import attention_reference
+    from jaxpar.kernels.kernel_ops import library_attention
     from jaxpar.measure.hardware import peak_flops_per_device
-    from jaxpar.model.kernel_ops import library_attention
     from jaxpar.model.ops import dot_attention
 
     gpu = jax.default_backend() == "gpu"

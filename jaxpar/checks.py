@@ -76,3 +76,14 @@ def sample_arguments(run_dir, prompt: str, max_tokens: int, temperature: float, 
         if top_k > vocab:
             raise ConfigError("--top-k", f"is {top_k} but the run's vocabulary has {vocab} tokens; "
                               f"give 0 (every token) or 1..{vocab}")
+
+
+def add_config_arguments(p: argparse.ArgumentParser, *, config_help: str | None = None, default: str | None = None,
+                         set_help: str | None = None, config: bool = True) -> None:
+    """`--config FILE` and `--set FIELD=VALUE` (repeatable, into `overrides`), the same in every command; a command
+    says what its default config is (`config_help`) and what `--set` applies to (`set_help`)."""
+    if config:
+        p.add_argument("--config", metavar="FILE", default=default,
+                       help=config_help or "config file defining get_config() (default: the embedded default)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help=set_help or "override a config field, e.g. --set model.layers=4 --set mesh.fsdp=8 (repeatable)")

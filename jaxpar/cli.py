@@ -12,8 +12,8 @@ import os
 import sys
 import traceback
 
-from jaxpar.cluster.env import EXIT_BAD_INPUT
 from jaxpar.config import ConfigError
+from jaxpar.env import EXIT_BAD_INPUT
 
 
 class Parser(argparse.ArgumentParser):
@@ -23,17 +23,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
 
 
-def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="config file defining get_config() (default: the embedded default)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set model.layers=4 --set mesh.fsdp=8 (repeatable)")
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    from jaxpar.checks import add_config_arguments
+    add_config_arguments(p)
     p.add_argument("--cpu-devices", type=int, metavar="N",
                    help="run on N virtual CPU devices (set before JAX starts; for meshes without GPUs)")
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     from jaxpar.checks import non_negative_seconds
-    add_config_arguments(p)
+    add_run_arguments(p)
     p.add_argument("--run-dir", metavar="DIR", help="run directory (default: runs/<name>-<time>)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
@@ -60,9 +59,8 @@ def add_sample_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_dryrun_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="config file defining get_config() (default: the embedded default)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set mesh.fsdp=64 (repeatable)")
+    from jaxpar.checks import add_config_arguments
+    add_config_arguments(p, set_help="override a config field, e.g. --set mesh.fsdp=64 (repeatable)")
     p.add_argument("--target", choices=("cpu", "h100", "h200", "a100"), default="cpu",
                    help="cpu: N virtual CPU devices; h100/h200/a100: deviceless XLA:GPU compile (needs the CUDA plugin)")
     p.add_argument("--devices", type=int, metavar="N", help="device count (cpu: set before JAX starts)")
@@ -109,7 +107,7 @@ LABS = (
     ("kernels", "module 5: fused kernels (agreement, memory), compilation cache and depth",
      "Lab 05 (experiments/05_kernels): Pallas kernels vs references, activation memory with flash attention and "
      "the chunked loss, compile times."),
-    ("ops", "module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
+    ("operations", "module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
      "Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, resharding."),
     ("pytorch", "the same model in PyTorch and jaxpar: DDP, FSDP2, TP(+SP), pipelines on N CPU processes",
      "Lab 08 (experiments/08_pytorch): losses, bytes per collective, memory, step time and lines of code of "
@@ -178,8 +176,6 @@ SUBCOMMANDS = (
      defined_in("jaxpar.plan.command")),
     ("lab", "run a course module's lab (all eight modules: jaxpar lab --help)",
      "Run a course module's lab: modules 0-7, one command each (jaxpar lab NAME --help).", lab_table),
-    ("capstone", "the same as `jaxpar lab capstone` (module 7's report)", LABS[-1][2],
-     alias_of(defined_in("jaxpar.labs.capstone"), lab="capstone")),
 )
 NESTED_DEST = {"bench": "bench", "lab": "lab"}   # the attribute a nested subcommand's name goes to
 
@@ -274,7 +270,7 @@ def check_started(args) -> None:
 
 
 def cmd_train(args) -> int:
-    from jaxpar.train.loop import train
+    from jaxpar.training import train
     train(args.config_loaded, args.run_dir, resume=args.resume, overwrite=args.overwrite, profile=args.profile,
           metrics_port=args.metrics_port, metrics_linger_s=args.metrics_linger, metrics_host=args.metrics_host,
           restart=args.auto_resume and not args.resume)
@@ -300,7 +296,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_dryrun(args) -> int:
-    from jaxpar.dryrun import dryrun, markdown_report, prepare_process, write_json
+    from jaxpar.dryrun import dryrun, markdown_report, write_json
+    from jaxpar.measure.targets import prepare_process
     prepare_process(args.target, args.devices)   # before JAX starts a backend
     result = dryrun(load(args), args.target, devices=args.devices, topology=args.topology)
     print(markdown_report(result))
@@ -321,7 +318,7 @@ def cmd_memory(args) -> int:
 def cmd_plan(args) -> int:
     from jaxpar.plan.command import run
     if args.verify:
-        from jaxpar.dryrun import prepare_process
+        from jaxpar.measure.targets import prepare_process
         prepare_process("h100", None)   # keep JAX on CPU: the compile goes through a GPU topology
     return run(args)
 
@@ -343,7 +340,7 @@ def cmd_k8s(args) -> int:
 LOCAL_COMMANDS = ("launch", "slurm", "k8s", "memory", "plan")   # no JAX set-up here: they import what they use
 
 COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "bench": cmd_bench,
-            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "lab": cmd_lab, "capstone": cmd_lab,
+            "dryrun": cmd_dryrun, "memory": cmd_memory, "plan": cmd_plan, "lab": cmd_lab,
             "slurm": cmd_slurm, "k8s": cmd_k8s}
 
 

@@ -53,7 +53,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-5
     c.model.tie_embeddings = False
     c.model.init_std = 0.02
-    c.model.attention = "dot"          # dot | xla | cudnn | pallas | auto (model/kernel_ops.py)
+    c.model.attention = "dot"          # dot | xla | cudnn | pallas | auto (kernels/kernel_ops.py)
     c.model.norm = "xla"               # xla | pallas | auto
     c.model.loss = "full"              # full ([B, S, V] fp32 logits) | chunked | auto
     c.model.attention_block_q = 128    # pallas flash attention blocks: powers of two >= 16
@@ -305,10 +305,17 @@ def head_dim(model) -> int:
 
 KERNEL_CHOICES = {"attention": ("dot", "xla", "cudnn", "pallas", "auto"), "norm": ("xla", "pallas", "auto"),
                   "loss": ("full", "chunked", "auto")}
+FUSED_ATTENTION = ("cudnn", "pallas")    # the model.attention values that run a fused (flash) kernel
+
+
+def fused_attention(kernel: str, platform: str) -> bool:
+    """Whether `model.attention` (or the implementation it resolved to) is a fused flash kernel on `platform`:
+    cudnn and pallas are; auto is on GPU."""
+    return kernel in FUSED_ATTENTION or (kernel == "auto" and platform == "gpu")
 
 
 def _validate_kernels(m) -> None:
-    """model.attention / norm / loss and the kernels' sizes (the backend is checked in model/kernel_ops.py)."""
+    """model.attention / norm / loss and the kernels' sizes (the backend is checked in kernels/kernel_ops.py)."""
     for field, valid in KERNEL_CHOICES.items():
         if m[field] not in valid:
             raise ConfigError(f"model.{field}", f"is '{m[field]}'; valid: {', '.join(valid)}")

@@ -35,9 +35,9 @@ import time
 from typing import IO
 
 from jaxpar.checks import non_negative_seconds
-from jaxpar.cluster.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PREEMPTED
 from jaxpar.cluster.goodput import ENV_ATTEMPT_START, ENV_RESTARTS
 from jaxpar.config import ConfigError
+from jaxpar.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PREEMPTED
 
 # Seconds a child has to exit after SIGTERM before it gets SIGKILL. A process
 # stuck in a JAX collective or inside XLA often does not act on SIGTERM at all.

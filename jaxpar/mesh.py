@@ -15,8 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.cluster.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from jaxpar.config import MESH_AXES, ConfigError, validate
+from jaxpar.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 
 def set_cpu_devices(count: int | None) -> None:

@@ -62,7 +62,7 @@ CASES = [
     ("dryrun-out-unwritable", ["dryrun", "--config", TINY, "--set", "model.vocab_size=512", "--out",
                                "/proc/jaxpar-x"], "--out"),
     ("plan-out-unwritable", ["plan", "--tokens", "1e9", "--out", "/proc/jaxpar-x"], "--out"),
-    ("lab-ops-out-unwritable", ["lab", "ops", "--config", TINY, "--out", "/proc/jaxpar-x"], "--out"),
+    ("lab-ops-out-unwritable", ["lab", "operations", "--config", TINY, "--out", "/proc/jaxpar-x"], "--out"),
     # Run outside the repository (the working directory is {work}): the lab still finds its default
     # config, so the error is about the bad field, not a missing configs/mixtral_tiny.py.
     ("lab-moe-default-config-anywhere", ["lab", "moe", "--set", "model.layrs=1"], "model.layrs"),

@@ -160,7 +160,7 @@ def test_two_processes(tmp_path):
             [sys.executable, "-m", "jaxpar.bench.collectives", "--cpu-devices", "4", "--ops", "all-reduce,permute",
              "--min-bytes", "4K", "--max-bytes", "8K", "--budget", "0.01", "--out", str(out)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-    for out, proc in procs:
+    for _out, proc in procs:
         log, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, log
     (out0, _), (out1, _) = procs

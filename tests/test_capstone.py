@@ -5,8 +5,8 @@ import json
 import pytest
 from test_plan import CONFIGS, run_cli
 
-from jaxpar.dryrun import gpu_plugin_problem
-from jaxpar.plan.space import Candidate
+from jaxpar.measure.targets import gpu_plugin_problem
+from jaxpar.parallel.theory import Candidate
 
 
 @pytest.fixture
@@ -49,8 +49,8 @@ def test_capstone_report(capsys, tmp_path, reduced):
 @pytest.mark.skipif(gpu_plugin_problem() is None, reason="the CUDA plugin is installed here")
 def test_capstone_says_how_to_verify_without_the_plugin(capsys, tmp_path, reduced):
     out = tmp_path / "lab"
-    code, _, err = run_cli(capsys, ["capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12", "--skip-cpu",
-                                    "--out", str(out)])
+    code, _, err = run_cli(capsys, ["lab", "capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12",
+                                    "--skip-cpu", "--out", str(out)])
     assert code == 0, err
     assert "Skipped: a deviceless GPU compile needs the jax-cuda12-plugin" in (out / "report.md").read_text()
 

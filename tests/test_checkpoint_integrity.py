@@ -165,7 +165,7 @@ def test_bad_steps_are_skipped_up_to_max_bad_steps(tmp_path, capsys, monkeypatch
     loop undoes that step and trains on from the state before it, finite to the end."""
     import jax.numpy as jnp
 
-    import jaxpar.train.loop as loop
+    import jaxpar.training as loop
     build = loop.make_trainer
 
     def poisoned(*args, **kwargs):

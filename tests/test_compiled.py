@@ -8,12 +8,11 @@ import jax
 import pytest
 
 from jaxpar.config import apply_overrides, load_config
-from jaxpar.dryrun import predicted_collective_bytes
 from jaxpar.measure.flops import compiled_flops, model_flops_per_step
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes
 
 VOCAB = 512
 

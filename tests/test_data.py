@@ -5,7 +5,8 @@ import unicodedata
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.data.corpus import load_documents, normalize_arabic, quran_path

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
-from jaxpar.dryrun import dryrun, gpu_plugin_problem, markdown_report, parse_topology, target_devices
+from jaxpar.dryrun import dryrun, markdown_report
 from jaxpar.measure.flops import compiled_flops
+from jaxpar.measure.targets import gpu_plugin_problem, parse_topology, target_devices
 from jaxpar.mesh import make_mesh
 from jaxpar.model.counting import param_count
 from jaxpar.model.transformer import ModelConfig

@@ -175,7 +175,7 @@ def test_a_preemption_notice_during_start_up_exits_75(tmp_path, capsys, monkeypa
     line, nothing saved and, as nothing was written yet, no run directory. (Before, the default action killed
     the process; here a stand-in handler keeps the test process alive, so the old code trained on.)"""
     import jaxpar.mesh
-    from jaxpar.train import loop
+    from jaxpar import training as loop
 
     def notice_during(function):
         def wrapped(*args, **kwargs):

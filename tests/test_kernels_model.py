@@ -8,9 +8,9 @@ import pytest
 from synthetic import counting_batches
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
+from jaxpar.kernels.kernel_ops import kernel_ops, resolve
 from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
-from jaxpar.model.kernel_ops import kernel_ops, resolve
 from jaxpar.model.ops import Ops
 from jaxpar.model.transformer import ModelConfig, init_params, loss
 from jaxpar.parallel.registry import make_trainer

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from jaxpar import units
 from jaxpar.labs import report
 from jaxpar.labs import tensor as lab_tensor
 from jaxpar.labs import zero as lab_zero
@@ -58,7 +59,7 @@ def tensor_result(scale: float) -> dict:
 @pytest.mark.parametrize("scale, unit", [(1.0, "MiB"), (1 / 512, "KiB")])
 def test_byte_axes_use_the_unit_of_the_tables(tmp_path, scale, unit):
     result = tensor_result(scale)
-    assert report.fmt_bytes(result["rows"]["auto"]["layer_bytes"]).endswith(unit)      # what the table prints
+    assert units.fmt_bytes(result["rows"]["auto"]["layer_bytes"]).endswith(unit)      # what the table prints
     fig = lab_tensor.plot_communication(result, tmp_path / "communication.png")
     ax = fig.axes[0]
     assert ax.get_ylabel() == f"{unit} sent per device per layer"

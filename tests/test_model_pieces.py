@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from synthetic import counting_batches
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.mesh import make_mesh
@@ -16,7 +18,6 @@ from jaxpar.model.transformer import ModelConfig, init_params, loss
 from jaxpar.parallel.auto import AutoTrainer
 from jaxpar.parallel.megatron import tensor_parallel_ops
 from jaxpar.parallel.rules import AxisRules
-from synthetic import counting_batches
 
 VOCAB = 512
 

@@ -16,7 +16,7 @@ from synthetic import counting_batches
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.launch import launch
-from jaxpar.measure.bubble import bubble_fraction, dualpipe_idle
+from jaxpar.measure.executed import step_collectives
 from jaxpar.measure.flops import compiled_flops
 from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
@@ -24,7 +24,7 @@ from jaxpar.model.transformer import ModelConfig, init_params, run_blocks
 from jaxpar.parallel import deferred
 from jaxpar.parallel.pipeline import compile_program
 from jaxpar.parallel.registry import make_trainer
-from jaxpar.parallel.schedules import NAMES, Action, ScheduleError, build, validate
+from jaxpar.parallel.schedules import NAMES, Action, ScheduleError, bubble_fraction, build, dualpipe_idle, validate
 
 STEPS, VOCAB = 5, 512
 BASE = ["train.warmup_steps=1", "model.layers=4"]
@@ -248,14 +248,14 @@ def test_split_backward_defers_only_the_weight_matmuls():
 
 def test_executed_collectives_match_the_dry_run_formulas(built):
     """data x pipe x tensor: the bytes the busiest stage sends per axis (the tick's branches counted on the ticks
-    that run them) against dryrun.predicted_collective_bytes: lock-step permutes, Megatron's 4 all-reduces per
+    that run them) against the strategy's `predict`: lock-step permutes, Megatron's 4 all-reduces per
     layer per microbatch, the gradients' all-reduce."""
     from collections import defaultdict
 
-    from jaxpar.dryrun import predicted_collective_bytes
+    from jaxpar.parallel.registry import predicted_collective_bytes
     c = built("3d data=2 pipe=2 tensor=2")
     sent = defaultdict(float)
-    for collective in c.trainer.collectives(c.step.as_text()):
+    for collective in step_collectives(c.trainer, c.step.as_text()):
         sent[collective.axis_label] += collective.bytes_per_step
     sizes = {axis: int(n) for axis, n in c.trainer.mesh.shape.items()}
     predicted = predicted_collective_bytes(c.trainer.config, c.trainer.model_cfg, sizes, "cpu")

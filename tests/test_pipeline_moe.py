@@ -13,9 +13,8 @@ import pytest
 from synthetic import counting_batches
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
-from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, loss
-from jaxpar.parallel.registry import make_trainer, select
+from jaxpar.parallel.registry import build_trainer, select
 
 STEPS, VOCAB = 3, 512
 FAST = {"xla_backend_optimization_level": 0}        # the same HLO compiled at -O0: same numbers, faster
@@ -41,7 +40,7 @@ def make_config(overrides):
 def train(overrides, devices: int, initial=None):
     """Metrics of STEPS steps (host arrays) and the final params, from `initial` (host) if given."""
     config = make_config(overrides)
-    trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:devices]))
+    trainer = build_trainer(config, jax.devices()[:devices], VOCAB)
     with jax.set_mesh(trainer.mesh):
         step = trainer.lower_step().compile(compiler_options=FAST)
         state = trainer.init_state() if initial is None else jax.device_put(initial, trainer.state_shardings)

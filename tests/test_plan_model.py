@@ -5,12 +5,12 @@ import json
 import pytest
 from test_plan import CONFIGS, config, run_cli, seven_b
 
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.theory import Candidate
 from jaxpar.plan import anchors
-from jaxpar.plan.cluster import gpu_cluster
+from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.gemm import gemm_efficiency
 from jaxpar.plan.planner import evaluate, plan
-from jaxpar.plan.shape import ModelShape
-from jaxpar.plan.space import Candidate
 from jaxpar.plan.steptime import GPU_CALIBRATION, STEP_OVERHEAD_S, step_time
 from jaxpar.plan.strategy import parse_strategy
 

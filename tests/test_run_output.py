@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from rich.progress import Progress
 
+from jaxpar import training as loop
 from jaxpar.cli import main
 from jaxpar.launch import launch
 from jaxpar.measure.flops import Throughput
 from jaxpar.measure.hardware import Peak
-from jaxpar.train import loop
 from jaxpar.train.sample import END_OF_RUN
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,5 +1,6 @@
 """Manual Megatron TP and TP+SP (parallel/tensor.py) on data=2 x tensor=4, TP x FSDP (torchtitan's 2D) on
-data=2 x fsdp=2 x tensor=2: the single device's losses and gradients, the compiled collectives against the formula, SP's saved activations, checkpoints, bad input."""
+data=2 x fsdp=2 x tensor=2: the single device's losses and gradients, the compiled collectives against the formula,
+SP's saved activations, checkpoints, bad input."""
 import json
 from collections import defaultdict
 
@@ -11,13 +12,12 @@ from synthetic import counting_batches
 
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
-from jaxpar.dryrun import manual_tensor_bytes, manual_tensor_layer_units
 from jaxpar.labs.tensor import layer_activations
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, loss
-from jaxpar.parallel.registry import make_trainer, select
-from jaxpar.parallel.tensor import TensorTrainer
+from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes, select
+from jaxpar.parallel.tensor import TensorTrainer, layer_units
 from jaxpar.parallel.zero import ZeroTrainer
 from jaxpar.train.checkpoint import Checkpoints
 
@@ -148,7 +148,7 @@ def test_collective_bytes_match_the_formula(variant, built):
     total = defaultdict(float)
     for c in found:
         total[c.axis_label] += c.bytes_per_step
-    predicted = manual_tensor_bytes(t.config, t.model_cfg, dict(t.mesh.shape), "cpu")
+    predicted = predicted_collective_bytes(t.config, t.model_cfg, dict(t.mesh.shape), "cpu")
     assert total == pytest.approx(predicted, rel=1e-9)
 
     L, b, s, h = t.model_cfg.layers, t.config.train.batch_size // D, t.config.data.seq_len, t.model_cfg.d_model
@@ -165,7 +165,7 @@ def test_collective_bytes_match_the_formula(variant, built):
         assert set(layers) == {("all-gather", "tensor"), ("reduce-scatter", "tensor")}
         assert layers[("reduce-scatter", "tensor")] == pytest.approx(L * 4 * u)        # TP's 4 halves
         assert layers[("all-gather", "tensor")] == pytest.approx(L * (4 + 2) * u)      # + the 2 re-gathers
-        assert manual_tensor_layer_units("none", True, regather=True) == 10
+        assert layer_units("none", True, regather=True) == 10
         assert all(c.shapes == (("f32", (b, s // T, h)),) for c in found if c.op == "reduce-scatter")
         assert not [c for c in found if c.op == "all-reduce" and c.axes == ("tensor",)
                     and any(len(dims) == 3 for _, dims in c.shapes)]
@@ -186,7 +186,7 @@ def test_fsdp_gathers_each_layer_where_it_runs_and_sends_the_predicted_bytes(bui
     total = defaultdict(float)
     for c in found:
         total[c.axis_label] += c.bytes_per_step
-    predicted = manual_tensor_bytes(t.config, t.model_cfg, dict(t.mesh.shape), "cpu")
+    predicted = predicted_collective_bytes(t.config, t.model_cfg, dict(t.mesh.shape), "cpu")
     assert set(predicted) == {"tensor", "fsdp", "data"}
     for axis, value in predicted.items():    # the loss and norm scalars reduce over two axes at once: 4-8 bytes
         assert total[axis] == pytest.approx(value, rel=1e-4), axis

@@ -10,9 +10,7 @@ import numpy as np
 from synthetic import counting_batches
 
 from jaxpar.config import apply_overrides, load_config
-from jaxpar.mesh import make_mesh
-from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import build_trainer
 from jaxpar.parallel.tensor import TensorTrainer
 
 VOCAB, STEPS = 512, 3
@@ -27,7 +25,7 @@ TELEMETRY = ("loss", "grad_norm", "ce_loss", "moe_z_loss", "moe_routed", "moe_dr
 def make(overrides, devices):
     config = load_config("configs/test.py")
     apply_overrides(config, MOE + overrides)
-    return make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:devices]))
+    return build_trainer(config, jax.devices()[:devices], VOCAB)
 
 
 def train(trainer):

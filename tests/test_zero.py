@@ -244,8 +244,8 @@ def test_jaxpar_train_with_zero3_checkpoints_and_samples(tmp_path, capsys):
 
 
 def test_dryrun_prediction_matches_each_compiled_stage(trainers, compiled):
-    """`dryrun.predicted_collective_bytes` knows the manual stages: compiled / predicted = 1 (+ scalars)."""
-    from jaxpar.dryrun import predicted_collective_bytes
+    """ZeroTrainer.predict knows the manual stages: compiled / predicted = 1 (+ scalars)."""
+    from jaxpar.parallel.registry import predicted_collective_bytes
     for stage, trainer in trainers.items():
         found = collectives(compiled[stage].as_text(), trainer.mesh)
         sizes = dict(trainer.mesh.shape)

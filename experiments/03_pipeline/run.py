@@ -1,4 +1,5 @@
-"""Lab 03 (pipeline): `python experiments/03_pipeline/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/pipeline.py."""
+"""Lab 03 (pipeline): `python experiments/03_pipeline/run.py --cpu-devices 8 --out DIR`;
+the code is jaxpar/labs/pipeline.py."""
 import sys
 
 from jaxpar.labs.pipeline import main

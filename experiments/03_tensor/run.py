@@ -1,4 +1,5 @@
-"""Lab 03, tensor half: `python experiments/03_tensor/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/tensor.py."""
+"""Lab 03, tensor half: `python experiments/03_tensor/run.py --cpu-devices 8 --out DIR`;
+the code is jaxpar/labs/tensor.py."""
 import sys
 
 from jaxpar.labs.tensor import main

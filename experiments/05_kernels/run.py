@@ -1,4 +1,5 @@
-"""Lab 05 (kernels): `python experiments/05_kernels/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/kernels.py."""
+"""Lab 05 (kernels): `python experiments/05_kernels/run.py --cpu-devices 8 --out DIR`;
+the code is jaxpar/labs/kernels.py."""
 import sys
 
 from jaxpar.labs.kernels import main

@@ -47,11 +47,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.bench.options import OPS, add_bench_arguments, parse_bytes, parse_ops, parse_sweep  # noqa: F401
 from jaxpar.config import ConfigError
-from jaxpar.labs.report import figure, save, styled
+from jaxpar.figures import figure, save, styled
 from jaxpar.measure import hardware
 
 MEMORY_FRACTION = 0.25        # refuse a max size above this share of a device's free memory

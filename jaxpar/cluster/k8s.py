@@ -23,8 +23,8 @@ import shlex
 
 import yaml
 
-from jaxpar.cluster.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from jaxpar.config import ConfigError
+from jaxpar.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 COORDINATOR_PORT = 8476
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"

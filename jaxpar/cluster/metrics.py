@@ -2,10 +2,10 @@
 
 The exporter serves http://<host>:<port + process index>/metrics (prometheus_client),
 bound to loopback unless asked otherwise (`jaxpar train --metrics-host`: the endpoint
-has no authentication, so exposing it is an explicit choice), one target per process, each series labelled `process`. The metric names below are
-the ones the Prometheus config and the Grafana dashboard (jaxpar/cluster/dashboard.py)
-query. TensorBoard events go to <run_dir>/tensorboard from process 0 (tensorboardX,
-the `ops` extra).
+has no authentication, so exposing it is an explicit choice), one target per process, each
+series labelled `process`. The metric names below are the ones the Prometheus config and the
+Grafana dashboard (jaxpar/cluster/dashboard.py) query. TensorBoard events go to
+<run_dir>/tensorboard from process 0 (tensorboardX, the `ops` extra).
 """
 from __future__ import annotations
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 import shlex
 
-from jaxpar.cluster.env import EXIT_PREEMPTED
 from jaxpar.cluster.goodput import ENV_ATTEMPT_START
 from jaxpar.config import ConfigError
+from jaxpar.env import EXIT_PREEMPTED
 
 PORT_BASE = 20000
 # sbatch --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]], or no limit.

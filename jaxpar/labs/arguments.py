@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from jaxpar.checks import add_config_arguments
+
 # Lab 04's own settings, applied before --set: configs/mixtral_tiny.py at 2 layers and 64-token sequences
 # keeps the whole lab under 12 minutes on 2 CPU cores (measured: ~0.17 CPU-s per capacity step on one device).
 MOE_SETTINGS = ("model.layers=2", "data.seq_len=64")
@@ -18,11 +20,8 @@ PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun"
 
 def zero(p: argparse.ArgumentParser) -> None:
     """`jaxpar lab zero`."""
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="config file (default: the embedded default, ~3.4M params; configs/test.py: the tiny "
-                        "test model, ~2x faster)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set model.layers=4 (repeatable)")
+    add_config_arguments(p, config_help="config file (default: the embedded default, ~3.4M params; configs/test.py: "
+                                        "the tiny test model, ~2x faster)")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-zero-<time>)")
     p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
@@ -30,16 +29,13 @@ def zero(p: argparse.ArgumentParser) -> None:
                    help="training steps of each precision's loss curve (default 60)")
     p.add_argument("--remat-repeats", type=int, default=10, help="timed steps per remat policy (default 10)")
     p.add_argument("--precisions", metavar="LIST", default=None,
-                   help="comma-separated compute dtypes (default: float32,bfloat16 and float8 when jaxpar has it)")
+                   help="comma-separated compute dtypes (default: float32,bfloat16,float8)")
 
 
 def tensor(p: argparse.ArgumentParser) -> None:
     """`jaxpar lab tensor`."""
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="config file (default: the embedded default; configs/test.py with --set model.kv_heads=4: "
-                        "the tiny test model)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set model.layers=4 (repeatable)")
+    add_config_arguments(p, config_help="config file (default: the embedded default; configs/test.py with --set "
+                                        "model.kv_heads=4: the tiny test model)")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-tensor-<time>)")
     p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
@@ -50,8 +46,8 @@ def tensor(p: argparse.ArgumentParser) -> None:
 
 def pipeline(p: argparse.ArgumentParser) -> None:
     """`jaxpar lab pipeline`."""
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field of the lab's model (configs/test.py + 8 layers, d_model 128)")
+    add_config_arguments(p, config=False,
+                         set_help="override a field of the lab's model (configs/test.py + 8 layers, d_model 128)")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-pipeline-<time>)")
     p.add_argument("--steps", type=int, default=5, help="training steps of the equivalence part (default 5)")
@@ -63,11 +59,10 @@ def pipeline(p: argparse.ArgumentParser) -> None:
 
 def moe(p: argparse.ArgumentParser) -> None:
     """`jaxpar lab moe`."""
-    p.add_argument("--config", metavar="FILE", default="configs/mixtral_tiny.py",
-                   help="an MoE config (default: configs/mixtral_tiny.py, 8 experts, top-2)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field, e.g. --set model.layers=4 (repeatable); applied after the lab's "
-                        f"own settings {', '.join(MOE_SETTINGS)}")
+    add_config_arguments(p, default="configs/mixtral_tiny.py",
+                         config_help="an MoE config (default: configs/mixtral_tiny.py, 8 experts, top-2)",
+                         set_help="override a config field, e.g. --set model.layers=4 (repeatable); applied after "
+                                  f"the lab's own settings {', '.join(MOE_SETTINGS)}")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
     p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-moe-<time>)")
     p.add_argument("--steps", type=int, default=5, help="steps of the equivalence part (default 5)")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from jaxpar.config import ConfigError
-from jaxpar.labs.report import figure, legend_below, save, styled
+from jaxpar.figures import figure, legend_below, save, styled
 
 GB, GIB = 1e9, 2**30
 WITHIN = 0.30                     # the reality check's tolerance: |measured / predicted - 1| <= 30%
@@ -44,13 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(tokens="1e12", verify=3, price=None)
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds of the CPU check (default 7)")
     p.add_argument("--cpu-devices", type=int, default=8, help="virtual CPU devices of the CPU check (default 8)")
-    p.add_argument("--ops-results", metavar="FILE", help="results.json of `jaxpar lab ops` (module 6): its measured "
-                                                         "start-up and checkpoint times feed the risks section")
+    p.add_argument("--ops-results", metavar="FILE",
+                   help="results.json of `jaxpar lab operations` (module 6): its measured start-up and checkpoint "
+                        "times feed the risks section")
     p.add_argument("--skip-cpu", action="store_true", help="leave out the CPU reality check (part d)")
 
 
 def run_from_args(args) -> int:
-    from jaxpar.dryrun import prepare_process
+    from jaxpar.measure.targets import prepare_process
     prepare_process("h100", None)      # JAX stays on CPU (the CPU check runs there); GPU compiles use a topology
     if not args.out:
         args.out = f"runs/capstone-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -81,9 +82,9 @@ def recorded_compiles() -> int:
 # ============================================================================ the parts
 
 def part_plan(args, log):
+    from jaxpar.model.counting import ModelShape
     from jaxpar.plan.command import check_inputs
     from jaxpar.plan.planner import plan
-    from jaxpar.plan.shape import ModelShape
     if args.rounds < 3:
         raise ConfigError("--rounds", f"is {args.rounds}; a median needs at least 3 rounds")
     if not args.skip_cpu and args.cpu_devices != 8:
@@ -104,7 +105,7 @@ def part_plan(args, log):
 
 
 def part_compiler(args, p, config, log) -> dict:
-    from jaxpar.dryrun import GPU_TARGETS, gpu_plugin_problem
+    from jaxpar.measure.targets import GPU_TARGETS, gpu_plugin_problem
     target = args.gpu.lower().removesuffix("-sxm").removesuffix("-80gb")
     if not args.verify:
         return {"skipped": "not asked for (--verify 0)"}
@@ -124,9 +125,9 @@ def part_reality(args, out: Path, log) -> dict:
     import jax
 
     from jaxpar.config import apply_overrides, load_config
+    from jaxpar.model.counting import ModelShape
     from jaxpar.plan.planner import evaluate
     from jaxpar.plan.reality import calibrate, default_strategies, measure_cluster, measure_steps
-    from jaxpar.plan.shape import ModelShape
     n = len(jax.devices("cpu"))
     log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
     cluster, info = measure_cluster(n, out / "bench", log=log)
@@ -171,7 +172,7 @@ def part_fertility(config, p, log) -> dict:
     best = p.best.cand
     rows = []
     for vocab in VOCABS:
-        shape = dataclasses.replace(p.shape, vocab=vocab)
+        shape = type(p.shape)(dataclasses.replace(p.shape.model, vocab_size=vocab))
         r = evaluate(shape, best, p.cluster, p.global_batch, p.seq_len, p.tokens, p.headroom)
         flops_per_token = shape.flops_per_token(p.seq_len)
         for normalize in (False, True):
@@ -272,7 +273,7 @@ def _pct(x: float) -> str:
 
 
 def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str:
-    from jaxpar.plan import cluster as cl
+    from jaxpar.plan import fleet as cl
     from jaxpar.plan import memory as mem
     from jaxpar.plan import steptime as st
     from jaxpar.plan.planner import defence, summary_line, table

@@ -26,11 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.config import ConfigError, apply_overrides, load_config
+from jaxpar.config import ConfigError, apply_overrides, fused_attention, load_config
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs.arguments import kernels as add_arguments
-from jaxpar.labs.report import draw_plots, figure, legend_below, md_table, save, standalone_main, styled, write_report
+from jaxpar.labs.report import draw_plots, md_table, standalone_main, write_report
+from jaxpar.units import MIB
 
-MIB = 2**20
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 LOSS_TOLERANCE = 1e-4
 KERNELS = ["model.attention=pallas", "model.norm=pallas", "model.loss=chunked"]
@@ -82,9 +83,9 @@ def kernel_agreement() -> dict:
         dt = jnp.dtype(dtype)
         args = (_rand((B, S, H, Dh), dt, 0), _rand((B, S, KV, Dh), dt, 1), _rand((B, S, KV, Dh), dt, 2))
         cot = _rand((B, S, H, Dh), jnp.float32, 3)
-        got = jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, causal=causal, block_q=16, block_k=32),
-                                        a, cot))(*args)
-        want = jax.jit(lambda *a: _grads(lambda *x: attention_reference(*x, causal=causal), a, cot))(*args)
+        got = jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, causal=causal, block_q=16, block_k=32),  # noqa: B023 (called in this iteration)
+                                        a, cot))(*args)  # noqa: B023 (called in this iteration)
+        want = jax.jit(lambda *a: _grads(lambda *x: attention_reference(*x, causal=causal), a, cot))(*args)  # noqa: B023 (called in this iteration)
         errors = [_rel(g, w) for g, w in zip(got, want)]
         rows.append({"kernel": f"flash attention ({'causal' if causal else 'not causal'})", "dtype": dtype,
                      "shape": f"B{B} S{S} H{H} KV{KV} Dh{Dh}", "parts": "out, dq, dk, dv", "errors": errors})
@@ -92,8 +93,8 @@ def kernel_agreement() -> dict:
         dt = jnp.dtype(dtype)
         args = (_rand(shape, dt, 0), 1 + 0.1 * _rand(shape[-1:], jnp.float32, 1))
         cot = _rand(shape, jnp.float32, 2)
-        got = jax.jit(lambda *a: _grads(lambda x, s: rms_norm(x, s, 1e-5), a, cot))(*args)
-        want = jax.jit(lambda *a: _grads(lambda x, s: rms_norm_reference(x, s, 1e-5), a, cot))(*args)
+        got = jax.jit(lambda *a: _grads(lambda x, s: rms_norm(x, s, 1e-5), a, cot))(*args)  # noqa: B023 (called in this iteration)
+        want = jax.jit(lambda *a: _grads(lambda x, s: rms_norm_reference(x, s, 1e-5), a, cot))(*args)  # noqa: B023 (called in this iteration)
         rows.append({"kernel": "fused RMSNorm", "dtype": dtype, "shape": "x".join(map(str, shape)),
                      "parts": "y, dx, dscale", "errors": [_rel(g, w) for g, w in zip(got, want)]})
     x, head = _rand((2, 37, 16), jnp.float32, 0), _rand((16, 64), jnp.float32, 1)
@@ -112,12 +113,10 @@ def kernel_agreement() -> dict:
 
 
 def _trainer(overrides, devices, vocab):
-    from jaxpar.mesh import make_mesh
-    from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import build_trainer
     config = load_config(None)
     apply_overrides(config, overrides)
-    return make_trainer(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices))
+    return build_trainer(config, devices, vocab)
 
 
 def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:
@@ -155,8 +154,8 @@ def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:
 
 def step_memory(overrides: list[str], vocab: int) -> dict:
     """Compiled temp bytes of one device's train step, and the formula's prediction for it."""
+    from jaxpar.kernels.kernel_ops import resolve
     from jaxpar.measure.memory import activation_estimate, compiled_memory, state_bytes
-    from jaxpar.model.kernel_ops import resolve
 
     trainer = _trainer(["mesh.data=1", *overrides], jax.devices()[:1], vocab)
     config, cfg = trainer.config, trainer.model_cfg
@@ -164,7 +163,7 @@ def step_memory(overrides: list[str], vocab: int) -> dict:
     chosen = resolve(config, "cpu", jnp.float32)
     acts = activation_estimate(layers=cfg.layers, seq_len=config.data.seq_len, micro_batch=config.train.batch_size,
                                d_model=cfg.d_model, heads=cfg.heads, vocab_size=cfg.vocab_size, compute_bytes=4,
-                               remat=config.train.remat, flash=chosen["attention"] == "pallas",
+                               remat=config.train.remat, flash=fused_attention(chosen["attention"], "cpu"),
                                loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None)
     grads = state_bytes(trainer.abstract_state)["grads"]
     return {"temp": compiled_memory(compiled, "cpu").temp, "predicted": grads + acts["total"],

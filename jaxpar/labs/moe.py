@@ -6,7 +6,7 @@ a. equivalence    the single-device run (the oracle) against manual EP (expert=N
                   and automatic EP, dropless and with capacity dropping, fp32, the same batches.
 b. communication  all_to_all bytes per step from each compiled program against 2·T·k·h·bytes per
                   direction (dispatch + combine, forward and backward) and against jaxpar's buffers
-                  (`dryrun.moe_all_to_all_bytes`); what XLA's partitioner chose for automatic EP.
+                  (`parallel/theory.moe_all_to_all_bytes`); what XLA's partitioner chose for automatic EP.
 c. balance        training without balancing, with the Switch aux loss, with the aux-free bias, with
                   noisy gating: coefficient of variation of expert load and dropped fraction over
                   steps (capacity dispatch), heatmaps layer x expert over steps.
@@ -32,23 +32,13 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs import report
 from jaxpar.labs.arguments import MOE_PARTS as PARTS
 from jaxpar.labs.arguments import MOE_SETTINGS as LAB_SETTINGS
 from jaxpar.labs.arguments import moe as add_arguments
-from jaxpar.labs.report import (
-    byte_unit,
-    figure,
-    fmt_bytes,
-    legend_below,
-    max_rel_dev,
-    md_table,
-    ratio,
-    save,
-    standalone_main,
-    styled,
-    write_report,
-)
+from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
+from jaxpar.units import byte_unit, fmt_bytes, ratio
 
 TOLERANCE = 1e-4
 CAPACITY_FACTORS = (1.0, 1.25, 2.0)
@@ -86,7 +76,7 @@ class Lab:
         self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
         self.validation = val_batches(self.data.val, B, config.train.eval_batches, slice(0, B))
         self._batches: list[np.ndarray] = []
-        self._cache: dict[tuple, Built] = {}
+        self.builds: dict[tuple, Built] = {}
         self._initial: dict = {}
 
     def batches(self, count: int) -> list[np.ndarray]:
@@ -97,32 +87,29 @@ class Lab:
 
     def build(self, label: str, overrides: list[str], devices: int = 1) -> Built:
         """Configure, build and compile one run (cached by its overrides and device count)."""
-        from jaxpar.mesh import make_mesh
-        from jaxpar.model.transformer import ModelConfig
-        from jaxpar.parallel.registry import make_trainer
+        from jaxpar.parallel.registry import build_trainer
 
         key = (tuple(overrides), devices)
-        if key not in self._cache:
+        if key not in self.builds:
             config = copy.deepcopy(self.base)
             apply_overrides(config, ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.tensor=1",
                                      "parallel.expert=auto", "train.compute_dtype=float32", *overrides])
-            mesh = make_mesh(config, self.devices[:devices])
-            trainer = make_trainer(config, ModelConfig.from_config(config.model, self.vocab), mesh)
+            trainer = build_trainer(config, self.devices[:devices], self.vocab)
             start = time.perf_counter()
-            with jax.set_mesh(mesh):
+            with jax.set_mesh(trainer.mesh):
                 compiled = trainer.lower_step().compile()
-            self._cache[key] = Built(label, config, trainer, compiled, time.perf_counter() - start)
-            self.log(f"  compiled {label} in {self._cache[key].compile_s:.1f} s")
-        return self._cache[key]
+            self.builds[key] = Built(label, config, trainer, compiled, time.perf_counter() - start)
+            self.log(f"  compiled {label} in {self.builds[key].compile_s:.1f} s")
+        return self.builds[key]
 
     def initial_state(self, built: Built):
         """The initial state of `built`'s model in its layout: made once per parameter shapes (the same seed
         gives the same values), on the host without compiling anything, then placed per layout."""
-        shapes = jax.eval_shape(built.trainer._init_state)
+        shapes = jax.eval_shape(built.trainer.make_state)
         key = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), shapes))
         if key not in self._initial:
             with jax.default_device(jax.devices("cpu")[0]):
-                self._initial[key] = jax.device_get(built.trainer._init_state())
+                self._initial[key] = jax.device_get(built.trainer.make_state())
         return jax.device_put(self._initial[key], built.trainer.state_shardings)
 
     def run(self, built: Built, steps: int, keep=("moe_routed", "moe_dropped"), evaluate: bool = False) -> dict:
@@ -223,8 +210,9 @@ def _by_op(found, axis_filter=None) -> dict:
 
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.dryrun import moe_all_to_all_bytes
     from jaxpar.measure.hlo import collectives
+    from jaxpar.parallel.registry import workload
+    from jaxpar.parallel.theory import moe_all_to_all_bytes
 
     rows = {}
     for label, overrides, devices in _strategies(lab.n):
@@ -232,7 +220,8 @@ def communication(lab: Lab) -> dict:
             continue
         built = lab.build(label, overrides, devices)
         found = collectives(built.compiled.as_text(), built.trainer.mesh)
-        theory = moe_all_to_all_bytes(built.config, built.trainer.model_cfg, built.sizes, lab.devices[0].platform)
+        theory = moe_all_to_all_bytes(*workload(built.config, built.trainer.model_cfg, built.sizes,
+                                               lab.devices[0].platform))
         on_expert = _by_op(found, lambda c: "expert" in (c.axes or ()))
         a2a = on_expert.get("all-to-all", {}).get("bytes", 0.0)
         rows[label] = {"by_op_expert_axes": on_expert, "by_op_all": _by_op(found), "all_to_all": a2a,
@@ -259,7 +248,7 @@ def communication(lab: Lab) -> dict:
         "",
         f"Formula (the course's): per MoE layer 2·T·k·h·bytes forward (dispatch + combine) and the same "
         f"backward, x (N-1)/N, T = tokens per device, k = {m.moe.top_k}, h = {m.d_model}, 4 bytes (fp32). "
-        "jaxpar's buffers (`dryrun.moe_all_to_all_bytes`): capacity [E, groups, C, h] = factor x formula; "
+        "jaxpar's buffers (`parallel/theory.moe_all_to_all_bytes`): capacity [E, groups, C, h] = factor x formula; "
         "dropless padded to T·min(k, E/N) rows per destination = N·min(k, E/N)/k x formula, plus the int32 "
         "expert ids (XLA:CPU has no ragged all-to-all).",
         "",
@@ -320,8 +309,9 @@ def balance(lab: Lab, steps: int, bias_rate: float) -> dict:
 # ============================================================================ d. capacity factor
 
 def capacity(lab: Lab, steps: int) -> dict:
-    from jaxpar.dryrun import moe_all_to_all_bytes
     from jaxpar.measure.hlo import collectives
+    from jaxpar.parallel.registry import workload
+    from jaxpar.parallel.theory import moe_all_to_all_bytes
 
     n, rows = lab.n, {}
     settings = [(f"capacity {cf}", ["model.moe.dispatch=capacity", f"model.moe.capacity_factor={cf}"])
@@ -331,7 +321,8 @@ def capacity(lab: Lab, steps: int) -> dict:
         r = lab.run(built, steps)
         a2a = sum(c.bytes_per_step for c in collectives(built.compiled.as_text(), built.trainer.mesh)
                   if c.op == "all-to-all")
-        theory = moe_all_to_all_bytes(built.config, built.trainer.model_cfg, built.sizes, lab.devices[0].platform)
+        theory = moe_all_to_all_bytes(*workload(built.config, built.trainer.model_cfg, built.sizes,
+                                               lab.devices[0].platform))
         dropped = np.sum(np.asarray(r["moe_dropped"]), axis=-1).mean(axis=-1)
         rows[label] = {"dropped": dropped.tolist(), "dropped_mean": float(dropped.mean()), "all_to_all": a2a,
                        "formula": theory["formula"], "predicted": theory["predicted"],
@@ -569,7 +560,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
         sections.append(result["markdown"])
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
     footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in parts_run},
-                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
+                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values())))
     log(footer)
     report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and the plots")

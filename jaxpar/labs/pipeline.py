@@ -3,7 +3,7 @@
 Seven parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
 
 a. tables       the bubble of every schedule's table (parallel/schedules.py) against (p-1)/(m+p-1),
-                (p-1)/(v*m+p-1) and (p-1)/(3m+p-1) (measure/bubble.py), exact fractions, and the tables drawn.
+                (p-1)/(v*m+p-1) and (p-1)/(3m+p-1) (parallel/schedules.py), exact fractions, and the tables drawn.
 b. equivalence  every schedule, the circular pipeline and 3D layouts against the single-device run
                 (fp32, same batches): max relative deviation of losses and gradient norms.
 c. timeline     one profiled step per hand-written schedule on the CPU mesh: each stage's busy time per tick
@@ -44,26 +44,17 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
 from jaxpar.labs.pipeline_moe import moe_pipelines
-from jaxpar.labs.report import (
-    byte_unit,
-    draw_plots,
-    figure,
-    fmt_bytes,
-    integer_steps,
-    legend_below,
-    md_table,
-    save,
-    standalone_main,
-    styled,
-    write_report,
-)
+from jaxpar.labs.report import draw_plots, integer_steps, md_table, standalone_main, write_report
 from jaxpar.measure import hlo
-from jaxpar.measure.bubble import bubble_fraction, dualpipe_idle, p2p_bytes
-from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W, executed_collectives
-from jaxpar.parallel.schedules import build, dualpipev as dualpipev_table, validate
+from jaxpar.measure.executed import executed_collectives
+from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W
+from jaxpar.parallel.schedules import bubble_fraction, build, dualpipe_idle, p2p_bytes, validate
+from jaxpar.parallel.schedules import dualpipev as dualpipev_table
+from jaxpar.units import byte_unit, fmt_bytes
 
 TOLERANCE = 1e-4
 VOCAB = 512
@@ -91,12 +82,8 @@ class Lab:
         return config
 
     def trainer(self, overrides: list[str], devices: int):
-        from jaxpar.mesh import make_mesh
-        from jaxpar.model.transformer import ModelConfig
-        from jaxpar.parallel.registry import make_trainer
-        config = self.config(overrides)
-        return make_trainer(config, ModelConfig.from_config(config.model, VOCAB),
-                            make_mesh(config, jax.devices()[:devices]))
+        from jaxpar.parallel.registry import build_trainer
+        return build_trainer(self.config(overrides), jax.devices()[:devices], VOCAB)
 
     def compiled(self, overrides: list[str], devices: int, fast: bool = True):
         """(trainer, compiled step), compiled once per settings."""
@@ -455,7 +442,7 @@ def p2p(lab: Lab, p: int, m: int) -> dict:
 # ============================================================================ f. dry run of the 7B
 
 def dryrun_7b(lab: Lab, out: Path) -> dict:
-    from jaxpar.dryrun import gpu_plugin_problem
+    from jaxpar.measure.targets import gpu_plugin_problem
     config = REPO / "configs" / "arabic_7b.py"
     if not config.is_file():
         return {"markdown": "## f. Dry run of the 7B\n\nconfigs/arabic_7b.py is not here (an installed package "

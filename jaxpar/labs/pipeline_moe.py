@@ -1,4 +1,4 @@
-"""Lab 03, part g (`--parts moe`): MoE inside every pipeline schedule, expert parallelism inside the stages,
+"""Lab 03, part i (`--parts moe`): MoE inside every pipeline schedule, expert parallelism inside the stages,
 and pipelines with gradient accumulation and with `parallel.rules`, each against one device.
 
 The oracle of a pipeline with m microbatches and train.microbatches = a is one device accumulating over the
@@ -96,7 +96,7 @@ def moe_pipelines(lab, steps: int) -> dict:
                      f"{bias:.1e}" if moe else "-",
                      "yes" if worst <= TOLERANCE and set(got) == set(want) else "NO"])
     md = "\n".join([
-        f"## g. MoE in the pipelines, expert parallelism inside stages, accumulation and rules ({steps} steps, fp32)",
+        f"## i. MoE in the pipelines, expert parallelism inside stages, accumulation and rules ({steps} steps, fp32)",
         "", "The oracle: one device with train.microbatches = a·m (the same strided microbatches). MoE model: "
         f"{', '.join(o.split('.', 1)[1] for o in MOE_MODEL)}. Telemetry: the worst of routed / dropped "
         "fractions, entropy, z and balance per layer; bias: the router bias after the last step.", "",

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar import figures
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size
 from jaxpar.labs import report
 
@@ -81,9 +82,9 @@ def variants(pairs, n: int, m: int) -> dict[str, list[str]]:
 
 
 def decayed_names(params, cfg) -> list[str]:
-    """The Hugging Face names of the parameters jaxpar's AdamW decays (`train.step.decay_mask`)."""
+    """The Hugging Face names of the parameters jaxpar's AdamW decays (`parallel.step.decay_mask`)."""
     from jaxpar.model.hf import _LAYER_EXPORT
-    from jaxpar.train.step import decay_mask
+    from jaxpar.parallel.step import decay_mask
     mask = decay_mask(params)
     names = [name for key, name in (("embed", "model.embed_tokens.weight"), ("final_norm", "model.norm.weight"),
                                     ("lm_head", "lm_head.weight")) if mask.get(key)]
@@ -97,7 +98,7 @@ def prepare(config, data, steps: int, out: Path) -> tuple[object, dict]:
     from jaxpar.data.pipeline import train_dataset
     from jaxpar.model.hf import export_hf_llama
     from jaxpar.model.transformer import ModelConfig, init_params
-    from jaxpar.train.step import learning_rate
+    from jaxpar.parallel.step import learning_rate
 
     config = lab_config(config, steps, model_vocab_size(config, data.stats["vocab_size"], 1))
     cfg = ModelConfig.from_config(config.model)
@@ -435,7 +436,7 @@ def plot_bytes(rows: dict, predicted: dict, path: Path) -> None:
     pairs = [k for k in rows if k != "single"]
     kinds = sorted({k for key in pairs for r in rows[key] for k in r["sent"]})
     colours = {kind: KIND_COLOURS.get(kind, "C5") for kind in kinds}
-    fig = report.figure(11, 4.8)
+    fig = figures.figure(11, 4.8)
     ax = fig.add_subplot()
     width, labelled = 0.2, set()
     for i, key in enumerate(pairs):

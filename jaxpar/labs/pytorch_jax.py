@@ -26,7 +26,7 @@ def collective_bytes(trainer, compiled) -> dict:
     its permutes are summed over their source-target pairs and divided by the devices."""
     from jaxpar.labs.pipeline import _permute_pairs
     from jaxpar.measure import hlo
-    from jaxpar.parallel.pipeline import executed_collectives
+    from jaxpar.measure.executed import executed_collectives
 
     text, n = compiled.as_text(), trainer.mesh.size
     sent, runs = defaultdict(float), defaultdict(float)

@@ -1,9 +1,8 @@
-"""What every lab shares: markdown tables, byte units, ratios, figures, JSON, and the standalone entry
+"""What every lab shares: markdown tables, equivalence plots, JSON, and the standalone entry
 that `experiments/NN_*/run.py` calls (parse, set the CPU devices, run; bad input exits 2 with one line)."""
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import textwrap
@@ -13,8 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.config import ConfigError
-
-MIB = 2**20
+from jaxpar.figures import figure, legend_below, save, styled
 
 
 def md_table(header: list[str], rows: list[list], align: str | None = None) -> str:
@@ -23,29 +21,6 @@ def md_table(header: list[str], rows: list[list], align: str | None = None) -> s
     sep = ["---:" if a == "r" else "---" for a in align]
     return "\n".join(["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |",
                       *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)])
-
-
-UNITS = (("GiB", 2**30), ("MiB", MIB), ("KiB", 2**10))
-
-
-def byte_unit(values) -> tuple[str, float]:
-    """The unit fmt_bytes gives the largest of `values` (and its size in bytes): a plot's axis in the unit its
-    table's largest entries use."""
-    top = max((abs(v) for v in values if v is not None), default=0)
-    return next(((unit, scale) for unit, scale in UNITS if top >= scale), ("B", 1))
-
-
-def fmt_bytes(x) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1 ('-' for None)."""
-    if x is None:
-        return "-"
-    unit, scale = byte_unit([x])
-    return f"{x:.0f} B" if unit == "B" else f"{x / scale:.3f} {unit}"
-
-
-def ratio(measured, predicted) -> str:
-    """measured / predicted to three decimals, '-' when either is missing."""
-    return f"{measured / predicted:.3f}" if measured is not None and predicted else "-"
 
 
 def max_rel_dev(got, want) -> float:
@@ -58,45 +33,8 @@ def max_rel_dev(got, want) -> float:
 
 # One style for every lab's figures. Figures are at most 10 inches wide at 100 dpi (1000 px), so a README
 # (about 880 px wide) shows 12-point text at about 15 px.
-STYLE = {"font.size": 12, "axes.titlesize": 13, "axes.labelsize": 12, "xtick.labelsize": 12, "ytick.labelsize": 12,
-         "legend.fontsize": 11, "figure.titlesize": 14, "lines.linewidth": 2, "lines.markersize": 7,
-         "axes.grid": True, "grid.alpha": 0.3, "savefig.dpi": 100}
-MAX_WIDTH = 10
 VISIBLE = 0.03      # a gap under 3% of an axis's span hides under a marker at a README's size
 ZERO_LINEAR = 1e-9  # deviation axes: symlog, linear below this so that an exact 0 is drawn at 0
-
-
-def styled(plot):
-    """Decorator for a plot function: it draws under STYLE (matplotlib reads fonts when text is created)."""
-    @functools.wraps(plot)
-    def draw(*args, **kwargs):
-        import matplotlib
-        with matplotlib.rc_context(STYLE):
-            return plot(*args, **kwargs)
-    return draw
-
-
-def figure(width: float = 8, height: float = 4.5):
-    """A matplotlib Figure drawn off-screen (no display, no global pyplot state), laid out by matplotlib's
-    constrained layout so legends placed outside the axes keep their room."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    if width > MAX_WIDTH:
-        raise ValueError(f"figure width {width} in: at most {MAX_WIDTH} (README width)")
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def save(fig, path):
-    """Write `fig` to `path` (STYLE's dpi) and return it (tests read its labels)."""
-    fig.savefig(path)
-    return fig
-
-
-def legend_below(ax, ncols: int = 1, gap: float = 0.16):
-    """The axes' legend under it (`gap`: the drop below the axes, a fraction of their height), off the data."""
-    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, -gap), ncols=ncols)
 
 
 def _wrap(text: str, width: int = 44) -> str:

@@ -7,14 +7,14 @@ a. equivalence   losses over the same batches (fp32) of the single device, auto 
                  TP+SP and manual TP+SP keeping gathered inputs; and the gradient of one batch of each
                  manual variant against the single device's: max relative deviations.
 b. communication every collective of each compiled step (`measure.hlo`), per layer and per step, by op,
-                 against `dryrun.manual_tensor_bytes` (auto: `predicted_collective_bytes`).
+                 against `parallel/tensor.predict` (auto: `parallel/auto.predict`).
 c. memory        activation bytes per layer: the compiled gradient program's temp bytes with the layer
                  count doubled (temp(2L) - temp(L)) / L; the tensors autodiff saves, split into the
                  sequence region (norms, residual stream) and the tensor region (attention, MLP);
                  Korthikanti's formula (bf16, GPT) and jaxpar's own count (`measure.memory`).
 d. layouts       manual TP x FSDP (torchtitan's 2D) and an MoE model under it (experts' hidden over tensor,
                  Megatron-Core's default): losses and gradient norms against one device, bytes per axis
-                 of the compiled step against `dryrun.manual_tensor_bytes`.
+                 of the compiled step against the strategy's prediction (`parallel/tensor.predict`).
 
 The mesh is data x tensor (tensor 4 by default, data = devices / tensor). Every part runs in float32.
 Every program is compiled once (`lower().compile()`) and that executable is run and read.
@@ -35,22 +35,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs import report
 from jaxpar.labs.arguments import TENSOR_PARTS as PARTS
 from jaxpar.labs.arguments import tensor as add_arguments
-from jaxpar.labs.report import (
-    byte_unit,
-    figure,
-    fmt_bytes,
-    legend_below,
-    max_rel_dev,
-    md_table,
-    ratio,
-    save,
-    standalone_main,
-    styled,
-    write_report,
-)
+from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
+from jaxpar.units import byte_unit, fmt_bytes, ratio
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_tensor.py uses the same)
 
@@ -139,7 +129,7 @@ class Lab:
         B = config.train.batch_size
         self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
         self._batches: list[np.ndarray] = []
-        self._cache: dict[tuple, Built] = {}
+        self.builds: dict[tuple, Built] = {}
         self._initial = None
 
     def batches(self, count: int) -> list[np.ndarray]:
@@ -175,20 +165,20 @@ class Lab:
 
     def step(self, key: str) -> Built:
         """The variant's train step, compiled once (cached)."""
-        if ("step", key) not in self._cache:
+        if ("step", key) not in self.builds:
             config, trainer = self.trainer(key)
             start = time.perf_counter()
             with jax.set_mesh(trainer.mesh):
                 compiled = trainer.lower_step().compile()
-            self._cache[("step", key)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
+            self.builds[("step", key)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
                                                time.perf_counter() - start)
             self.log(f"  compiled the step of {VARIANTS[key][0]} in {time.perf_counter() - start:.1f} s")
-        return self._cache[("step", key)]
+        return self.builds[("step", key)]
 
     def gradient(self, key: str, layers: int | None = None) -> Built:
         """The variant's gradient program (loss and mean gradient, no optimizer), compiled once (cached)."""
         layers = layers or self.model_cfg.layers
-        if ("grad", key, layers) not in self._cache:
+        if ("grad", key, layers) not in self.builds:
             config, trainer = self.trainer(key, layers)
             start = time.perf_counter()
             with jax.set_mesh(trainer.mesh):
@@ -197,11 +187,11 @@ class Lab:
                         trainer.abstract_state["params"], trainer.abstract_batch()).compile()
                 else:
                     compiled = trainer.grad_fn.lower(trainer.abstract_state["params"], trainer.abstract_batch()).compile()
-            self._cache[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
+            self.builds[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
                                                        time.perf_counter() - start)
             self.log(f"  compiled the gradient of {VARIANTS[key][0]} ({layers} layers) in "
                      f"{time.perf_counter() - start:.1f} s")
-        return self._cache[("grad", key, layers)]
+        return self.builds[("grad", key, layers)]
 
     def initial_params(self, built: Built):
         if self._initial is None:
@@ -275,8 +265,10 @@ def equivalence(lab: Lab, steps: int) -> dict:
 # ============================================================================ b. communication
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.dryrun import manual_tensor_bytes, manual_tensor_layer_units, predicted_collective_bytes
     from jaxpar.measure.hlo import collectives
+    from jaxpar.parallel.registry import predicted_collective_bytes, workload
+    from jaxpar.parallel.tensor import layer_units as manual_layer_units
+    from jaxpar.parallel.tensor import predict as manual_tensor
 
     cfg = lab.model_cfg
     L = cfg.layers
@@ -294,8 +286,9 @@ def communication(lab: Lab) -> dict:
         sizes = dict(built.trainer.mesh.shape)
         if key in MANUAL:
             regather = VARIANTS[key][2].get("regather", True)
-            predicted = manual_tensor_bytes(built.config, built.trainer.model_cfg, sizes, "cpu", regather)
-            layer_units = manual_tensor_layer_units("none", built.config.parallel.sequence, regather)
+            theory = workload(built.config, built.trainer.model_cfg, sizes, "cpu")
+            predicted = manual_tensor(*theory, regather=regather).bytes_by_axis()
+            layer_units = manual_layer_units("none", built.config.parallel.sequence, regather)
         elif key == "auto":
             predicted = predicted_collective_bytes(built.config, built.trainer.model_cfg, sizes, "cpu")
             layer_units = 2 * 7        # dryrun: 2 forward + 5 backward all-reduces per layer on XLA:CPU
@@ -536,8 +529,8 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
         sections.append(result["markdown"])
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
     footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in PARTS if k in results},
-                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values()))
-                          if lab._cache else None)     # (part d compiles its own programs, not cached)
+                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values()))
+                          if lab.builds else None)     # (part d compiles its own programs, not cached)
     log(footer)
     report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and the plots")
@@ -553,11 +546,10 @@ LAYOUT_MOE = ["model.moe.experts=4", "model.moe.router=sigmoid", "model.moe.bala
 
 
 def layouts(lab: Lab, steps: int) -> dict:
-    from jaxpar.dryrun import manual_tensor_bytes
     from jaxpar.measure.hlo import collectives
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes
 
     n, t = len(lab.devices), lab.t
     half = [f"model.moe.expert_mlp_dim={lab.base.model.mlp_dim // 2}"]
@@ -592,7 +584,8 @@ def layouts(lab: Lab, steps: int) -> dict:
         measured = defaultdict(float)
         for c in collectives(compiled.as_text(), trainer.mesh):
             measured[c.axis_label] += c.bytes_per_step
-        predicted = manual_tensor_bytes(config, trainer.model_cfg, dict(trainer.mesh.shape), lab.devices[0].platform)
+        predicted = predicted_collective_bytes(config, trainer.model_cfg, dict(trainer.mesh.shape),
+                                               lab.devices[0].platform)
         if model:                    # the experts' f/g are not in the dense formula: fsdp and data only
             predicted.pop("tensor", None)
         out[label] = {"losses": losses, "oracle": want, "max_rel_loss": max_rel_dev(losses, want),

@@ -9,7 +9,7 @@ b. memory        per-device params, grads, optimizer state: the ZeRO formulas in
 c. communication collectives per step from the compiled HLO (`measure.hlo`) vs 2Ψ / 3Ψ, and what XLA's
                  partitioner chose for the automatic FSDP beside the hand-written ZeRO-3.
 d. remat         none/full/dots/names on the auto FSDP step: temp bytes and step time (interleaved).
-e. precision     fp32, bf16 (fp32 master weights), fp8 when jaxpar has it: loss curves on the real corpus.
+e. precision     fp32, bf16 (fp32 master weights), fp8: loss curves on the real corpus.
 
 Parts a-d run in float32 whatever the config says (e is the precision part). Every step is
 compiled once ahead of time (`lower().compile()`); the same executable is run, timed and read
@@ -30,23 +30,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.config import COMPUTE_DTYPES, ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
+from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs import report
 from jaxpar.labs.arguments import zero as add_arguments
-from jaxpar.labs.report import (
-    byte_unit,
-    figure,
-    fmt_bytes,
-    legend_below,
-    max_rel_dev,
-    md_table,
-    ratio,
-    save,
-    standalone_main,
-    styled,
-    write_report,
-)
+from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
 from jaxpar.parallel.zero import STAGE_NAMES
+from jaxpar.units import byte_unit, fmt_bytes, ratio
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_zero.py uses the same)
 REMATS = ("none", "full", "dots", "names")
@@ -88,7 +78,7 @@ class Lab:
         B = config.train.batch_size
         self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
         self._batches: list[np.ndarray] = []
-        self._cache: dict[tuple, Built] = {}
+        self.builds: dict[tuple, Built] = {}
         self._initial = None
         self._strategies: list[Built] | None = None
 
@@ -107,8 +97,8 @@ class Lab:
         remat = remat or self.base.train.remat
         layers = layers or self.base.model.layers
         settings = (impl, data, fsdp, remat, dtype, layers, jax.config.jax_default_matmul_precision)
-        if settings in self._cache:
-            return self._cache[settings]
+        if settings in self.builds:
+            return self.builds[settings]
         config = copy.deepcopy(self.base)
         apply_overrides(config, [f"parallel.data={impl}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
                                  "mesh.pipe=1", "mesh.expert=1", "mesh.tensor=1", f"model.layers={layers}",
@@ -122,7 +112,7 @@ class Lab:
         built = Built(key, _label(impl, data, fsdp), config, trainer, compiled, time.perf_counter() - start,
                       {name: int(size) for name, size in mesh.shape.items()})
         self.log(f"  compiled {built.label} (remat {remat}, {dtype}) in {built.compile_s:.1f} s")
-        self._cache[settings] = built
+        self.builds[settings] = built
         return built
 
     def initial_state(self, built: Built):
@@ -403,8 +393,8 @@ def _short(line: str, width: int = 230) -> str:
 
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.dryrun import predicted_collective_bytes
     from jaxpar.measure.hlo import collectives
+    from jaxpar.parallel.registry import predicted_collective_bytes
 
     n = lab.n
     ring = (n - 1) / n
@@ -470,7 +460,7 @@ def communication(lab: Lab) -> dict:
         f"the rest (embedding, head, final norm) Ψ_o = {lab.psi - lab.counts['blocks']:,}. "
         "Course theory: DDP, ZeRO-1, ZeRO-2 ≈ 2Ψ, ZeRO-3 ≈ 3Ψ, times (N-1)/N x 4 bytes. "
         "'As written' is what jaxpar's code does (zero.py's docstring; the auto rows from "
-        "`dryrun.predicted_collective_bytes`).",
+        "the strategy's `predict`).",
         "",
         md_table(["strategy", "collectives (runs/step)", "compiled", "course theory", "ratio",
                 "jaxpar as written", "ratio"], table),
@@ -552,18 +542,9 @@ def remat(lab: Lab, repeats: int) -> dict:
 
 def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
     from jaxpar.measure.memory import activation_estimate, compiled_memory, zero_formula
-    from jaxpar.train.step import DTYPES
+    from jaxpar.parallel.step import activation_dtype
 
-    notes, chosen = [], []
-    for dtype, label in PRECISIONS:
-        if wanted is not None and dtype not in wanted:
-            continue
-        if dtype not in COMPUTE_DTYPES:
-            notes.append(f"{dtype} skipped: not in jaxpar.config.COMPUTE_DTYPES {COMPUTE_DTYPES} "
-                         "(not built yet in this checkout)")
-            lab.log(f"  note: {notes[-1]}")
-            continue
-        chosen.append((dtype, label))
+    chosen = [(dtype, label) for dtype, label in PRECISIONS if wanted is None or dtype in wanted]
     batches = lab.batches(steps)
     runs = {}
     for dtype, label in chosen:
@@ -572,20 +553,20 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
         mem = compiled_memory(built.compiled, lab.platform)
         cfg = built.config
         # activations are stored in the compute dtype; float8 keeps bfloat16 activations (FP8 only inside matmuls)
-        width = 2 if dtype == "float8" else (np.dtype(DTYPES[dtype]).itemsize if dtype in DTYPES else None)
-        acts = (activation_estimate(layers=lab.model_cfg.layers, seq_len=cfg.data.seq_len,
-                                    micro_batch=cfg.train.batch_size // cfg.train.microbatches // lab.n,
-                                    d_model=lab.model_cfg.d_model, heads=lab.model_cfg.heads,
-                                    vocab_size=lab.model_cfg.vocab_size, compute_bytes=width,
-                                    remat=cfg.train.remat)["total"] if width else None)
+        acts = activation_estimate(layers=lab.model_cfg.layers, seq_len=cfg.data.seq_len,
+                                   micro_batch=cfg.train.batch_size // cfg.train.microbatches // lab.n,
+                                   d_model=lab.model_cfg.d_model, heads=lab.model_cfg.heads,
+                                   vocab_size=lab.model_cfg.vocab_size,
+                                   compute_bytes=np.dtype(activation_dtype(dtype)).itemsize,
+                                   remat=cfg.train.remat)["total"]
         formula = zero_formula(lab.psi, {"params": lab.n, "grads": lab.n, "optimizer": lab.n})
         runs[dtype] = {"label": label, "losses": losses, "step_ms": _median_ms(times), "argument": mem.argument,
                        "temp": mem.temp, "state_formula": formula["state"],
-                       "temp_predicted": formula["grads"] + acts if acts is not None else None}
+                       "temp_predicted": formula["grads"] + acts}
     table = []
     ref = runs.get("float32")
     tail = max(1, steps // 10)
-    for dtype, r in runs.items():
+    for _dtype, r in runs.items():
         dev = max_rel_dev(r["losses"], ref["losses"]) if ref else None
         r["max_rel_dev_vs_fp32"] = dev
         r["final_mean"] = float(np.mean(r["losses"][-tail:]))
@@ -605,9 +586,8 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
         "compute dtype changes only the temporaries. Predicted temp counts activations at 4 bytes (fp32) or "
         "2 (bf16; float8 keeps bf16 activations and casts to fp8 inside the matmuls). XLA:CPU keeps some bf16 "
         "work in fp32 and has no fp8 matmul units, so only a GPU run says what the dtypes save.",
-        *([""] + [f"Note: {n}" for n in notes] if notes else []),
     ])
-    return {"steps": steps, "runs": runs, "notes": notes, "markdown": md}
+    return {"steps": steps, "runs": runs, "markdown": md}
 
 
 # ============================================================================ plots
@@ -757,7 +737,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision
     footer = write_report(out, parts, results, start,
                           {k: results[k]["seconds"] for k in ("equivalence", "memory", "communication", "remat",
                                                                "precision")},
-                          compiles=(len(lab._cache), sum(b.compile_s for b in lab._cache.values())))
+                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values())))
     log(footer)
     report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json and 5 plots")

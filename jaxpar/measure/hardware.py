@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
+from jaxpar.units import GB
+
 TERA = 1e12
-GB = 1e9
 
 # InfiniBand NDR, 400 Gb/s per port, one port per GPU on HGX H100/H200 nodes: 400/8 = 50 GB/s per direction.
 INFINIBAND_NDR_PER_GPU = 50 * GB
@@ -121,7 +122,7 @@ def _host_memory_bytes() -> float | None:
         return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe_host(seconds_budget: float = 1.0) -> Accelerator:
     """Measure this host: float32 matmul FLOP/s (jitted 1024^3 jnp.dot on one device) and memcpy bytes/s.
 

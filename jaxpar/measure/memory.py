@@ -23,9 +23,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError
-
-GIB = 2**30
-
+from jaxpar.units import GB
 
 # ----------------------------------------------------------------------------- 1. compiled
 
@@ -263,7 +261,6 @@ PRECISIONS = ("mixed", "fp32", "bf16")
 # moment tensors per parameter: Adam mu and nu; SGD's momentum buffer; Adafactor (optax's default:
 # no momentum) keeps only factored second moments, O(rows + cols) per matrix, counted as 0
 OPTIMIZER_MOMENTS = {"adam": 2, "sgd": 1, "adafactor": 0}
-GB = 1e9
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 

@@ -6,6 +6,8 @@ parameters: that is what makes an MoE cheap per token for its size.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from jaxpar.model.transformer import ModelConfig
 
 
@@ -66,5 +68,78 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     Remat recomputation is not counted (MFU measures useful work), nor is the MoE dispatch
     (sorting, the capacity dispatch's one-hot einsums): overhead, not model work.
     """
-    attention = 12 * cfg.layers * cfg.heads * cfg.head_dim * seq_len
-    return 6.0 * matmul_params(cfg) + attention
+    return 6.0 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Scores and values, forward + backward, no causal discount (PaLM's convention): 12·L·a·d_h·s."""
+    return 12.0 * cfg.layers * cfg.heads * cfg.head_dim * seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """A `ModelConfig` as the strategies' predictions and the planner read it: sizes by name, and the counts
+    above (there is no second counter)."""
+
+    model: ModelConfig
+
+    @classmethod
+    def from_config(cls, config, vocab: int | None = None) -> ModelShape:
+        return cls(ModelConfig.from_config(config.model, vocab))
+
+    @classmethod
+    def dense(cls, *, vocab: int, d_model: int, layers: int, heads: int, kv_heads: int, head_dim: int, mlp_dim: int,
+              tie_embeddings: bool = False) -> ModelShape:
+        """A dense decoder by its sizes alone (published models the planner is anchored on)."""
+        return cls(ModelConfig(vocab_size=vocab, d_model=d_model, layers=layers, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, mlp_dim=mlp_dim, max_seq_len=0, tie_embeddings=tie_embeddings))
+
+    def __getattr__(self, name):   # d_model, layers, heads, kv_heads, head_dim, mlp_dim, tie_embeddings, ...
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    @property
+    def vocab(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def moe(self):
+        return self.model.moe
+
+    @property
+    def experts(self) -> int:
+        return self.moe.experts if self.moe else 0
+
+    @property
+    def top_k(self) -> int:
+        return self.moe.top_k if self.moe else 0
+
+    @property
+    def expert_mlp_dim(self) -> int:
+        return self.moe.expert_mlp_dim if self.moe else 0
+
+    @property
+    def shared_experts(self) -> int:
+        return self.moe.shared_experts if self.moe else 0
+
+    def counts(self) -> dict[str, int]:
+        return param_count(self.model)
+
+    @property
+    def params(self) -> int:
+        return self.counts()["total"]
+
+    def active_matmul_params(self) -> int:
+        return matmul_params(self.model)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        return attention_flops_per_token(self.model, seq_len)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return train_flops_per_token(self.model, seq_len)
+
+    def describe(self) -> str:
+        moe = (f", MoE {self.experts} experts top-{self.top_k} in {self.moe_layers} layers" if self.experts else "")
+        return (f"{self.params / 1e9:.2f} B params ({self.layers} layers, d_model {self.d_model}, {self.heads} heads "
+                f"/ {self.kv_heads} kv, SwiGLU {self.mlp_dim}, vocab {self.vocab}{moe})")

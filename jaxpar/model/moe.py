@@ -44,8 +44,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,7 @@ class MoEConfig:
     bias_rate: float = 0.001
 
     @classmethod
-    def from_config(cls, moe, mlp_dim: int) -> "MoEConfig | None":
+    def from_config(cls, moe, mlp_dim: int) -> MoEConfig | None:
         if not moe.experts:
             return None
         return cls(experts=moe.experts, top_k=moe.top_k, expert_mlp_dim=moe.expert_mlp_dim or mlp_dim,
@@ -176,7 +176,7 @@ def bias_update(routed, rate: float):
 
     `routed` [layers, E] is the observed load of the step; overloaded experts become less
     likely to be chosen, underloaded ones more. The trainers add this after their optimizer
-    update (train/step.py `apply_outside_gradient`): the bias never sees a gradient.
+    update (parallel/step.py `apply_outside_gradient`): the bias never sees a gradient.
     """
     return rate * jnp.sign(jnp.mean(routed, axis=-1, keepdims=True) - routed)
 

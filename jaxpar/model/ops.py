@@ -11,7 +11,8 @@ to the mesh. The defaults below are the plain single-device reference of each op
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,7 @@ def gather_embedding(tokens, table):
     return jnp.take(table, tokens, axis=0)
 
 
-def cross_entropy(x, head, targets, ops: "Ops"):
+def cross_entropy(x, head, targets, ops: Ops):
     """Mean next-token cross-entropy from the final hidden states: full fp32 logits, then optax."""
     logits = ops.constrain(ops.logits(x, head), ACTIVATION_AXES["logits"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
@@ -108,7 +109,7 @@ class Ops:
         softmax and loss see fp32, and the two backward matmuls stay in the compute dtype."""
         return self.matmul("bsd,dv->bsv", x, head).astype(jnp.float32)
 
-    def replace(self, **changes) -> "Ops":
+    def replace(self, **changes) -> Ops:
         return dataclasses.replace(self, **changes)
 
 

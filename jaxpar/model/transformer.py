@@ -47,7 +47,7 @@ class ModelConfig:
     moe: MoEConfig | None = None      # None: every layer dense
 
     @classmethod
-    def from_config(cls, model, vocab_size: int | None = None) -> "ModelConfig":
+    def from_config(cls, model, vocab_size: int | None = None) -> ModelConfig:
         return cls(
             vocab_size=vocab_size or model.vocab_size, d_model=model.d_model, layers=model.layers,
             heads=model.heads, kv_heads=model.kv_heads, head_dim=model.head_dim or model.d_model // model.heads,
@@ -309,7 +309,7 @@ def outside_gradient(metrics: dict, cfg: ModelConfig) -> dict:
 
     {stack: {name: delta}} with full-shape deltas; {} for most models. Today: the MoE router's
     aux-free bias (router=sigmoid), moved against each expert's observed load (moe.bias_update).
-    Trainers apply it after the optimizer (train/step.py `apply_outside_gradient`).
+    Trainers apply it after the optimizer (parallel/step.py `apply_outside_gradient`).
     """
     if not cfg.moe or cfg.moe.router != "sigmoid" or not cfg.moe.bias_rate:
         return {}

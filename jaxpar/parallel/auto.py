@@ -3,7 +3,8 @@
 Data parallel, FSDP, Megatron tensor parallelism and their products are one trainer:
 the logical-axis rules (`parallel/rules.py`) turn the mesh sizes into shardings of the
 params, the Adam state and the batch, and the step is the plain single-device step,
-jitted with those shardings.
+jitted with those shardings. `predict` (end of file) is what XLA's partitioner sends for it,
+per mesh axis, as the compiled programs of lab 00 and 02 show.
 """
 from __future__ import annotations
 
@@ -17,8 +18,19 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.model.axes import ACTIVATION_AXES
 from jaxpar.model.ops import gather_embedding
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.train.step import accumulate, apply_outside_gradient
-from jaxpar.train.strategy import Strategy
+from jaxpar.parallel.step import accumulate, apply_outside_gradient
+from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.theory import (
+    OTHER_WEIGHTS,
+    WEIGHTS_PER_LAYER,
+    Candidate,
+    Flow,
+    Prediction,
+    moe_all_to_all_bytes,
+    rows_per_microbatch,
+    stored_params,
+    wire_bytes,
+)
 
 
 def auto_step(state, tokens, *, model_cfg, ops, optimizer, policy, microbatches):
@@ -71,7 +83,7 @@ class AutoTrainer(Strategy):
         self.ops = self.with_ops(self.ops.replace(embed=rules_embedding(self.rules)))
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
         self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
-        abstract = jax.eval_shape(self._init_state)
+        abstract = jax.eval_shape(self.make_state)
         self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=NamedSharding(mesh, P()))
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
         step = partial(auto_step, model_cfg=model_cfg, ops=self.ops, optimizer=self.optimizer, policy=self.policy,
@@ -85,3 +97,78 @@ class AutoTrainer(Strategy):
     def with_ops(self, ops):
         """The ops the step and evaluation run with: a subclass swaps pieces here (parallel/expert.py)."""
         return ops
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
+
+
+# ============================================================================ prediction
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """Bytes each device sends per step, per mesh axis and collective kind (Ψ = parameters, Ψ_L = the scanned
+    blocks' share, Ψ_o = embedding, head, final norm; e = `wire_bytes`; m microbatches of b rows).
+
+    fsdp (F)   all-gathers (F-1)/F·e·(2·m·Ψ_L + Ψ_o')/T: each scanned layer once in the forward and once in the
+               backward loop of every microbatch, the head and final norm once per step (hoisted). An untied
+               embedding alone over fsdp is looked up, not gathered: tokens (F-1)/F·4·b·F·s and activations
+               (F-1)/F·e·b·s·h/T both ways per microbatch (see `embed_lookup_gathers`). Gradients reduced per
+               microbatch: reduce-scatter (F-1)/F·e on GPU, all-reduce + slice 2(F-1)/F·4 on CPU.
+    data (D)   gradient all-reduce 2(D-1)/D·e·Ψ/(F·T) per microbatch (fp8 reduces in fp32 on GPU).
+    tensor (T) Megatron all-reduces of b·s·h, 2(T-1)/T·e each: 4 per layer on GPU, 7 on XLA:CPU (which does
+               not merge the q/k/v and gate/up input-gradient sums), +1 with remat full, +2 per microbatch.
+    expert (X) the MoE exchanges (`moe_all_to_all_bytes`); with fsdp = 1 the gradients of what every expert
+               device holds all-reduce over data x expert, the routed experts' Ψ_x/X over data.
+    """
+    counts = shape.counts()
+    D, F, T, X, m = cand.data, cand.fsdp, cand.tensor, cand.expert, cand.microbatches
+    e, cpu = wire_bytes(cand.precision, platform), platform == "cpu"
+    b = rows_per_microbatch(cand, global_batch)
+    s, h, L = seq_len, shape.d_model, shape.layers
+    psi_x = counts["experts"]
+    psi_layers = counts["blocks"] - psi_x * (X - 1) // X     # this device's share of the layers (experts split)
+    psi_other = counts["total"] - counts["blocks"]
+    psi = psi_layers + psi_other
+    out: list[Flow] = []
+    if F > 1:
+        out += _fsdp_flows(cand, counts, e, b, s, h, L, psi_layers, psi_other, cpu)
+    if X > 1:
+        out += _expert_flows(shape, cand, global_batch, seq_len, platform, psi, psi_x)
+    elif D > 1:
+        grad_e = 4 if cand.precision == "float8" and not cpu else e
+        out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * grad_e * psi / (F * T) * m,
+                        m * (WEIGHTS_PER_LAYER + OTHER_WEIGHTS), False))
+    if T > 1:
+        per_layer = (7 if cpu else 4) + (1 if cand.remat == "full" else 0)
+        count = (per_layer * L + 2) * m
+        out.append(Flow("tensor", "all-reduce", count * 2 * (T - 1) / T * e * b * s * h, count, False))
+    return Prediction(out, stored_params(shape, cand))
+
+
+def _fsdp_flows(cand, counts, e, b, s, h, L, psi_layers, psi_other, cpu) -> list[Flow]:
+    D, F, T, X, m = cand.data, cand.fsdp, cand.tensor, cand.expert, cand.microbatches
+    ring = (F - 1) / F
+    looked_up = counts["embedding"] if not (counts["lm_head"] == 0 or T > 1 or D > 1 or X > 1) else 0
+    out = [Flow("fsdp", "all-gather", ring * e * 2 * m * psi_layers / T, 2 * m * L * WEIGHTS_PER_LAYER, not cpu),
+           Flow("fsdp", "all-gather", ring * e * (psi_other - looked_up) / T, OTHER_WEIGHTS - (1 if looked_up else 0),
+                False)]
+    if looked_up:   # the partitioner moves tokens and activations instead of gathering the table
+        out.append(Flow("fsdp", "all-to-all", ring * m * (4 * b * F * s + 2 * e * b * s * h / T), 3 * m, False))
+    reduce_op, reduce_e = ("all-reduce", 2 * 4) if cpu else ("reduce-scatter", e)
+    out.append(Flow("fsdp", reduce_op, ring * psi_layers / T * reduce_e * m, m * L * WEIGHTS_PER_LAYER, not cpu))
+    out.append(Flow("fsdp", reduce_op, ring * (psi_other - looked_up) / T * reduce_e * m, m * OTHER_WEIGHTS, False))
+    return out
+
+
+def _expert_flows(shape, cand, global_batch, seq_len, platform, psi, psi_x) -> list[Flow]:
+    D, F, T, X, m = cand.data, cand.fsdp, cand.tensor, cand.expert, cand.microbatches
+    e = wire_bytes(cand.precision, platform)
+    exchange = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform)
+    out = [Flow("expert", "all-to-all", exchange["predicted"], exchange["runs"], False)]
+    if F == 1:
+        label = "expert" if D == 1 else "data+expert"
+        out.append(Flow(label, "all-reduce", 2 * (D * X - 1) / (D * X) * e * (psi - psi_x / X) / T * m,
+                        m * (WEIGHTS_PER_LAYER + OTHER_WEIGHTS), False))
+        if D > 1:
+            out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * e * psi_x / X / T * m, m * 3, False))
+    return out

@@ -20,6 +20,7 @@ microbatch are summed into a [v, p, Lc] buffer (/ m); the weighted losses in it 
 objective, so jax.grad carries them too: one device accumulating over the same m strided
 microbatches, to rounding. Gradient accumulation (train.microbatches) wraps the whole
 pipelined step, as in the automatic trainer.
+`predict` (end of file): the pipe axis's rolls; the rest is not predicted.
 """
 from __future__ import annotations
 
@@ -38,8 +39,10 @@ from jaxpar.model.transformer import embed, head_loss, run_blocks, split_aux
 from jaxpar.parallel.auto import rules_embedding
 from jaxpar.parallel.pipeline import check_pipeline, pipe_microbatches, pipe_virtual
 from jaxpar.parallel.rules import AxisRules, parse_rules
-from jaxpar.train.step import accumulate, apply_outside_gradient
-from jaxpar.train.strategy import Strategy
+from jaxpar.parallel.schedules import bubble_fraction
+from jaxpar.parallel.step import accumulate, apply_outside_gradient
+from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.theory import Candidate, Flow, Prediction, stored_params, wire_bytes
 
 AXIS = "pipe"
 
@@ -129,6 +132,11 @@ class CircularTrainer(Strategy):
     """parallel.pipe=circular: the pipelined scan, differentiated by JAX; everything else automatic."""
 
     RUNS = {"pipe": ("circular",)}
+    PLANNED: dict = {}   # its memory (GPipe's, every iteration kept) is not in the planner's memory model
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
 
     @classmethod
     def check(cls, config, sizes):
@@ -151,7 +159,7 @@ class CircularTrainer(Strategy):
         if model_cfg.moe and "blocks" in specs:      # an MoE model's dense stack runs before the pipeline: not staged
             specs["blocks"] = jax.tree.map(lambda s: P(None, *s[1:]), specs["blocks"], is_leaf=lambda x: isinstance(x, P))
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-        abstract = jax.eval_shape(self._init_state)
+        abstract = jax.eval_shape(self.make_state)
         replicated = NamedSharding(mesh, P())
         self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=replicated)
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
@@ -175,3 +183,19 @@ class CircularTrainer(Strategy):
         params = apply_outside_gradient(state["params"], params, metrics, self.model_cfg)
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+# ============================================================================ prediction
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """v·m + p - 1 scan iterations, each rolling one activation a = b·s·h·e forward and one gradient back, r =
+    train.microbatches times per step: pipe 2·(v·m + p - 1)·a·r per device (b: rows per batch shard, data x fsdp,
+    x expert for MoE). What XLA sends for data, fsdp or tensor around it is not predicted."""
+    p, m, v, r = cand.pipe, cand.microbatches, cand.virtual, cand.accumulate
+    shards = cand.data * cand.fsdp * (cand.expert if shape.moe else 1)
+    a = global_batch // shards // (m * r) * seq_len * shape.d_model * wire_bytes(cand.precision, platform)
+    iterations = v * m + p - 1
+    return Prediction([Flow("pipe", "permute", 2 * iterations * a * r, 2 * iterations * r, False)],
+                      stored_params(shape, cand),
+                      bubble=bubble_fraction("circular", p, m, v), stash=float(iterations),
+                      note="circular: only the pipe axis is predicted")

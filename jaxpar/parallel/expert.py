@@ -139,6 +139,7 @@ class ExpertTrainer(AutoTrainer):
     """The automatic trainer with the MoE layers' token exchange written by hand (`parallel.expert=manual`)."""
 
     RUNS = {"expert": ("manual",)}
+    PLANNED: dict = {}   # the planner ranks expert=auto: the prediction (AutoTrainer's) is the same
 
     @classmethod
     def check(cls, config, sizes):

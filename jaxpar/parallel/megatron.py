@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from jaxpar.kernels.cross_entropy import chunked_cross_entropy
 from jaxpar.model.ops import Ops
-from jaxpar.train.step import never_saving, produced_by
+from jaxpar.parallel.step import never_saving, produced_by
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))

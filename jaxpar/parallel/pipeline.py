@@ -44,11 +44,13 @@ accumulating over the same m strided microbatches (the balance loss, a product o
 means, depends on the microbatching; its means are taken over the data shards inside the
 layer, `MoEOps.batch_mean`). With `expert` > 1 the batch is split over it too and the routed
 experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_alls).
+`predict` (end of file) counts the busiest stage's sends from the same table, with its bubble and stash.
 """
 from __future__ import annotations
 
 import dataclasses
-import re
+import functools
+import math
 from functools import partial
 
 import jax
@@ -59,7 +61,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
-from jaxpar.measure import hlo
+from jaxpar.model.counting import block_params
 from jaxpar.model.moe import noise_seeds, with_moe_ops
 from jaxpar.model.transformer import embed, head_loss, run_blocks, split_aux
 from jaxpar.parallel import deferred
@@ -67,9 +69,19 @@ from jaxpar.parallel.expert import capacity_exchange, dropless_exchange
 from jaxpar.parallel.megatron import tensor_parallel_ops
 from jaxpar.parallel.pipedream import delayed_gradient
 from jaxpar.parallel.rules import AxisRules, parse_rules
-from jaxpar.parallel.schedules import NAMES, Schedule, build, run_orders, validate
-from jaxpar.train.step import accumulate, apply_outside_gradient, microbatch_rows
-from jaxpar.train.strategy import Strategy
+from jaxpar.parallel.schedules import NAMES, Schedule, bubble_fraction, build, run_orders, validate
+from jaxpar.parallel.step import accumulate, apply_outside_gradient, microbatch_rows
+from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.theory import (
+    OTHER_WEIGHTS,
+    WEIGHTS_PER_LAYER,
+    Candidate,
+    Flow,
+    Prediction,
+    moe_all_to_all_bytes,
+    stored_params,
+    wire_bytes,
+)
 
 AXIS = "pipe"
 BATCH_AXES = ("expert", "data", "fsdp")          # `expert` splits the batch only for MoE models
@@ -328,7 +340,7 @@ def _get(buffer, slot):
 
 def scoped(part: str):
     """Run under the named scope `pipeline_<part>`: the compiled HLO's metadata then says which part of a
-    tick each instruction belongs to (`executed_collectives`, the lab's timeline)."""
+    tick each instruction belongs to (measure/executed.py, the lab's timeline)."""
     def wrap(fn):
         def run(*args):
             with jax.named_scope(f"pipeline_{part}"):
@@ -344,21 +356,6 @@ PARTS = {"F": (F_FIRST, F_MID, F_LAST), "embed": (F_FIRST,), "head": (F_LAST,), 
 def part_ticks(program: Program) -> dict[str, np.ndarray]:
     """Per part of a tick (PARTS): on how many ticks each stage runs it."""
     return {part: np.isin(program.table["branch"], codes).sum(axis=0) for part, codes in PARTS.items()}
-
-
-def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
-    """`measure.hlo.collectives` of a pipeline step, with the runs of the collectives inside a tick's parts
-    set to what `stage` executes: the static count runs every branch of the tick's switch on every tick."""
-    scopes = dict(re.findall(r'%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', hlo_text))
-    ticks = part_ticks(program)
-    out = []
-    for c in hlo.collectives(hlo_text, mesh):
-        parts = [p[len("pipeline_"):] for p in scopes.get(c.name, "").split("/") if p.startswith("pipeline_")]
-        if parts and parts[-1] in ticks:
-            runs = c.runs_per_step // program.ticks * int(ticks[parts[-1]][stage])
-            c = dataclasses.replace(c, runs_per_step=runs)
-        out.append(c)
-    return out
 
 
 def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, *, cfg, ops, train: bool):
@@ -533,6 +530,11 @@ class PipelineTrainer(Strategy):
     around them, and for MoE models the experts split over `expert` inside the stages (parallel.expert=manual)."""
 
     RUNS = {"pipe": NAMES, "tensor": ("manual",), "expert": ("manual",)}   # tensor: Megatron's f/g in every stage
+    PLANNED = {"pipe": ("gpipe", "1f1b", "interleaved", "zb-h1")}   # the schedules the planner's memory model fits
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
 
     @classmethod
     def check(cls, config, sizes):
@@ -582,7 +584,7 @@ class PipelineTrainer(Strategy):
         self.rules = AxisRules({**parse_rules(config.parallel.rules), "layers": (AXIS,)})
         self.stage_ops = self._stage_ops(sizes)
 
-        abstract = jax.eval_shape(self._init_state)
+        abstract = jax.eval_shape(self.make_state)
         self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), self.live)
         if self.stack != "blocks" and "blocks" in self.param_specs:     # the dense stack: whole on every stage
             self.param_specs["blocks"] = jax.tree.map(lambda s: P(None, *s[1:]), self.param_specs["blocks"],
@@ -621,11 +623,6 @@ class PipelineTrainer(Strategy):
             exchange = dropless_exchange if self.model_cfg.moe.dispatch == "dropless" else capacity_exchange
             changes["routed_experts"] = partial(exchange, n=sizes["expert"], tensor_sum=lambda out: out)
         return with_moe_ops(ops, **changes)
-
-    def collectives(self, hlo_text: str):
-        """The compiled step's collectives as the busiest stage executes them (`executed_collectives`)."""
-        per_stage = [executed_collectives(hlo_text, self.mesh, self.program, s) for s in range(self.p)]
-        return max(per_stage, key=lambda found: sum(c.bytes_per_step for c in found))
 
     # ---------------------------------------------------------------- layout
     def _staged(self, params):
@@ -726,3 +723,69 @@ class PipelineTrainer(Strategy):
             grads = jax.tree.map(reduce, grads, self.staged_specs, is_leaf=lambda x: isinstance(x, P))
             shards *= self.mesh.shape[axis]
         return jax.tree.map(lambda g: g / shards, grads)
+
+
+# ============================================================================ prediction
+
+@functools.lru_cache(maxsize=256)
+def program_for(name: str, p: int, m: int, v: int) -> Program:
+    """The compiled table of a schedule (cached: the planner asks for the same few many times)."""
+    return compile_program(build(name, p, m, v))
+
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """Bytes per device per step on the busiest stage, from the schedule's own table (T ticks).
+
+    b = microbatch rows per batch shard (data x fsdp, x expert for MoE), a = b·s·h·e one microbatch's activation
+    (e = `wire_bytes`); r = train.microbatches, the whole pipeline run r times per step. Ψ_P = the pipelined stack
+    (`moe_blocks` for MoE), Ψ_x its routed experts, Ψ_o everything else (embedding, head, final norm, an MoE
+    model's dense stack), all replicated over pipe.
+      pipe      2·T·a·r: every tick each stage sends one activation forward and one gradient backward (lock-step
+                SPMD: a buffer moves even in a bubble; the textbook count is `schedules.p2p_bytes`).
+      tensor    Megatron, 2(T-1)/T·a each: 2 per layer per F, 2 per layer per B (zb-h1's W has none), +1 per
+                layer per B with remat full, + 1 per embedding lookup and 1 per head.
+      gradients fp32, once per step: Ψ_o summed over pipe, then every gradient averaged over the batch shards:
+                all-reduced over data (and, but for the routed experts, over expert), reduce-scattered over fsdp
+                after the weights' all-gather ((F-1)/F·4 for Ψ_o, (F-1)/F·e for the chunks: XLA casts before
+                it gathers). Per device Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). XLA:GPU folds consecutive
+                all-reduces into one over the union of their axes (`data+pipe+expert`); XLA:CPU keeps one each.
+      expert    MoE: the all_to_alls of the stage's MoE layers (`moe_all_to_all_bytes`, L/p layers, m·r
+                microbatches). With v > 1 XLA re-deals the chunks (groups over pipe and more): not predicted.
+    """
+    p, D, F, T = cand.pipe, cand.data, cand.fsdp, cand.tensor
+    X = cand.expert if shape.moe else 1
+    m, v, r = cand.microbatches, cand.virtual, cand.accumulate
+    e = wire_bytes(cand.precision, platform)
+    a = global_batch // (D * F * X) // (m * r) * seq_len * shape.d_model * e
+    counts = shape.counts()
+    psi_pipelined = counts["blocks"] - (shape.dense_layers * block_params(shape.model) if shape.moe else 0)
+    psi_other, psi_x = counts["total"] - psi_pipelined, counts["experts"]
+    program = program_for(cand.schedule, p, m, v)
+    ticks = part_ticks(program)
+    out = [Flow("pipe", "permute", 2 * program.ticks * a * r, 2 * program.ticks * r, False)]
+    sizes = {"data": D, "pipe": p, "expert": X}
+
+    def all_reduce(axes, nbytes, arrays, gathered=4):
+        live = [x for x in ("data", "pipe", "expert") if x in axes and sizes[x] > 1]
+        for group in ([live] if platform != "cpu" and live else [[x] for x in live]):
+            n = math.prod(sizes[x] for x in group)
+            out.append(Flow("+".join(group), "all-reduce", 2 * (n - 1) / n * nbytes, arrays, False))
+        if F > 1:    # the weights' all-gather (`gathered` bytes per fp32 element) and the gradients' reduce-scatter
+            out.append(Flow("fsdp", "all-gather", (F - 1) / F * gathered / 4 * nbytes, arrays, False))
+            out.append(Flow("fsdp", "reduce-scatter", (F - 1) / F * nbytes, arrays, False))
+
+    all_reduce(("pipe", "data", "expert"), 4 * psi_other / T, OTHER_WEIGHTS)
+    all_reduce(("data", "expert"), 4 * (psi_pipelined - psi_x) / (p * T), WEIGHTS_PER_LAYER, gathered=e)
+    all_reduce(("data",), 4 * psi_x / (p * X * T), 3, gathered=e)
+    if T > 1:
+        chunk = shape.layers // (p * v)
+        per_backward = 2 + (1 if cand.remat == "full" else 0)
+        reductions = float(((2 * ticks["F"] + per_backward * ticks["B"]) * chunk + ticks["embed"]
+                            + ticks["head"]).max())
+        out.append(Flow("tensor", "all-reduce", reductions * 2 * (T - 1) / T * a * r, reductions * r, False))
+    if X > 1:
+        exchange = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
+                                        layers=shape.moe_layers // p)
+        out.append(Flow("expert", "all-to-all", exchange["predicted"], exchange["runs"], False))
+    return Prediction(out, stored_params(shape, cand), bubble=bubble_fraction(cand.schedule, p, m, v),
+                      stash=program.slots["stash"])

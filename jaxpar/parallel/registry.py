@@ -4,7 +4,8 @@
 STRATEGIES: each line names a trainer and the axis implementations it runs (the
 trainer's `RUNS`); the first line whose trainer runs every non-auto axis of the config
 wins. A combination no line covers is refused with one line, before anything is built.
-Adding a strategy = a new file with a `Strategy` subclass + one line here.
+Adding a strategy = a new file with a `Strategy` subclass and its `predict` + one line here:
+`predict` then answers for it in the dry run, and the planner enumerates its `PLANNED` values.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import importlib
 
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.model.axes import named_arrays
+from jaxpar.model.counting import ModelShape
 from jaxpar.parallel.rules import AxisRules, parse_rules
+from jaxpar.parallel.theory import Candidate, Prediction, candidate_from_config
 
 AUTO = "jaxpar.parallel.auto:AutoTrainer"
 STRATEGIES = (
@@ -25,7 +28,10 @@ STRATEGIES = (
 )
 
 
-def _load(target: str):
+def _load(target):
+    """A registry line: "module:Class", or the class itself."""
+    if not isinstance(target, str):
+        return target
     module, name = target.split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -39,29 +45,70 @@ def implementations() -> dict[str, tuple[str, ...]]:
     return {axis: tuple(names) for axis, names in valid.items()}
 
 
+def planned() -> dict[str, tuple[str, ...]]:
+    """The `parallel.<axis>` values the planner's space enumerates: auto, plus each trainer's PLANNED."""
+    valid = {axis: ["auto"] for axis in MESH_AXES}
+    for cls in map(_load, STRATEGIES):
+        for axis, names in (cls.RUNS if cls.PLANNED is None else cls.PLANNED).items():
+            valid[axis] += [n for n in names if n not in valid[axis]]
+    return {axis: tuple(names) for axis, names in valid.items()}
+
+
+def strategy_for(impls: dict[str, str]):
+    """The trainer class that runs these `parallel.<axis>` values (ConfigError naming the axis if none)."""
+    chosen = {axis: value for axis, value in impls.items() if value != "auto"}
+    if not chosen:
+        return _load(AUTO)
+    fits = [cls for cls in map(_load, STRATEGIES)
+            if all(value in cls.RUNS.get(axis, ()) for axis, value in chosen.items())]
+    if not fits:
+        asked = " with ".join(f"parallel.{a}={v}" for a, v in chosen.items())
+        raise ConfigError(f"parallel.{next(iter(chosen))}", f"{asked} is not built (no trainer runs that "
+                          "combination); set the other axes to auto")
+    return fits[0]
+
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """The prediction of the strategy that runs `cand`."""
+    return strategy_for(cand.impls).predict(shape, cand, global_batch, seq_len, platform)
+
+
+def workload(config, model_cfg, sizes: dict[str, int], platform: str) -> tuple:
+    """A config on a mesh of `sizes` as every `predict` takes it: (shape, candidate, global batch, seq_len,
+    platform)."""
+    return (ModelShape(model_cfg), candidate_from_config(config, sizes, platform), config.train.batch_size,
+            config.data.seq_len, platform)
+
+
+def predict_config(config, model_cfg, sizes: dict[str, int], platform: str) -> Prediction:
+    """The prediction of the strategy that runs `config` on a mesh of `sizes` (the dry run's theory)."""
+    return predict(*workload(config, model_cfg, sizes, platform))
+
+
+def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platform: str) -> dict[str, float]:
+    """Bytes each device sends per step, by mesh axis, as the config's strategy predicts them."""
+    return predict_config(config, model_cfg, sizes, platform).bytes_by_axis()
+
+
 def select(config, sizes: dict[str, int]):
     """The trainer class for `config` on a mesh of `sizes`, checked (ConfigError if none fits)."""
     valid = implementations()
-    chosen = {}
     for axis in MESH_AXES:
         value = config.parallel[axis]
         if value not in valid[axis]:
             raise ConfigError(f"parallel.{axis}", f"is '{value}'; valid: {', '.join(valid[axis])}")
-        if value != "auto":
-            chosen[axis] = value
-    if not chosen:
-        cls = _load(AUTO)
-    else:
-        fits = [cls for cls in map(_load, STRATEGIES)
-                if all(value in cls.RUNS.get(axis, ()) for axis, value in chosen.items())]
-        if not fits:
-            asked = " with ".join(f"parallel.{a}={v}" for a, v in chosen.items())
-            raise ConfigError(f"parallel.{next(iter(chosen))}", f"{asked} is not built (no trainer runs that "
-                              "combination); set the other axes to auto")
-        cls = fits[0]
+    cls = strategy_for({axis: config.parallel[axis] for axis in MESH_AXES})
     AxisRules(parse_rules(config.parallel.rules)).check(named_arrays(config.model.tie_embeddings), sizes)
     cls.check(config, sizes)
     return cls
+
+
+def build_trainer(config, devices=None, vocab: int | None = None, donate: bool | None = None):
+    """The run chain in one call: the mesh over `devices` (default: every device), the model with vocabulary
+    `vocab` (default: the config's), and the trainer `select` picks."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.model.transformer import ModelConfig
+    return make_trainer(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices), donate=donate)
 
 
 def make_trainer(config, model_cfg, mesh, donate: bool | None = None):

@@ -74,7 +74,7 @@ class AxisRules:
         self.table = {**DEFAULT_RULES, **(overrides or {})}
 
     @classmethod
-    def from_config(cls, config) -> "AxisRules":
+    def from_config(cls, config) -> AxisRules:
         return cls(parse_rules(config.parallel.rules))
 
     def spec(self, names: tuple[str | None, ...], mesh_axes: Iterable[str] | None = None) -> P:

@@ -18,6 +18,13 @@ goes down the stages and back up, so stage 0 holds the first and the last model 
 anything compiles: every action present exactly once on the stage that holds it, every
 dependency met at an earlier tick, and at most `in_flight_bound` chunk-microbatches
 alive on any stage (an F done whose B, or W when split, is not).
+
+`bubble_fraction` is the textbook idle fraction each table's `Schedule.bubble` measures (p stages, m
+microbatches, v chunks per stage): GPipe and 1F1B (p-1)/(m+p-1), interleaved and circular (p-1)/(v·m+p-1),
+ZB-H1 and DualPipeV (p-1)/(3m+p-1) (DualPipeV: 2p model stages in a V, F&B blocks: a tick table runs no
+two actions at once, so F&B = 3 ticks, B = 2, W = 1, and DeepSeek's published idle (PP/2-1)(F&B+B-3W),
+`dualpipe_idle`, is (p-1)·2 ticks per stage of 6m + 2(p-1)); PipeDream-2BW runs 1F1B's table; no
+pipeline (p = 1), none.
 """
 from __future__ import annotations
 
@@ -357,3 +364,30 @@ def validate(schedule: Schedule) -> None:
         worst = peaks.index(max(peaks))
         raise ScheduleError(f"stage {worst} holds {max(peaks)} chunk-microbatches at once; "
                             f"{schedule.name} claims at most {schedule.in_flight_bound}")
+
+
+# ============================================================================ theory
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
+    """The textbook bubble fraction of a schedule with p stages, m microbatches, v chunks per stage (module doc)."""
+    if p == 1:
+        return Fraction(0)
+    if schedule in ("gpipe", "1f1b", "pipedream-2bw"):   # 2BW: 1F1B's table per step (parallel/pipedream.py)
+        return Fraction(p - 1, m + p - 1)
+    if schedule in ("interleaved", "circular"):
+        return Fraction(p - 1, v * m + p - 1)
+    if schedule in ("zb-h1", "dualpipev"):
+        return Fraction(p - 1, 3 * m + p - 1)
+    raise ValueError(f"no bubble formula for schedule '{schedule}'")
+
+
+def dualpipe_idle(pp: int, f_and_b: float, b: float, w: float) -> float:
+    """DualPipe's published bubble per device, (PP/2 - 1)(F&B + B - 3W), PP the model stages (2p for DualPipeV)."""
+    return (pp / 2 - 1) * (f_and_b + b - 3 * w)
+
+
+def p2p_bytes(model_stages: int, m: int, micro_batch: int, seq_len: int, d_model: int,
+              bytes_per_element: float) -> float:
+    """Bytes all stages send per step: each microbatch's activation crosses K-1 stage boundaries forward and
+    its gradient K-1 backward: 2 (K-1) m b s h e, K = p model stages (p·v when interleaved)."""
+    return 2 * (model_stages - 1) * m * micro_batch * seq_len * d_model * bytes_per_element

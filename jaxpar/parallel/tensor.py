@@ -38,7 +38,7 @@ mean this DDP), mesh.pipe = expert = 1, no parallel.rules overrides. Anything el
 refused with one line. The state is every trainer's (same pytree, same global shapes):
 params and Adam moments split over `tensor` (and `fsdp`) as the default rules say, replicated over `data`.
 Under `train.compute_dtype=float8` each device scales its own shards (per-shard amax), so the
-losses are close to, not equal to, one device's.
+losses are close to, not equal to, one device's. `predict` (end of file): these collectives' bytes.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -53,9 +54,18 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
+from jaxpar.parallel.step import accumulate, apply_outside_gradient, clip_to_norm
+from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.theory import (
+    OTHER_WEIGHTS,
+    WEIGHTS_PER_LAYER,
+    Candidate,
+    Flow,
+    Prediction,
+    stored_params,
+    wire_bytes,
+)
 from jaxpar.parallel.zero import STACKS, all_gather_weight, refetch_policy
-from jaxpar.train.step import accumulate, apply_outside_gradient, clip_to_norm
-from jaxpar.train.strategy import Strategy
 
 AXIS = "tensor"
 DATA = "data"
@@ -78,6 +88,11 @@ class TensorTrainer(Strategy):
     with every trainer."""
 
     RUNS = {"tensor": ("manual",), "data": ("ddp",)}
+    PLANNED: dict = {}   # the planner ranks the automatic tensor axis (same bytes without sequence parallelism)
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
 
     @classmethod
     def check(cls, config, sizes):
@@ -108,7 +123,7 @@ class TensorTrainer(Strategy):
         else:
             self.ops = tensor_parallel_ops(self.ops, AXIS)
 
-        abstract = jax.eval_shape(self._init_state)       # the same pytree as every trainer's
+        abstract = jax.eval_shape(self.make_state)       # the same pytree as every trainer's
         self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), (AXIS, FSDP) if self.f > 1 else (AXIS,))
         if self.f > 1:   # FSDP: every layer gathers its weights where it runs, and again in the backward pass
             self.fsdp_dims = {name: jax.tree.map(lambda s, stacked=name in STACKS: _fsdp_dim(s, stacked), specs,
@@ -178,3 +193,85 @@ class TensorTrainer(Strategy):
 
     def _local_eval(self, params, tokens):
         return jax.lax.pmean(cross_entropy_and_aux(params, tokens, self.model_cfg, self.ops)[0], BATCH)
+
+
+# ============================================================================ prediction
+
+def layer_units(remat: str, sequence: bool, regather: bool = True) -> int:
+    """Collective bytes of one layer, one microbatch, in units u = (T-1)/T·e·b·s·h (an all-reduce of b·s·h is
+    2u; an all-gather or reduce-scatter of it, u). See `predict` for what each term is."""
+    recompute_row = remat in ("full", "dots")
+    if not sequence:
+        return 8 + (2 if recompute_row else 0)
+    return 8 + (2 if regather or remat != "none" else 0) + (1 if recompute_row else 0)
+
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str,
+            regather: bool = True) -> Prediction:
+    """Bytes each device sends per step, by mesh axis (u = (T-1)/T·e·b·s·h, e = `wire_bytes`, b rows per batch
+    shard (data x fsdp) per microbatch, m microbatches).
+
+    tensor, TP  per layer 4 all-reduces of b·s·h = 8u (g after wo and w_down forward, f before q/k/v and
+                gate/up backward), +2u with remat full/dots (the attention g is recomputed). Outside the
+                layers 4u: the embedding's g forward, the head's f backward.
+            SP  the same 8u as 4 all-gathers + 4 reduce-scatters, +2u for gathering each column-parallel input
+                again in the backward (`regather`, also whenever remat does not save it), +1u with remat
+                full/dots. Outside 4u. Once per step: the norm weights' gradient sum 2(T-1)/T·4·(2L+1)·h.
+          both  per microbatch the cross-entropy's three fp32 reductions 3·2(T-1)/T·4·b·s; once per step the
+                grad-norm scalar 2(T-1)/T·4.
+    data        DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(Ψ_split/T + Ψ_norms), + the loss
+                (with fsdp: this device's share of each parameter).
+    fsdp        `fsdp_bytes`: each parameter split over fsdp gathered where it runs and its gradient
+                reduce-scattered; the ones fsdp does not split all-reduce their gradient.
+    """
+    T, D, F = cand.tensor, cand.data, cand.fsdp
+    m, L, h, s = cand.microbatches, shape.layers, shape.d_model, seq_len
+    b = global_batch // m // (D * F)
+    e = wire_bytes(cand.precision, platform)
+    norms = (2 * L + 1) * h
+    out, stored = [], stored_params(shape, cand)
+    if T > 1:
+        u = (T - 1) / T * e * b * s * h
+        ring = 2 * (T - 1) / T
+        units = layer_units(cand.remat, cand.sequence, regather) * L + 4
+        total = m * (units * u + ring * 4 * 3 * b * s) + ring * 4 + (ring * 4 * norms if cand.sequence else 0)
+        count = m * (units // 2 + 3) + 1
+        out.append(Flow("tensor", "reduce-scatter" if cand.sequence else "all-reduce", total, count, False))
+    arrays = WEIGHTS_PER_LAYER + OTHER_WEIGHTS
+    if F > 1:
+        sent, kept = fsdp_bytes(shape.model, T, F)
+        stored = dict.fromkeys(stored, kept)
+        out.append(Flow("fsdp", "all-gather", sent, 3 * L * WEIGHTS_PER_LAYER + 2 * OTHER_WEIGHTS, False))
+        if D > 1:
+            out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * 4 * (kept + 1), arrays, False))
+    elif D > 1:
+        psi = shape.counts()["total"]
+        out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1), arrays, False))
+    return Prediction(out, stored)
+
+
+def fsdp_bytes(model_cfg, T: int, F: int) -> tuple[float, float]:
+    """(fsdp bytes per device per step, elements this device stores) of manual TP x FSDP (default rules): per
+    parameter split over fsdp, fp32, g = its size / T if split over tensor, (F-1)/F·4·g per all-gather, 3 per layer
+    weight (forward, the backward's re-gather, the gradient's reduce-scatter), 2 for the embedding and head (a tied
+    one 4); the parameters fsdp does not split (norms, the router bias) all-reduce their gradient, 2(F-1)/F·4·size.
+    The scalars (loss, norm) that reduce over data x fsdp together are left out."""
+    from jaxpar.model.transformer import init_params
+    from jaxpar.parallel.rules import DEFAULT
+
+    shapes = jax.eval_shape(lambda: init_params(model_cfg, 0))
+    specs = DEFAULT.tree_specs(model_cfg.param_axes(), ("tensor", "fsdp"))
+    sent = stored = 0.0
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(shapes),
+                                  jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        axes = jax.tree.leaves(tuple(spec))
+        size = float(np.prod(leaf.shape)) / (T if "tensor" in axes else 1)
+        name = jax.tree_util.keystr(path[:1], simple=True)
+        gathers = 3 if name in ("blocks", "moe_blocks") else 4 if name == "embed" and model_cfg.tie_embeddings else 2
+        if "fsdp" in axes:
+            sent += (F - 1) / F * 4 * size * gathers
+            stored += size / F
+        else:
+            sent += 2 * (F - 1) / F * 4 * size
+            stored += size
+    return sent, stored

@@ -24,7 +24,8 @@ layer loop, so their bytes are 2Ψ_o, not 3Ψ_o. A tied embedding is fetched twi
 Every parameter (and its Adam moments) is split along its first dimension divisible by
 N, never the stacked `layers` axis. Clipping uses the true global norm. Gradients
 are fp32; a bfloat16 run casts weights before the fetch, so ZeRO-3 gathers and
-reduce-scatters bfloat16. Only mesh.data may be > 1.
+reduce-scatters bfloat16. Only mesh.data may be > 1. `predict` (end of file): the table's bytes,
+per stage, as the compiled programs send them.
 """
 from __future__ import annotations
 
@@ -38,8 +39,17 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.train.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
-from jaxpar.train.strategy import Strategy
+from jaxpar.parallel.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
+from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.theory import (
+    OTHER_WEIGHTS,
+    WEIGHTS_PER_LAYER,
+    Candidate,
+    Flow,
+    Prediction,
+    stored_params,
+    wire_bytes,
+)
 
 AXIS = "data"
 STACKS = ("blocks", "moe_blocks")                         # the scanned layer stacks (leading `layers` axis)
@@ -50,7 +60,7 @@ STAGE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeR
 # Each runs on one device inside shard_map: `params`/`opt_state` are what this device
 # stores, `tokens` its batch shard. Returns (metrics, params, opt_state, grad norm).
 
-def ddp_step(t: "ZeroTrainer", params, opt_state, tokens):
+def ddp_step(t: ZeroTrainer, params, opt_state, tokens):
     """DDP: everything replicated; the gradient is all-reduced."""
     metrics, grads = t.local_grads(params, tokens)         # gradient of this device's batch shard
     grads = jax.lax.pmean(grads, AXIS)                     # ALL-REDUCE: every device holds the mean gradient
@@ -59,7 +69,7 @@ def ddp_step(t: "ZeroTrainer", params, opt_state, tokens):
     return metrics, params, opt_state, norm
 
 
-def zero1_step(t: "ZeroTrainer", params, opt_state, tokens):
+def zero1_step(t: ZeroTrainer, params, opt_state, tokens):
     """ZeRO-1: Adam m, v sliced; the finished gradient is reduce-scattered, each device updates its slice."""
     metrics, grads = t.local_grads(params, tokens)         # the full local gradient exists here
     my_grads = t.reduce_scatter(grads)                     # REDUCE-SCATTER: my 1/N of the mean gradient
@@ -68,7 +78,7 @@ def zero1_step(t: "ZeroTrainer", params, opt_state, tokens):
     return metrics, t.all_gather(my_params), opt_state, norm   # ALL-GATHER the updated slices
 
 
-def zero2_step(t: "ZeroTrainer", params, opt_state, tokens):
+def zero2_step(t: ZeroTrainer, params, opt_state, tokens):
     """ZeRO-2: as ZeRO-1, but each layer's gradient is reduce-scattered inside the backward pass."""
     metrics, my_grads = t.sliced_grads(params, tokens, fetch=t.local_copy)   # REDUCE-SCATTER per layer
     norm = t.sharded_norm(my_grads)
@@ -76,7 +86,7 @@ def zero2_step(t: "ZeroTrainer", params, opt_state, tokens):
     return metrics, t.all_gather(my_params), opt_state, norm   # ALL-GATHER the updated slices
 
 
-def zero3_step(t: "ZeroTrainer", params, opt_state, tokens):
+def zero3_step(t: ZeroTrainer, params, opt_state, tokens):
     """ZeRO-3: params stored sliced too; each layer all-gathered in forward and again in backward."""
     metrics, my_grads = t.sliced_grads(params, tokens, fetch=t.gather)   # ALL-GATHER, REDUCE-SCATTER per layer
     norm = t.sharded_norm(my_grads)
@@ -170,6 +180,7 @@ class ZeroTrainer(Strategy):
     """DDP and ZeRO-1/2/3 over `data`, with the automatic trainer's state layout (checkpoints interchange)."""
 
     RUNS = {"data": tuple(STAGES)}
+    PLANNED = {"data": ("zero1", "zero3")}   # ddp and zero2 send what zero1 sends and store more
 
     @classmethod
     def check(cls, config, sizes):
@@ -181,11 +192,15 @@ class ZeroTrainer(Strategy):
             raise ConfigError("mesh.data", f"{STAGE_NAMES[config.parallel.data]} splits every parameter over "
                               f"mesh.data={sizes[AXIS]}, which must divide model.d_model={config.model.d_model}")
 
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
+
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
         self.stage = config.parallel.data
         self.n = int(mesh.shape[AXIS])
-        abstract = jax.eval_shape(self._init_state)       # the same pytree as every trainer's
+        abstract = jax.eval_shape(self.make_state)       # the same pytree as every trainer's
         self.dims = split_dims(abstract["params"], self.n, self.stage) if self.stage != "ddp" else None
         self.state_specs = self._state_specs(abstract)
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs)
@@ -300,3 +315,41 @@ class ZeroTrainer(Strategy):
     def _local_eval(self, params, tokens):
         ops = self.ops.replace(fetch=self.gather) if self.stage == "zero3" else self.ops
         return jax.lax.pmean(cross_entropy_and_aux(params, tokens, self.model_cfg, ops)[0], AXIS)
+
+
+# ============================================================================ prediction
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """Bytes each device sends per step over `data` (D devices, ring (D-1)/D; e = `wire_bytes`, m microbatches).
+
+    ddp, zero1  fp32 gradients accumulated locally and reduced once per step: DDP's all-reduce 2·4Ψ; ZeRO-1's
+                reduce-scatter + all-gather of the updated fp32 params, 2·4Ψ as well.
+    zero2       each layer's gradient reduce-scattered in every microbatch's backward pass, e·m·Ψ, + the fp32
+                all-gather 4Ψ.
+    zero3       per microbatch, layers gathered forward and backward and reduce-scattered (3Ψ_L), embedding,
+                head and final norm gathered once and reduce-scattered (2Ψ_o; a tied embedding twice), x e·m.
+    """
+    counts = shape.counts()
+    D, m, L = cand.data, cand.microbatches, shape.layers
+    level = ("ddp", "zero1", "zero2", "zero3").index(cand.data_impl)    # what is split: optimizer, grads, params
+    stored = stored_params(shape, cand, {"optimizer": D if level >= 1 else 1, "grads": D if level >= 2 else 1,
+                                         "params": D if level >= 3 else 1})
+    if D == 1:
+        return Prediction([], stored)
+    e, cpu = wire_bytes(cand.precision, platform), platform == "cpu"
+    psi_layers, psi_other = counts["blocks"], counts["total"] - counts["blocks"]
+    psi = psi_layers + psi_other
+    ring, arrays = (D - 1) / D, WEIGHTS_PER_LAYER + OTHER_WEIGHTS
+    tied = 2 * counts["embedding"] if shape.tie_embeddings else 0
+    stage = cand.data_impl
+    if stage in ("ddp", "zero1"):
+        flows = [Flow("data", "all-reduce" if stage == "ddp" else "reduce-scatter", ring * 2 * 4 * psi, arrays, False)]
+    elif stage == "zero2":
+        flows = [Flow("data", "reduce-scatter", ring * e * m * psi, arrays * m, not cpu),
+                 Flow("data", "all-gather", ring * 4 * psi, arrays, False)]
+    else:
+        flows = [Flow("data", "all-gather", ring * e * m * (2 * psi_layers + psi_other + tied / 2),
+                      (2 * L * WEIGHTS_PER_LAYER + OTHER_WEIGHTS) * m, not cpu),
+                 Flow("data", "reduce-scatter", ring * e * m * (psi_layers + psi_other + tied / 2),
+                      (L * WEIGHTS_PER_LAYER + OTHER_WEIGHTS) * m, not cpu)]
+    return Prediction(flows, stored)

@@ -1,11 +1,10 @@
 """The capstone planner: choose and defend a parallel strategy for a model on a cluster (course module 7).
 
-cluster.py   the machine: devices per node, peak FLOP/s, memory, α-β links (NVLink, InfiniBand, host memory)
-shape.py     the model as numbers: parameter counts by part, FLOPs per token (dense or MoE)
-space.py     one candidate strategy, and the enumeration of the space
-comm.py      bytes and collectives per mesh axis of one step
-memory.py    per-device memory of one step
-steptime.py  per-step time: compute at a calibrated efficiency, exposed communication, bubble, overheads
+fleet.py     the machine: devices per node, peak FLOP/s, memory, α-β links (NVLink, InfiniBand, host memory)
+space.py     the space of candidates the registered strategies offer (a candidate: parallel/theory.py)
+memory.py    per-device memory of one step (what a device stores: its strategy's prediction)
+steptime.py  per-step time: compute at a calibrated efficiency, the strategy's predicted collectives and bubble,
+             fixed overheads
 gemm.py      the size efficiency of a step's weight matmuls (additive roofline)
 layouts.py   model-state layouts: jaxpar's own, or a distributed optimizer's (Megatron/NeMo)
 anchors.py   published H100 runs, each with its own strategy: η per framework fitted and checked
@@ -15,4 +14,7 @@ planner.py   evaluate, rank, explain; budgets in tokens or Arabic words; the sma
 verify.py    check the top candidates against the compiled program (deviceless GPU or CPU devices)
 risks.py     failures, checkpoint interval (Young/Daly) and goodput of a months-long run
 fertility.py tokens per Arabic word of trained BPE tokenizers
+
+The model is `jaxpar.model.counting.ModelShape`; each strategy's bytes per mesh axis, stored parameters and
+bubble are its own `predict` (jaxpar/parallel/), the same the dry run checks against compiled programs.
 """

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.plan.cluster import gpu_cluster
-from jaxpar.plan.shape import ModelShape
+from jaxpar.model.counting import ModelShape
+from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.steptime import Calibration
 
-LLAMA2_70B = ModelShape(vocab=32000, d_model=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp_dim=28672)
-LLAMA31_8B = ModelShape(vocab=128256, d_model=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp_dim=14336)
-LLAMA2_7B = ModelShape(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp_dim=11008)
+LLAMA2_70B = ModelShape.dense(vocab=32000, d_model=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp_dim=28672)
+LLAMA31_8B = ModelShape.dense(vocab=128256, d_model=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp_dim=14336)
+LLAMA2_7B = ModelShape.dense(vocab=32000, d_model=4096, layers=32, heads=32, kv_heads=32, head_dim=128, mlp_dim=11008)
 H100_BF16_PEAK = 989e12
 
 

@@ -5,6 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
+from jaxpar.checks import add_config_arguments
 from jaxpar.config import REPOSITORY, ConfigError
 
 DEFAULT_CONFIG = REPOSITORY / "configs" / "arabic_7b.py"
@@ -30,9 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     """The options `jaxpar plan` shares with lab 07 (`jaxpar lab capstone`)."""
-    p.add_argument("--config", metavar="FILE", help="model config (default: configs/arabic_7b.py)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a config field (repeatable)")
+    add_config_arguments(p, config_help="model config (default: configs/arabic_7b.py)",
+                         set_help="override a config field (repeatable)")
     p.add_argument("--nodes", type=int, default=8, help="nodes in the cluster (default 8)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node, joined by NVLink (default 8)")
     p.add_argument("--gpu", default="h100", help="GPU type: h100, h100-pcie, h200, a100, a100-40gb (default h100)")
@@ -114,7 +114,7 @@ def check_inputs(args):
 
 
 def gpu_cluster_of(args):
-    from jaxpar.plan.cluster import gpu_cluster
+    from jaxpar.plan.fleet import gpu_cluster
     return gpu_cluster(args.gpu, args.nodes, args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
                        ib_gbps=args.ib_gbps, price_per_gpu_hour=args.price)
 
@@ -124,7 +124,7 @@ def host_cluster(devices: int):
     from jaxpar.mesh import set_cpu_devices
     set_cpu_devices(devices)
     from jaxpar.measure.hardware import probe_host
-    from jaxpar.plan.cluster import cpu_cluster
+    from jaxpar.plan.fleet import cpu_cluster
     host = probe_host(1.0)
     return cpu_cluster(devices, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
 
@@ -132,10 +132,10 @@ def host_cluster(devices: int):
 def run(args) -> int:
     if args.action:
         return run_collect(args.action)
+    config, cluster, tokens, note = check_inputs(args)     # before JAX is imported (the model's counts import it)
+    from jaxpar.model.counting import ModelShape
     from jaxpar.plan.planner import plan
-    from jaxpar.plan.shape import ModelShape
     from jaxpar.plan.steptime import GPU_CALIBRATION, HOST_CALIBRATION
-    config, cluster, tokens, note = check_inputs(args)
     if cluster is None:
         cluster = host_cluster(args.host_devices)
     global_batch = args.global_batch if args.global_batch is not None else config.train.batch_size
@@ -217,7 +217,7 @@ def run_collect(action: list[str]) -> int:
 
 def verify_top(p, config, count: int, gpu: str) -> list[str]:
     """Compile the best buildable candidates deviceless (or say why not, and how to make it possible)."""
-    from jaxpar.dryrun import GPU_TARGETS, gpu_plugin_problem
+    from jaxpar.measure.targets import GPU_TARGETS, gpu_plugin_problem
     target = gpu.lower().removesuffix("-sxm").removesuffix("-80gb")
     if target not in GPU_TARGETS:
         return [f"Verification skipped: no deviceless compile target for '{gpu}' (targets: {', '.join(GPU_TARGETS)})."]

@@ -52,7 +52,7 @@ def layout_flows(flow_list: list, shape, cand, layout: str) -> list:
     pipe or expert only; the others keep jaxpar's flows."""
     if layout == "jaxpar" or cand.data == 1 or cand.pipe > 1 or cand.expert > 1 or cand.data_impl != "auto":
         return flow_list
-    from jaxpar.plan.comm import Flow
+    from jaxpar.parallel.theory import Flow
     ring = (cand.data - 1) / cand.data
     shard = shape.params / (cand.fsdp * cand.tensor)
     kept = [f for f in flow_list if f.axis != "data"]

@@ -1,9 +1,8 @@
 """Per-device memory of one training step: model state, gradients, activations, working buffers.
 
-  state        fp32 params 4Ψ_d and AdamW μ, ν 8Ψ_d, Ψ_d = the parameters this device stores:
-               Ψ/(fsdp·tensor) for the automatic strategies (the routed experts also / expert; a
-               pipeline stage holds Ψ_L/pipe of the layers and the embedding/head); ZeRO stage s over
-               `data` splits the optimizer (s >= 1), gradients (s >= 2) and params (s = 3).
+  state        fp32 params 4Ψ_d and AdamW μ, ν 8Ψ_d, Ψ_d = the parameters this device stores, as its
+               strategy predicts (`Prediction.stored`: e.g. ZeRO stage s over `data` splits the optimizer
+               (s >= 1), gradients (s >= 2) and params (s = 3)).
   gradients    fp32, sharded like the params (4Ψ_d); a second fp32 buffer when microbatches
                accumulate (`ACCUMULATOR`).
   activations  per microbatch of b sequences per device, s tokens, h = d_model, e = activation bytes:
@@ -40,8 +39,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.plan.shape import ModelShape
-from jaxpar.plan.space import Candidate
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.registry import predict
+from jaxpar.parallel.theory import Candidate, Prediction
 
 SCORE_BYTES = 10.7            # per S x S element, one layer's backward working set (einsum attention)
 WORKING_TOKEN_BYTES = 6.9     # per token x d_model, one layer's backward working set (not split by tensor)
@@ -88,21 +88,6 @@ class Memory:
         return parts
 
 
-def stored_params(shape: ModelShape, cand: Candidate) -> dict[str, float]:
-    """Parameters this device stores, and how many it updates (its optimizer shard) and holds gradients of."""
-    c = shape.counts()
-    layers = c["blocks"] - c["experts"] + c["experts"] / cand.expert
-    other = c["total"] - c["blocks"]
-    model = cand.fsdp * cand.tensor
-    params = (layers / cand.pipe + other) / model
-    if cand.data_impl == "auto" or cand.data == 1:
-        return {"params": params, "grads": params, "optimizer": params}
-    stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[cand.data_impl]
-    d = cand.data
-    return {"params": params / (d if stage >= 3 else 1), "grads": params / (d if stage >= 2 else 1),
-            "optimizer": params / (d if stage >= 1 else 1)}
-
-
 def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: int) -> float:
     """Per layer, what jaxpar's fp8 matmul (model/fp8.py) saves for its backward pass unless the layer is
     recomputed: each matmul's input in e4m3 (1 byte per element; the inputs of q/k/v and gate/up are whole
@@ -135,23 +120,12 @@ def tap_elements(shape: ModelShape, tensor: int) -> float:
     return inputs + grads
 
 
-def in_flight(cand: Candidate) -> tuple[float, float]:
-    """(microbatches whose activations a pipeline stage holds at once, layers each of them covers there)."""
-    layers = 1.0 / cand.pipe
-    if cand.pipe == 1:
-        return 1.0, layers
-    if cand.schedule == "gpipe":
-        return float(cand.microbatches), layers
-    if cand.schedule == "interleaved":
-        v = cand.virtual
-        return float(min(v * cand.pipe + cand.pipe - 1, v * cand.microbatches)), layers / v
-    return float(min(cand.pipe, cand.microbatches)), layers
-
-
 def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, hbm_bytes: float,
-           headroom: float = 0.1) -> Memory:
-    """Per-device bytes of one step of `cand`; `fits` when the total is within (1 - headroom) of `hbm_bytes`."""
-    stored = stored_params(shape, cand)
+           headroom: float = 0.1, prediction: Prediction | None = None) -> Memory:
+    """Per-device bytes of one step of `cand`; `fits` when the total is within (1 - headroom) of `hbm_bytes`.
+    What a device stores is its strategy's `prediction` (default: asked of it)."""
+    prediction = prediction or predict(shape, cand, global_batch, seq_len, "gpu")
+    stored = prediction.stored
     e = 4 if cand.precision == "float32" else 2
     T, L, h, s = cand.tensor, shape.layers, shape.d_model, seq_len
     b = global_batch / cand.batch_shards / cand.microbatches
@@ -169,7 +143,7 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
         per_layer = b * s * h * e + (b * s * widths * e if cand.remat == "dots" else 0)
     if cand.precision == "float8" and cand.remat != "full" and cand.pipe == 1:
         per_layer += fp8_residuals(shape, cand, b, s)
-    count, layers_each = in_flight(cand)
+    count, layers_each = prediction.stash, 1 / (cand.pipe * cand.virtual)   # stash: the schedule table's
     stage_weights = taps = 0.0
     if cand.pipe > 1:
         count += PIPELINE_EXTRA_SLOTS

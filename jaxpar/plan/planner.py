@@ -13,15 +13,16 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.config import ConfigError
-from jaxpar.plan.cluster import Cluster
-from jaxpar.plan.comm import bytes_by_axis, flows
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.registry import predict
+from jaxpar.parallel.theory import Candidate, candidate_from_config
+from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.layouts import apply_layout, layout_flows
-from jaxpar.plan.memory import Memory, memory, stored_params
-from jaxpar.plan.shape import ModelShape
-from jaxpar.plan.space import Candidate, enumerate_candidates
+from jaxpar.plan.memory import Memory, memory
+from jaxpar.plan.space import enumerate_candidates
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, StepTime, step_time
+from jaxpar.units import GB
 
-GB = 1e9
 DAY = 86400.0
 
 
@@ -79,10 +80,11 @@ def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch:
              headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION, layout: str = "jaxpar") -> Evaluated:
     """Memory (in `layout`, plan/layouts.py), step time and what they mean for the run, for one candidate.
     MFU is against the dense bf16 peak, also for fp8 candidates (NeMo's convention); `mfu_fp8_peak` beside it."""
-    mem = apply_layout(memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom), cand, layout)
-    flow_list = layout_flows(flows(shape, cand, global_batch, seq_len, cluster.platform), shape, cand, layout)
-    t = step_time(shape, cand, cluster, global_batch, seq_len, calibration, flow_list,
-                  optimizer_params=stored_params(shape, cand)["optimizer"])
+    prediction = predict(shape, cand, global_batch, seq_len, cluster.platform)
+    prediction = dataclasses.replace(prediction, flows=layout_flows(prediction.flows, shape, cand, layout))
+    mem = apply_layout(memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom, prediction), cand,
+                       layout)
+    t = step_time(shape, cand, cluster, global_batch, seq_len, calibration, prediction)
     step_tokens = global_batch * seq_len
     tokens_per_s = step_tokens / t.total_s
     peak = cluster.peak("bfloat16")
@@ -90,7 +92,7 @@ def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch:
     seconds = tokens / tokens_per_s
     gpu_hours = seconds * cand.devices / 3600
     cost = gpu_hours * cluster.price_per_gpu_hour if cluster.price_per_gpu_hour else None
-    return Evaluated(cand, mem, t, bytes_by_axis(flow_list), tokens_per_s, mfu, seconds / DAY, gpu_hours, cost,
+    return Evaluated(cand, mem, t, prediction.bytes_by_axis(), tokens_per_s, mfu, seconds / DAY, gpu_hours, cost,
                      mfu_fp8_peak=t.model_flops / (t.total_s * cluster.peak("float8")))
 
 
@@ -257,8 +259,6 @@ def _layout(p: Plan) -> str:
 def predict_config(config, sizes: dict[str, int], vocab: int, cluster: Cluster,
                    calibration: Calibration = GPU_CALIBRATION) -> StepTime:
     """The calibrated step time of one config on one cluster (what `jaxpar dryrun` reports)."""
-    from jaxpar.plan.space import candidate_from_config
     shape = ModelShape.from_config(config, vocab)
     cand = candidate_from_config(config, sizes, cluster.platform)
-    return step_time(shape, cand, cluster, config.train.batch_size, config.data.seq_len, calibration,
-                     optimizer_params=stored_params(shape, cand)["optimizer"])
+    return step_time(shape, cand, cluster, config.train.batch_size, config.data.seq_len, calibration)

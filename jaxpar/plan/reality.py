@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from jaxpar.plan.cluster import Cluster, cpu_cluster
-from jaxpar.plan.space import Candidate
+from jaxpar.parallel.theory import Candidate
+from jaxpar.plan.fleet import Cluster, cpu_cluster
 from jaxpar.plan.steptime import Calibration
 
 BENCH_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
@@ -80,9 +80,7 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
 
     from jaxpar.measure import hlo
     from jaxpar.measure.memory import compiled_memory
-    from jaxpar.mesh import make_mesh
-    from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import build_trainer
     from jaxpar.plan.verify import candidate_config
 
     built = []
@@ -93,8 +91,8 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
         if config is None:
             log(f"  {cand.label()}: {reason}")
             continue
-        mesh = make_mesh(config, jax.devices()[:cand.devices])
-        trainer = make_trainer(config, ModelConfig.from_config(config.model), mesh)
+        trainer = build_trainer(config, jax.devices()[:cand.devices])
+        mesh = trainer.mesh
         start = time.perf_counter()
         with jax.set_mesh(mesh):
             compiled = trainer.lower_step().compile()
@@ -113,7 +111,7 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
         log(f"  compiled {cand.label()} in {compile_s:.1f} s")
         built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis, memory_bytes=peak,
                                                                 global_batch=batch_size)])
-    for r in range(rounds):
+    for _ in range(rounds):
         for item in built:
             cand, compiled, state, batch, mesh, measured = item
             with jax.set_mesh(mesh):
@@ -133,13 +131,11 @@ def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, se
     the rest R (memory passes, collectives); measured t = O + C/η + R at batch B and at B/2 gives
     C(B)/(2η) = (t_B - R_B) - (t_B/2 - R_B/2), then O. Without `half`, O = 0 and η alone fits t_B.
     """
-    from jaxpar.plan.memory import stored_params
     from jaxpar.plan.steptime import step_time
     at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0, source="")
 
     def split(m: Measured) -> tuple[float, float]:
-        t = step_time(shape, m.cand, cluster, m.global_batch, seq_len, at_peak,
-                      optimizer_params=stored_params(shape, m.cand)["optimizer"])
+        t = step_time(shape, m.cand, cluster, m.global_batch, seq_len, at_peak)
         return t.compute_s, m.median_s - (t.total_s - t.compute_s)
     compute, busy = split(full)
     overhead, eta = 0.0, compute / max(busy, 1e-9)

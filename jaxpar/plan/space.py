@@ -1,4 +1,4 @@
-"""One candidate strategy, and the space the planner enumerates.
+"""The space of candidate strategies the planner enumerates (a `Candidate`: parallel/theory.py).
 
 A candidate is a point in (mesh sizes data x fsdp x tensor x pipe x expert, how `data`
 is implemented, microbatches, pipeline schedule, remat policy, compute precision,
@@ -6,81 +6,24 @@ attention kernel). `enumerate_candidates` lists every one a model and a cluster 
 each axis size divides what it splits (heads, kv_heads, the MLP, the vocabulary for
 `tensor`; d_model for `fsdp`; layers for `pipe`; experts for `expert`; the global batch
 for data x fsdp x expert x microbatches). Whether jaxpar has a trainer that runs a
-candidate is not decided here: that is the registry's job at verification time.
+candidate is the registry's: each axis' implementations are those its strategies offer the planner.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
-from jaxpar.plan.shape import ModelShape
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.registry import planned
+from jaxpar.parallel.theory import VIRTUAL, Candidate
 
-AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
-SHORT = {"expert": "ep", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
 REMATS = ("none", "dots", "full")
 PRECISIONS = ("bfloat16", "float8", "float32")
 ATTENTIONS = ("dot", "flash")      # dot: jaxpar's einsum attention (S x S scores); flash: a fused kernel
-SCHEDULES = ("1f1b", "interleaved", "zb-h1", "gpipe")
-DATA_IMPLS = ("auto", "zero1", "zero3")    # parallel.data: XLA's data parallel, or parallel/zero.py's stages
-VIRTUAL = 2                         # chunks per stage of the interleaved schedule (the pipeline branch's default)
 # Left out of the space, because the planner cannot predict it (deviceless H100 compiles of the 7B): jaxpar's fp8
 # matmuls (per-tensor current scaling, model/fp8.py) under tensor parallelism compiled to 3.5x the tensor-axis
 # bytes of bf16 and 14-32% more memory than plan/memory.py's fp8 terms; inside a pipeline stage they keep less than
 # those terms say (remat dots kept what remat full keeps: 40.7 GiB where the model said 70).
 FP8_NOT_MODELLED = "fp8 with tensor > 1 or pipe > 1: not modelled, not ranked"
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    pipe: int = 1
-    expert: int = 1
-    microbatches: int = 1          # gradient accumulation; with pipe > 1, the pipeline's microbatches
-    schedule: str = ""             # pipeline schedule when pipe > 1
-    remat: str = "full"
-    precision: str = "bfloat16"
-    attention: str = "dot"
-    data_impl: str = "auto"
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
-
-    @property
-    def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipe * self.expert
-
-    @property
-    def batch_shards(self) -> int:
-        """How many ways the batch is split: data x fsdp x expert (tensor and pipe see every sequence)."""
-        return self.data * self.fsdp * self.expert
-
-    @property
-    def virtual(self) -> int:
-        return VIRTUAL if self.schedule == "interleaved" else 1
-
-    def mesh_text(self) -> str:
-        used = [f"{SHORT.get(a, a)}={s}" for a, s in self.sizes.items() if s > 1]
-        mesh = " ".join(used) or "1 device"
-        if self.data_impl != "auto" and self.data > 1:
-            mesh = mesh.replace(f"data={self.data}", f"{self.data_impl}={self.data}")
-        return mesh
-
-    def label(self) -> str:
-        pipe = f" {self.schedule}" if self.pipe > 1 else ""
-        return (f"{self.mesh_text()}{pipe} m={self.microbatches} remat={self.remat} "
-                f"{ {'bfloat16': 'bf16', 'float8': 'fp8', 'float32': 'fp32'}[self.precision]} {self.attention}")
-
-    def span(self, axis: str) -> int:
-        """Consecutive device ids one collective group of `axis` spans (mesh order, tensor innermost)."""
-        stride = 1
-        for name in reversed(AXES):
-            if name == axis:
-                return stride * getattr(self, name)
-            stride *= getattr(self, name)
-        raise KeyError(axis)
 
 
 def divisors(n: int) -> list[int]:
@@ -120,9 +63,13 @@ def microbatch_choices(rows: int, pipe: int, schedule: str) -> list[int]:
 
 
 def enumerate_candidates(shape: ModelShape, devices: int, global_batch: int, *, remats=REMATS,
-                         precisions=("bfloat16", "float8"), attentions=ATTENTIONS, schedules=SCHEDULES,
-                         data_impls=DATA_IMPLS) -> list[Candidate]:
-    """The strategy space: every mesh x microbatches x schedule x remat x precision x attention allowed."""
+                         precisions=("bfloat16", "float8"), attentions=ATTENTIONS, schedules=None,
+                         data_impls=None) -> list[Candidate]:
+    """The strategy space: every mesh x microbatches x schedule x remat x precision x attention allowed, and
+    each axis' implementations the registered strategies offer the planner (`registry.planned`)."""
+    offered = planned()
+    schedules = schedules or tuple(s for s in offered["pipe"] if s != "auto")
+    data_impls = data_impls or offered["data"]
     out = []
     for sizes in mesh_choices(shape, devices, global_batch):
         rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
@@ -139,20 +86,3 @@ def enumerate_candidates(shape: ModelShape, devices: int, global_batch: int, *, 
                     out.append(Candidate(**sizes, microbatches=m, schedule=schedule, remat=remat,
                                          precision=precision, attention=attention, data_impl=impl))
     return out
-
-
-def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") -> Candidate:
-    """The candidate a config runs (the inverse of plan/verify.py's `candidate_overrides`)."""
-    parallel, model = config.parallel, config.model
-    pipe = sizes.get("pipe", 1)
-    microbatches = config.train.microbatches
-    if pipe > 1 and parallel.get("pipe_microbatches", 0):
-        microbatches = parallel.pipe_microbatches
-    elif pipe > 1:
-        microbatches = 2 * pipe             # the pipeline trainers' default
-    kernel = model.get("attention", "dot")
-    fused = kernel in ("cudnn", "pallas") or (kernel == "auto" and platform == "gpu")
-    return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES}, microbatches=microbatches,
-                     schedule=parallel.pipe if pipe > 1 else "", remat=config.train.remat,
-                     precision=config.train.compute_dtype, attention="flash" if fused else "dot",
-                     data_impl=parallel.data)

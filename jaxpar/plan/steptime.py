@@ -18,16 +18,15 @@ communication per axis + the pipeline bubble.
             over `tensor`), ZeRO-1/2's extra copies (`ZERO_COPIES`), and, for jaxpar's einsum
             attention, the S x S scores and probabilities (bytes per element in `SCORE_BYTES`), at
             `MEMORY_EFFICIENCY` x bandwidth.
-  comm      α-β per flow (plan/comm.py) on the link its group spans; hideable flows are hidden
-            behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
+  comm      α-β per flow of the strategy's prediction (`Strategy.predict`) on the link its group spans;
+            hideable flows are hidden behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
             non-hideable flow, is exposed.
   overhead  a fixed cost per step (`STEP_OVERHEAD_S`: launching the optimizer, host dispatch, the
             loss's trip to the host) and per microbatch per layer (`LAYER_OVERHEAD_S`: kernel launch
             and tail gaps between the layer's kernels), so that microbatches are not free and a tiny
             model's step is not 0 s.
-  bubble    pipelines: the textbook fraction β of the schedule (GPipe/1F1B (p-1)/(m+p-1),
-            interleaved (p-1)/(v·m+p-1), ZB-H1 (p-1)/(3m+p-1)) idles every stage: the busy time
-            is stretched by 1/(1-β).
+  bubble    pipelines: the schedule's fraction β (the prediction's, parallel/schedules.bubble_fraction)
+            idles every stage: the busy time is stretched by 1/(1-β).
 
 Calibration (ASSUMPTIONS unless said otherwise; the lab prints them with the anchors):
   COMPUTE_EFFICIENCY  η of an ideal large GEMM on GPU (the size factor g lowers it for real ones),
@@ -44,13 +43,12 @@ Calibration (ASSUMPTIONS unless said otherwise; the lab prints them with the anc
 from __future__ import annotations
 
 import dataclasses
-from fractions import Fraction
 
-from jaxpar.plan.cluster import Cluster
-from jaxpar.plan.comm import Flow, flows, rows_per_microbatch
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.registry import predict
+from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
+from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.gemm import gemm_efficiency
-from jaxpar.plan.shape import ModelShape
-from jaxpar.plan.space import Candidate
 
 COMPUTE_EFFICIENCY = 0.6867     # jaxpar/plan/anchors.py FITTED["jaxpar (XLA)"]
 FP8_EFFICIENCY = 0.7149         # NeMo's, FITTED["NeMo"]: no published XLA fp8 run is anchored
@@ -129,19 +127,6 @@ class StepTime:
         return out
 
 
-def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> Fraction:
-    """The textbook idle fraction of a pipeline schedule (the pipeline branch's measure/bubble.py)."""
-    if p == 1:
-        return Fraction(0)
-    if schedule in ("gpipe", "1f1b"):
-        return Fraction(p - 1, m + p - 1)
-    if schedule == "interleaved":
-        return Fraction(p - 1, v * m + p - 1)
-    if schedule == "zb-h1":
-        return Fraction(p - 1, 3 * m + p - 1)
-    raise ValueError(f"no bubble formula for schedule '{schedule}'")
-
-
 def executed_flops_per_token(shape: ModelShape, seq_len: int, remat: str, attention: str) -> dict[str, float]:
     """FLOPs per token the compiled step executes, split into weight matmuls and attention (see module doc)."""
     d, L = shape.d_model, shape.layers
@@ -160,12 +145,13 @@ def executed_flops_per_token(shape: ModelShape, seq_len: int, remat: str, attent
 
 
 def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch: int, seq_len: int,
-              calibration: Calibration = GPU_CALIBRATION, flow_list: list[Flow] | None = None,
-              optimizer_params: float | None = None) -> StepTime:
+              calibration: Calibration = GPU_CALIBRATION, prediction: Prediction | None = None) -> StepTime:
     """Predict one optimizer step of `cand` on `cluster` (see the module docstring).
 
-    `optimizer_params`: parameters this device updates (memory.py's figure); default Ψ / model shards.
+    `prediction`: the strategy's (default: asked of it): its collectives, bubble, and the parameters a device updates.
     """
+    if prediction is None:
+        prediction = predict(shape, cand, global_batch, seq_len, cluster.platform)
     n = cand.devices
     tokens = global_batch * seq_len
     per_token = executed_flops_per_token(shape, seq_len, cand.remat, cand.attention)
@@ -184,7 +170,7 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
                 + calibration.layer_overhead_s * (shape.layers / cand.pipe + 2) * cand.microbatches)
 
     mem_rate = calibration.memory * cluster.mem_bw
-    updated = optimizer_params if optimizer_params is not None else shape.params / (cand.fsdp * cand.tensor)
+    updated = prediction.stored["optimizer"]
     memory = ADAM_BYTES_PER_PARAM * updated / mem_rate
     e = 4 if cand.precision == "float32" else 2
     passes = RESIDUAL_PASSES["forward"] * (2 if cand.remat == "full" else 1) + RESIDUAL_PASSES["backward"]
@@ -198,7 +184,7 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
         passes = SCORE_BYTES["forward"] * (2 if cand.remat in ("full", "dots") else 1) + SCORE_BYTES["backward"]
         memory += elements * passes / mem_rate
 
-    flow_list = flow_list if flow_list is not None else flows(shape, cand, global_batch, seq_len, cluster.platform)
+    flow_list = prediction.flows
     comm: dict[str, float] = {}
     hideable = 0.0
     exposed: dict[str, float] = {}
@@ -218,7 +204,7 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
             if f.hideable:
                 exposed[f.axis] += spill * cluster.axis_link(cand, f.axis).time(f.op, f.bytes, f.count) / hideable
 
-    fraction = bubble_fraction(cand.schedule, cand.pipe, cand.microbatches, cand.virtual)
+    fraction = prediction.bubble
     busy = compute + memory + exposed.get("tensor", 0.0)
     bubble = float(busy * fraction / (1 - fraction)) if fraction else 0.0
     model = shape.flops_per_token(seq_len) * tokens / n

@@ -53,7 +53,7 @@ def _keyed(key: str, value: str, word: str, fields: dict) -> None:
 
 def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu"):
     """The `Candidate` `text` describes (see the module docstring); ConfigError naming --strategy otherwise."""
-    from jaxpar.plan.space import Candidate
+    from jaxpar.parallel.theory import Candidate
     fields: dict = {"attention": "flash" if platform == "gpu" else "dot"}
     words = text.replace(",", " ").split()
     if not words:

@@ -1,15 +1,13 @@
 """From a candidate to a config jaxpar can build, and the check of the top candidates against the compiler.
 
 `candidate_config` writes a candidate as `--set` overrides of a base config and asks the
-checkout whether it can build it: the config fields must exist (a field another branch
-adds, such as `model.attention` or `parallel.pipe_microbatches`, may not be merged yet),
-`jaxpar.config.validate` must accept the mesh, and the registry
+checkout whether it can build it: `jaxpar.config.validate` must accept the mesh, and the registry
 (`jaxpar.parallel.registry.select`) must find a trainer. Whatever refuses, its one-line
 ConfigError becomes the reason the candidate stays "formula only". Nothing here names the
 strategies the checkout has: after a merge the same code builds what the merge added.
 
 `verify` compiles the best buildable candidates deviceless for a GPU target
-(`jaxpar.dryrun`, which needs the CUDA plugin wheels, not a GPU) and sets the predicted
+(`jaxpar.measure.dryrun`, which needs the CUDA plugin wheels, not a GPU) and sets the predicted
 memory and bytes per mesh axis beside the compiled ones; a candidate whose compiled peak
 does not fit the device is demoted below every candidate that was not, with the reason.
 """
@@ -19,12 +17,12 @@ import copy
 import dataclasses
 
 from jaxpar.config import ConfigError, apply_overrides, validate
-from jaxpar.plan.space import Candidate
+from jaxpar.parallel.theory import Candidate
+from jaxpar.units import GIB
 
-GIB = 2**30
 # model.attention of a fused (flash) kernel: jaxpar's Pallas kernel, Triton on GPU. cuDNN's (`cudnn`) is the other
 # GPU choice, but it cannot even be traced without the cuDNN library, so a deviceless compile could not check it.
-FLASH = {"gpu": "pallas", "cpu": "pallas"}
+FLASH = "pallas"
 
 
 def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platform: str = "gpu") -> list[str]:
@@ -40,7 +38,7 @@ def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platfo
     if cand.expert > 1:
         out += ["parallel.expert=manual"]
     if cand.attention == "flash":
-        out += [f"model.attention={FLASH[platform]}"]
+        out += [f"model.attention={FLASH}"]
     return out
 
 
@@ -48,10 +46,6 @@ def candidate_config(base, cand: Candidate, global_batch: int, seq_len: int, pla
     """(config, None) when this checkout can build `cand`, else (None, the reason it stays formula only)."""
     from jaxpar.parallel.registry import select
     overrides = candidate_overrides(cand, global_batch, seq_len, platform)
-    for item in overrides:
-        field = item.split("=", 1)[0]
-        if not _has_field(base, field):
-            return None, f"formula only: this checkout's config has no field {field}"
     config = copy.deepcopy(base)
     try:
         with config.unlocked():
@@ -62,15 +56,6 @@ def candidate_config(base, cand: Candidate, global_batch: int, seq_len: int, pla
     except ConfigError as err:
         return None, f"formula only: {err}"
     return config, None
-
-
-def _has_field(config, path: str) -> bool:
-    node = config
-    for part in path.split("."):
-        if part not in node:
-            return False
-        node = node[part]
-    return True
 
 
 def annotate(plan, base, count: int, platform: str = "gpu") -> None:
@@ -127,7 +112,7 @@ def verify(plan, base_config, count: int, target: str = "h100", log=print) -> tu
     Returns (what was compiled, one line per reason the better-ranked candidates were not built: how many,
     the best of them). Reorders plan.ranked in place.
     """
-    from jaxpar.dryrun import dryrun
+    from jaxpar.measure.dryrun import dryrun
     cluster = plan.cluster
     topology = f"1x{cluster.nodes}x{cluster.per_node}"
     verified, skipped = [], {}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import signal
 
-from jaxpar.cluster.env import EXIT_PREEMPTED
+from jaxpar.env import EXIT_PREEMPTED
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 

@@ -14,7 +14,7 @@ progress bar every step, which is what gives the bar a real ETA.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np

@@ -1,4 +1,8 @@
-"""The training loop: run directory, data, sharded state, steps, metrics, checkpoints, sample.
+"""The training run: run directory, data, sharded state, steps, metrics, checkpoints, sample.
+
+It sits at the top of the package, beside the command line, because it wires every layer together:
+the trainer (parallel/), the step pieces and checkpoints (train/), MFU and profiles (measure/), goodput
+and metrics sinks (cluster/).
 
 Host work stays off the hot path: each step is timed while the next one is queued
 (train/progress.py), step metrics are kept on device and fetched once per logging
@@ -36,13 +40,13 @@ from jaxpar.mesh import describe, make_mesh
 from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_trainer, select
+from jaxpar.parallel.step import learning_rate
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.guard import NonFiniteGuard
 from jaxpar.train.preemption import Preempted, Preemption
-from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
 from jaxpar.train.progress import StepClock
+from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
 from jaxpar.train.sample import END_OF_RUN, complete, sample_command
-from jaxpar.train.step import learning_rate
 
 console = Console(highlight=False, soft_wrap=True)   # no hard wraps: long lines stay one line under `launch`
 

@@ -2,7 +2,9 @@
 need to know which strategy runs.
 
 A strategy is a subclass of `Strategy` in one file under jaxpar/parallel/ plus one
-line in `jaxpar/parallel/registry.py`. Its constructor calls `Strategy.__init__` (config,
+line in `jaxpar/parallel/registry.py`. Beside its builder the file holds its theory,
+`predict` (parallel/theory.py says what a prediction is): the dry run, the planner and the
+labs all read it. Its constructor calls `Strategy.__init__` (config,
 model, mesh, optimizer, logical-axis rules, ops bundle, remat policy, donation) and then
 sets:
 
@@ -23,12 +25,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.kernels.kernel_ops import kernel_ops, platform_of
 from jaxpar.model.axes import named_arrays
-from jaxpar.model.kernel_ops import kernel_ops, platform_of
 from jaxpar.model.ops import make_ops
 from jaxpar.model.transformer import ModelConfig, init_params
 from jaxpar.parallel.rules import AxisRules
-from jaxpar.train.step import donate_state, make_optimizer, remat_policy
+from jaxpar.parallel.step import donate_state, make_optimizer, remat_policy
 
 
 class Strategy:
@@ -36,6 +38,14 @@ class Strategy:
 
     #: mesh axis -> the `parallel.<axis>` implementations this trainer runs (the registry matches on it)
     RUNS: dict[str, tuple[str, ...]] = {}
+    #: the part of RUNS the planner ranks (None: all of it)
+    PLANNED: dict[str, tuple[str, ...]] | None = None
+
+    @staticmethod
+    def predict(shape, cand, global_batch: int, seq_len: int, platform: str):
+        """One step's `parallel.theory.Prediction` for `cand` (a model `shape`, `global_batch` sequences of
+        `seq_len` tokens, on `platform`): every strategy owns its own."""
+        raise NotImplementedError("a strategy predicts its own collectives: define `predict`")
 
     def __init__(self, config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
         self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
@@ -52,7 +62,8 @@ class Strategy:
         """Raise ConfigError when this strategy cannot run `config` on a mesh of `sizes` (before building)."""
 
     # ---------------------------------------------------------------- provided to every strategy
-    def _init_state(self):
+    def make_state(self):
+        """The initial state from the seed, unsharded (traced by `init_state`; `eval_shape` gives its shapes)."""
         params = init_params(self.model_cfg, self.config.seed)
         return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
 
@@ -71,7 +82,7 @@ class Strategy:
     def init_state(self):
         """Initialise directly into the sharded layout: no device ever holds more than its part."""
         with jax.set_mesh(self.mesh):
-            return jax.jit(self._init_state, out_shardings=self.state_shardings)()
+            return jax.jit(self.make_state, out_shardings=self.state_shardings)()
 
     def step(self, state, batch):
         with jax.set_mesh(self.mesh):

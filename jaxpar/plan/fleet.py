@@ -21,8 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.config import ConfigError
-
-GB = 1e9
+from jaxpar.units import GB
 
 GPUS = {   # --gpu name -> jaxpar.measure.hardware.ACCELERATORS key
     "h100": "H100-SXM", "h100-sxm": "H100-SXM", "h100-pcie": "H100-PCIe", "h200": "H200-SXM",

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.checks import add_config_arguments
 from jaxpar.config import ConfigError
-from jaxpar.labs.report import figure, save, styled
+from jaxpar.figures import figure, save, styled
 
 LAB_DEFAULTS = ["train.steps=40", "train.checkpoint_every=10", "train.eval_every=20", "train.log_every=1",
                 "train.sample_tokens=0"]
@@ -202,17 +203,16 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default=None,
-                   help="config file (default: the embedded default; configs/test.py: the tiny test model, faster)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help=f"override a config field (on top of {' '.join(LAB_DEFAULTS)})")
-    p.add_argument("--out", metavar="DIR", help="output directory (default: runs/lab-ops-<time>)")
+    add_config_arguments(p, config_help="config file (default: the embedded default; configs/test.py: the tiny test "
+                                        "model, faster)",
+                         set_help=f"override a config field (on top of {' '.join(LAB_DEFAULTS)})")
+    p.add_argument("--out", metavar="DIR", help="output directory (default: runs/lab-operations-<time>)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random fault step (default: random)")
     p.add_argument("--cpu-devices", type=int, metavar="N", help=argparse.SUPPRESS)
 
 
 def run_from_args(args) -> int:
-    out = Path(args.out) if args.out else Path("runs") / f"lab-ops-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(args.out) if args.out else Path("runs") / f"lab-operations-{time.strftime('%Y%m%d-%H%M%S')}"
     results = run_lab(out, args.config, args.overrides, args.seed)
     worst = max(results["failure"]["max_rel_loss_vs_baseline"], results["reshard"]["max_rel_loss_vs_8_devices"])
     return 0 if worst <= TOLERANCE else 1

@@ -1,0 +1,38 @@
+"""The collectives a step executes, which are not always those its HLO lists once per loop trip.
+
+A pipeline step (parallel/pipeline.py) runs a `lax.switch` per tick: the static count runs every branch
+on every tick, a stage runs each only on the ticks its table gives it (`part_ticks`). The compiled
+instructions carry the tick part they belong to in their `pipeline_<part>` scope.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jaxpar.measure import hlo
+from jaxpar.parallel.pipeline import Program, part_ticks
+
+
+def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
+    """`measure.hlo.collectives` of a pipeline step, with the runs of the collectives inside a tick's parts
+    set to what `stage` executes: the static count runs every branch of the tick's switch on every tick."""
+    scopes = dict(re.findall(r'%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"', hlo_text))
+    ticks = part_ticks(program)
+    out = []
+    for c in hlo.collectives(hlo_text, mesh):
+        parts = [p[len("pipeline_"):] for p in scopes.get(c.name, "").split("/") if p.startswith("pipeline_")]
+        if parts and parts[-1] in ticks:
+            runs = c.runs_per_step // program.ticks * int(ticks[parts[-1]][stage])
+            c = dataclasses.replace(c, runs_per_step=runs)
+        out.append(c)
+    return out
+
+
+def step_collectives(trainer, hlo_text: str) -> list:
+    """The compiled step's collectives: a pipeline trainer's as its busiest stage executes them, any other's as
+    `hlo.collectives` counts them."""
+    program = getattr(trainer, "program", None)
+    if program is None:
+        return hlo.collectives(hlo_text, trainer.mesh)
+    per_stage = [executed_collectives(hlo_text, trainer.mesh, program, s) for s in range(program.schedule.stages)]
+    return max(per_stage, key=lambda found: sum(c.bytes_per_step for c in found))

@@ -1,0 +1,188 @@
+"""What a strategy predicts for one training step, before anything is compiled: the contract of `Strategy.predict`.
+
+A `Candidate` is one point of the strategy space: mesh sizes, which implementation runs each axis,
+microbatches, pipeline schedule, remat, precision, attention kernel. A strategy's `predict(shape, cand,
+global_batch, seq_len, platform)` returns a `Prediction`: every collective `Flow` (bytes each device sends
+per step on one mesh axis, its kind, how many collectives carry it, whether the compiler can hide it),
+the pipeline bubble and the stash. The dry run compares it with the compiled program, the planner ranks
+with it, the labs print it: nothing else predicts a strategy. Plain Python: no JAX import.
+"""
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+from jaxpar.config import fused_attention
+
+AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
+SHORT = {"expert": "ep", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
+VIRTUAL = 2                  # chunks per stage of the interleaved schedule when the config leaves it at 0
+WEIGHTS_PER_LAYER = 9        # attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down: one collective each
+OTHER_WEIGHTS = 3            # embed, lm_head, final_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    pipe: int = 1
+    expert: int = 1
+    microbatches: int = 1          # gradient accumulation; with pipe > 1, the pipeline's microbatches
+    accumulate: int = 1            # with pipe > 1: train.microbatches, the whole pipeline run that many times
+    schedule: str = ""             # parallel.pipe when pipe > 1
+    remat: str = "full"
+    precision: str = "bfloat16"
+    attention: str = "dot"         # dot: jaxpar's einsum attention (S x S scores); flash: a fused kernel
+    data_impl: str = "auto"        # parallel.data
+    tensor_impl: str = "auto"      # parallel.tensor
+    expert_impl: str = "auto"      # parallel.expert
+    sequence: bool = False         # parallel.sequence (with tensor_impl = manual)
+    virtual: int = 0               # chunks per stage; 0: VIRTUAL for interleaved, else 1
+
+    def __post_init__(self):
+        if not self.virtual:
+            object.__setattr__(self, "virtual", VIRTUAL if self.schedule == "interleaved" else 1)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def impls(self) -> dict[str, str]:
+        """`parallel.<axis>` of every mesh axis: what the strategy registry matches on."""
+        return {"data": self.data_impl, "fsdp": "auto", "pipe": self.schedule if self.pipe > 1 else "auto",
+                "expert": self.expert_impl, "tensor": self.tensor_impl}
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.tensor * self.pipe * self.expert
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways the batch is split: data x fsdp x expert (tensor and pipe see every sequence)."""
+        return self.data * self.fsdp * self.expert
+
+    def mesh_text(self) -> str:
+        used = [f"{SHORT.get(a, a)}={s}" for a, s in self.sizes.items() if s > 1]
+        mesh = " ".join(used) or "1 device"
+        if self.data_impl != "auto" and self.data > 1:
+            mesh = mesh.replace(f"data={self.data}", f"{self.data_impl}={self.data}")
+        return mesh
+
+    def label(self) -> str:
+        pipe = f" {self.schedule}" if self.pipe > 1 else ""
+        return (f"{self.mesh_text()}{pipe} m={self.microbatches} remat={self.remat} "
+                f"{ {'bfloat16': 'bf16', 'float8': 'fp8', 'float32': 'fp32'}[self.precision]} {self.attention}")
+
+    def span(self, axis: str) -> int:
+        """Consecutive device ids one collective group of `axis` spans (mesh order, tensor innermost); a group
+        over several axes ("data+expert") spans the widest."""
+        if "+" in axis:
+            return max(self.span(a) for a in axis.split("+"))
+        stride = 1
+        for name in reversed(AXES):
+            if name == axis:
+                return stride * getattr(self, name)
+            stride *= getattr(self, name)
+        raise KeyError(axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flow:
+    axis: str            # mesh axis (a group over several axes is named "data+expert")
+    op: str              # all-gather | reduce-scatter | all-reduce | all-to-all | permute
+    bytes: float         # sent per device per step
+    count: float         # collectives per step
+    hideable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """One step of a candidate as its strategy predicts it (per device)."""
+
+    flows: list[Flow]
+    stored: dict[str, float]            # parameters this device stores ("params"), holds gradients of ("grads"),
+    #                                     updates ("optimizer"): `stored_params`
+    bubble: Fraction = Fraction(0)      # idle fraction of the pipeline schedule
+    stash: float = 1.0                  # microbatches whose activations a stage holds at once
+    note: str = ""                      # what the prediction leaves out
+
+    def bytes_by_axis(self) -> dict[str, float]:
+        return bytes_by_axis(self.flows)
+
+
+def bytes_by_axis(flow_list: list[Flow]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for f in flow_list:
+        out[f.axis] = out.get(f.axis, 0.0) + f.bytes
+    return out
+
+
+def stored_params(shape, cand: Candidate, data_shards: dict[str, int] | None = None) -> dict[str, float]:
+    """Parameters one device stores, holds gradients of and updates, with the layers split over pipe (the routed
+    experts also over expert) and everything over fsdp x tensor; `data_shards` splits a part further over data."""
+    c = shape.counts()
+    layers = c["blocks"] - c["experts"] + c["experts"] / cand.expert
+    each = (layers / cand.pipe + c["total"] - c["blocks"]) / (cand.fsdp * cand.tensor)
+    return {part: each / (data_shards or {}).get(part, 1) for part in ("params", "grads", "optimizer")}
+
+
+def wire_bytes(precision: str, platform: str) -> int:
+    """Bytes per element a collective moves: 4 on CPU (XLA:CPU communicates bf16 in fp32), else the
+    activation dtype's (float8 computes its non-matmul work, and communicates, in bf16)."""
+    if platform == "cpu":
+        return 4
+    return 4 if precision == "float32" else 2
+
+
+def rows_per_microbatch(cand: Candidate, global_batch: int) -> float:
+    return global_batch / cand.batch_shards / cand.microbatches
+
+
+def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") -> Candidate:
+    """The candidate a config runs (the inverse of plan/verify.py's `candidate_overrides`)."""
+    parallel, model = config.parallel, config.model
+    pipe = sizes.get("pipe", 1)
+    microbatches = config.train.microbatches
+    accumulate = 1
+    if pipe > 1:
+        microbatches = parallel.get("pipe_microbatches", 0) or 2 * pipe   # the pipeline trainers' default
+        accumulate = config.train.microbatches
+    return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES}, microbatches=microbatches, accumulate=accumulate,
+                     schedule=parallel.pipe if pipe > 1 else "", remat=config.train.remat,
+                     precision=config.train.compute_dtype,
+                     attention="flash" if fused_attention(model.get("attention", "dot"), platform) else "dot",
+                     data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
+                     sequence=bool(parallel.get("sequence", False)),
+                     virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0)
+
+
+def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str, *,
+                         microbatches: int | None = None, layers: int | None = None) -> dict[str, float]:
+    """Bytes each device sends per step in the MoE layers' all_to_alls over `expert` (X devices); `microbatches`,
+    `layers`: a pipeline's (m·train.microbatches, one stage's MoE layers), default the candidate's and every one.
+
+    formula    per MoE layer, dispatch + combine move 2·T·k·h·e forward and again backward, T = tokens per
+               device per microbatch, x (X-1)/X (a device keeps its own experts' share), x MoE layers x m.
+    predicted  what jaxpar's buffers send (parallel/expert.py): capacity [E, groups, C, h] per exchange;
+               dropless X padded chunks of T·min(k, E/X) rows plus the expert ids (int32, forward only).
+               With remat (any policy but none) the backward recomputes the forward exchanges: 6, not 4.
+    """
+    moe = shape.moe
+    X, m = cand.expert, microbatches or cand.microbatches
+    b = global_batch // m // cand.batch_shards
+    T, k, h, E = b * seq_len, moe.top_k, shape.d_model, moe.experts
+    e = wire_bytes(cand.precision, platform)
+    ring, per_step = (X - 1) / X, (shape.moe_layers if layers is None else layers) * m
+    forward_runs = 1 if cand.remat == "none" else 2
+    formula = ring * 2 * T * k * h * e * 2 * per_step
+    if moe.dispatch == "capacity":
+        slots = b // moe.group_sequences * E * moe.capacity(moe.group_sequences * seq_len)
+        exchange, ids = ring * slots * h * e, 0.0
+    else:
+        rows = T * min(k, E // X)
+        exchange, ids = ring * X * rows * h * e, ring * X * rows * 4 * forward_runs
+    predicted = exchange * 2 * (1 + forward_runs) * per_step + ids * per_step
+    return {"formula": formula, "predicted": predicted, "tokens_per_device": T,
+            "runs": 2 * (1 + forward_runs) * per_step}

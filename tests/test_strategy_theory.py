@@ -1,0 +1,84 @@
+"""A strategy owns its prediction: registered with it, a strategy is in the dry run's report and the planner's space
+with no other edit."""
+from pathlib import Path
+
+import pytest
+
+from jaxpar.config import apply_overrides, load_config
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel import registry
+from jaxpar.parallel.auto import AutoTrainer
+from jaxpar.parallel.theory import Candidate, Flow, Prediction, stored_params
+from jaxpar.plan.fleet import gpu_cluster
+from jaxpar.plan.planner import plan
+from jaxpar.plan.space import enumerate_candidates
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "test.py"
+TOY_BYTES = 123456.0
+
+
+class ToyTrainer(AutoTrainer):
+    """XLA's data parallelism under another name, with a prediction no other strategy makes."""
+
+    RUNS = {"data": ("toy",)}
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return Prediction([Flow("data", "all-reduce", TOY_BYTES * cand.data, 1, False)], stored_params(shape, cand))
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.setattr(registry, "STRATEGIES", (*registry.STRATEGIES, ToyTrainer))
+
+
+def test_a_registered_strategy_is_in_the_dry_run(toy):
+    """The report's predicted bytes are the strategy's, and its step time is the planner's for that strategy."""
+    from jaxpar.dryrun import dryrun, markdown_report
+    from jaxpar.measure.hardware import probe_host
+    from jaxpar.plan.fleet import cpu_cluster
+    from jaxpar.plan.planner import predict_config
+    from jaxpar.plan.steptime import Calibration
+    c = load_config(str(CONFIG))
+    apply_overrides(c, ["model.vocab_size=512", "parallel.data=toy", "mesh.data=8"])
+    r = dryrun(c, "cpu")
+    assert r["collectives"]["by_axis"]["data"]["predicted_bytes"] == TOY_BYTES * 8
+    host = probe_host()
+    expected = predict_config(c, r["mesh"], c.model.vocab_size, cpu_cluster(8, {}, host.fp32_flops, host.hbm_bw,
+                                                                             host.hbm_bytes or 16e9),
+                              Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0,
+                                          layer_overhead_s=0.0))
+    assert r["time"]["calibrated"]["step_s"] == pytest.approx(expected.total_s)
+    assert expected.comm_s["data"] > 0
+    text = markdown_report(r)
+    assert "The planner's step model (jaxpar.plan) for these 8 virtual CPU devices:" in text
+    assert "Optimistic bound (100% of peak" in text
+
+
+def test_a_registered_strategy_is_in_the_planners_space(toy):
+    c = load_config(str(CONFIG))
+    apply_overrides(c, ["model.vocab_size=512"])
+    shape = ModelShape.from_config(c)
+    toys = [x for x in enumerate_candidates(shape, 8, 16) if x.data_impl == "toy"]
+    assert toys and all(x.data == 8 for x in toys)
+    p = plan(shape, gpu_cluster("h100", 1, 8), global_batch=16, seq_len=32, tokens=1e9, candidates=toys[:1])
+    assert p.results[0].comm_bytes == {"data": TOY_BYTES * 8}
+
+
+def test_every_registered_strategy_predicts():
+    """No registry line without its theory: each trainer answers `predict` for a candidate it runs (the MoE
+    exchange needs an MoE model: tests/test_moe_parallel.py holds it against the compiler)."""
+    c = load_config(str(CONFIG))
+    apply_overrides(c, ["model.vocab_size=512"])
+    shape = ModelShape.from_config(c)
+    for cls in map(registry._load, registry.STRATEGIES):
+        pipe = {"pipe": 2, "microbatches": 2, "schedule": cls.RUNS["pipe"][0]} if "pipe" in cls.RUNS else {}
+        for axis, names in cls.RUNS.items():
+            if axis in ("expert", "pipe"):
+                cand = Candidate(**pipe) if pipe else None
+            else:
+                cand = Candidate(**{**pipe, axis: 2, f"{axis}_impl": names[0]})
+            if cand is None:
+                continue
+            prediction = cls.predict(shape, cand, 16, 32, "cpu")
+            assert prediction.flows and all(f.bytes > 0 for f in prediction.flows), (cls.__name__, names[0])
