@@ -33,7 +33,7 @@ def calibrated_step(config, sizes: dict[str, int], vocab: int, machine: dict, n:
     if machine["platform"] == "cpu":
         host = hardware.probe_host()
         cluster = cpu_cluster(n, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
-        calibration = Calibration(compute=1.0, overlap=0.0, memory=1.0,
+        calibration = Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
                                   source="η not calibrated on CPU here: `jaxpar lab capstone` measures it")
     else:
         cluster = gpu_cluster(machine["target"], machine["hosts"], machine["gpus_per_host"])

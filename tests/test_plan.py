@@ -17,12 +17,11 @@ from jaxpar.parallel import registry
 from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan import risks
-from jaxpar.plan.anchors import ANCHORS, predict
 from jaxpar.plan.fleet import cpu_cluster, gpu_cluster
 from jaxpar.plan.memory import PIPELINE_EXTRA_SLOTS, memory
 from jaxpar.plan.planner import defence, plan, smallest_cluster
 from jaxpar.plan.space import enumerate_candidates
-from jaxpar.plan.steptime import GPU_CALIBRATION, executed_flops_per_token, step_time
+from jaxpar.plan.steptime import executed_flops_per_token, step_time
 from jaxpar.plan.verify import candidate_config, verify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,10 +155,11 @@ def test_step_time_terms():
     fsdp = Candidate(fsdp=64)
     hybrid = Candidate(fsdp=8, data=8)
     t_fsdp, t_hybrid = (step_time(s, x, c, 256, 4096) for x in (fsdp, hybrid))
-    assert t_fsdp.comm_s["fsdp"] > 5 * t_hybrid.comm_s["fsdp"]            # InfiniBand vs NVLink
-    assert c.link(fsdp.span("fsdp")).name == "InfiniBand" and c.link(hybrid.span("fsdp")).name == "NVLink"
+    assert t_fsdp.comm_s["fsdp"] > t_hybrid.comm_s["fsdp"]                # InfiniBand (8 NICs) vs NVLink
+    assert c.axis_link(fsdp, "fsdp").name.startswith("InfiniBand") and c.axis_link(hybrid, "fsdp").name == "NVLink"
     assert t_fsdp.exposed_s["fsdp"] < t_fsdp.comm_s["fsdp"]              # hidden behind compute on GPU
     tp = step_time(s, Candidate(fsdp=8, tensor=8), c, 256, 4096)
+    from jaxpar.plan.steptime import GPU_CALIBRATION
     measured = dict(GPU_CALIBRATION.measured).get(("auto+tensor", "tensor"), 0.0)   # lab 09's compiled schedule
     assert tp.exposed_s["tensor"] == pytest.approx(tp.comm_s["tensor"] * (1 - measured))
     cpu = cpu_cluster(8, {}, 50e9, 5e9, 16e9)
@@ -178,12 +178,6 @@ def test_bubble_fractions():
     assert bubble_fraction("zb-h1", 4, 8) == pytest.approx(3 / 27)
     assert bubble_fraction("circular", 4, 8, 2) == pytest.approx(3 / 19)    # the planner's copy refused it
     assert all(bubble_fraction(name, 1, 8, 2) == 0 for name in ("1f1b", "interleaved", "zb-h1", "circular"))
-
-
-def test_compute_efficiency_reproduces_its_anchor():
-    """η was fitted so that the planner's best plan of the fit anchor predicts its published MFU."""
-    fit = next(a for a in ANCHORS if a.role == "fit")
-    assert predict(fit, GPU_CALIBRATION).mfu == pytest.approx(fit.published_mfu[0], abs=0.01)
 
 
 # ----------------------------------------------------------------------------- planning

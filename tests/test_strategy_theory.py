@@ -46,7 +46,8 @@ def test_a_registered_strategy_is_in_the_dry_run(toy):
     host = probe_host()
     expected = predict_config(c, r["mesh"], c.model.vocab_size, cpu_cluster(8, {}, host.fp32_flops, host.hbm_bw,
                                                                              host.hbm_bytes or 16e9),
-                              Calibration(compute=1.0, overlap=0.0, memory=1.0))
+                              Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0,
+                                          layer_overhead_s=0.0))
     assert r["time"]["calibrated"]["step_s"] == pytest.approx(expected.total_s)
     assert expected.comm_s["data"] > 0
     text = markdown_report(r)

@@ -39,7 +39,7 @@ ASSUMED_COMPILE_S = 30.0          # the 7B step's compile time if the deviceless
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from jaxpar.plan.command import add_arguments as add_plan_arguments
+    from jaxpar.plan.command import add_plan_options as add_plan_arguments
     add_plan_arguments(p)
     p.set_defaults(tokens="1e12", verify=3, price=None)
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds of the CPU check (default 7)")
@@ -136,9 +136,11 @@ def part_reality(args, out: Path, log) -> dict:
     shape = ModelShape.from_config(base)
     batch, seq = base.train.batch_size, base.data.seq_len
     strategies = default_strategies()
-    log(f"  measuring {len(strategies)} strategies of the default config, {args.rounds} interleaved rounds")
-    measured = measure_steps(base, strategies, batch, seq, args.rounds, log=log)
-    calibration = calibrate(cluster, shape, measured[0], batch, seq)
+    log(f"  measuring {len(strategies)} strategies of the default config (and the first at half the batch, for the "
+        f"fixed per-step overhead), {args.rounds} interleaved rounds")
+    measured = measure_steps(base, [*strategies, (strategies[0], batch // 2)], batch, seq, args.rounds, log=log)
+    half = measured.pop() if len(measured) > 1 and measured[-1].global_batch != batch else None
+    calibration = calibrate(cluster, shape, measured[0], half, seq)
     rows = []
     for m in measured:
         r = evaluate(shape, m.cand, cluster, batch, seq, 1e9, headroom=0.0, calibration=calibration)
@@ -152,10 +154,14 @@ def part_reality(args, out: Path, log) -> dict:
             r[f"{key}_rank"] = i
     checked = [r for r in rows if not r["calibration"]]
     fastest = min(rows, key=lambda r: r["measured_s"])
+    from jaxpar.plan.sweep import spearman
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     return {"cluster": cluster.describe(), "host": info["host"]["source"], "fits": info["fits"],
-            "rounds": args.rounds, "calibration": calibration.source, "eta": calibration.compute, "rows": rows,
+            "rounds": args.rounds, "calibration": calibration.source, "eta": calibration.compute,
+            "step_overhead_s": calibration.step_overhead_s, "half_batch_s": half.median_s if half else None,
+            "rows": rows,
             "within": sum(abs(r["ratio"] - 1) <= WITHIN for r in checked), "checked": len(checked),
-            "fastest": fastest["strategy"], "fastest_predicted_rank": fastest["predicted_rank"]}
+            "fastest": fastest["strategy"], "fastest_predicted_rank": fastest["predicted_rank"], "spearman": rho}
 
 
 def part_fertility(config, p, log) -> dict:
@@ -244,16 +250,9 @@ def run_lab(args) -> dict:
 
 
 def anchor_rows() -> list[dict]:
-    from jaxpar.plan.anchors import ANCHORS, predict
-    from jaxpar.plan.steptime import GPU_CALIBRATION
-    rows = []
-    for a in ANCHORS:
-        best = predict(a, GPU_CALIBRATION)
-        low, high = a.published_mfu
-        rows.append({"anchor": a.name, "role": a.role, "published": (low, high), "predicted": best.mfu,
-                     "strategy": best.label, "cluster": f"{a.nodes} x {a.per_node}",
-                     "batch": f"{a.global_batch} x {a.seq_len}", "ratio": best.mfu / ((low + high) / 2)})
-    return rows
+    """Each published run, predicted with its own strategy and its framework's η (plan/anchors.py)."""
+    from jaxpar.plan.anchors import anchor_table
+    return anchor_table()
 
 
 def plan_summary(p) -> dict:
@@ -298,22 +297,25 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
               "Communication per axis (bytes per device per step, time if nothing were hidden, exposed):", "",
               "| axis | GB | link | seconds | exposed |", "|---|---:|---|---:|---:|"]
     for axis, seconds in t.comm_s.items():
-        link = p.cluster.link(max(best.cand.span(a) for a in axis.split("+"))).name
+        link = p.cluster.axis_link(best.cand, axis).name
         lines.append(f"| {axis} | {best.comm_bytes.get(axis, 0) / GB:.2f} | {link} | {seconds:.3f} | "
                      f"{t.exposed_s.get(axis, 0):.3f} |")
     lines += ["", "![memory](memory.png) ![step time](steptime.png)", "",
               "## b. Calibration: what is assumed, fitted, measured", "",
               "| quantity | value | kind | source |", "|---|---:|---|---|",
-              f"| compute efficiency η (GPU) | {st.COMPUTE_EFFICIENCY} | fitted to one published anchor | "
-              "the planner's best 70B plan predicts MaxText's ~51% MFU "
-              "(`jaxpar.plan.anchors.fit_compute_efficiency`) |",
-              f"| fp8 matmul efficiency | {st.FP8_EFFICIENCY} x η of the fp8 peak | assumption | fp8 GEMMs reach a "
-              "lower share of their doubled peak; casts and scales cost extra |",
+              f"| compute efficiency η (GPU, jaxpar/XLA) | {st.COMPUTE_EFFICIENCY} | fitted on a published run's own "
+              "strategy | MaxText's Llama-2-70B (the anchor table below; other frameworks have their own η) |",
+              "| GEMM size factor g | per candidate | model | additive roofline 1/(1 + ridge/intensity) per weight "
+              "matmul, time-weighted (`jaxpar/plan/gemm.py`); η is that of an ideal large GEMM |",
+              f"| fp8 matmul efficiency | {st.FP8_EFFICIENCY} x η of the fp8 peak | fitted | NeMo's Llama-3.1-8B "
+              "fp8 run; MFU is always against the bf16 peak |",
+              f"| fixed overheads | {st.STEP_OVERHEAD_S * 1e3:.0f} ms per step + {st.LAYER_OVERHEAD_S * 1e6:.0f} µs "
+              "per layer per microbatch | assumption | launch and tail gaps; CPU: measured (part d) |",
               f"| overlap of hideable collectives | {st.OVERLAP:.0%} | assumption | lab 02: XLA overlaps 5 of 8 "
-              "forward "
-              "and 4 of 8 backward gathers per layer in the compiled H100 step |",
+              "forward and 4 of 8 backward gathers per layer in the compiled H100 step |",
               f"| memory-bound passes | {st.MEMORY_EFFICIENCY:.0%} of HBM bandwidth | assumption | |",
-              f"| link efficiency | {cl.LINK_EFFICIENCY:.0%} of the datasheet | assumption | nccl-tests-like busbw |",
+              f"| link efficiency | {cl.LINK_EFFICIENCY:.0%} of the datasheet | assumption | nccl-tests-like busbw; "
+              "a group across nodes gets its GPUs per node x the per-GPU NIC, capped by NVLink (NCCL issue 812) |",
               f"| α NVLink / InfiniBand | {cl.ALPHA_NVLINK_S * 1e6:.0f} / {cl.ALPHA_INFINIBAND_S * 1e6:.0f} µs | "
               "assumption | |",
               f"| memory constants (score bytes {mem.SCORE_BYTES}, ...) | see jaxpar/plan/memory.py | fitted | "
@@ -321,18 +323,8 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
               "tests/data/h100_7b_compiles.json "
               "(none of them a candidate ranked here unless part c says so) |",
               f"| einsum-attention traffic | {st.SCORE_BYTES} bytes per S x S element | assumption | |",
-              "| CPU η | part d | measured | one strategy's measured step |", "",
-              "| anchor | role | cluster | batch | published MFU | planner's best plan | predicted MFU | ratio |",
-              "|---|---|---|---|---:|---|---:|---:|"]
-    for a in anchors:
-        low, high = a["published"]
-        pub = f"{low:.0%}" if low == high else f"{low:.0%}-{high:.0%}"
-        lines.append(f"| {a['anchor']} | {a['role']} | {a['cluster']} | {a['batch']} | {pub} | {a['strategy']} | "
-                     f"{a['predicted']:.1%} | {a['ratio']:.2f} |")
-    lines += ["", "The check anchor is over-predicted: the model has one η for every model size and framework; "
-              "torchtitan's PyTorch runs lose more to per-op overheads than XLA's fused programs, and a smaller model "
-              "spends a larger share of its step outside the big matmuls. Treat every MFU here as the XLA-like "
-              "regime's, with that uncertainty.", ""]
+              "| CPU η and overheads | part d | measured | the calibration strategies' measured steps |", "",
+              *anchor_section(anchors)]
     lines += ["## c. Checked against the compiler", ""]
     if "verified" in compiler:
         lines += [f"Compiled deviceless for {p.cluster.name} ({p.cluster.nodes}x{p.cluster.per_node}); memory is "
@@ -354,6 +346,25 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
 
 def _spread(values: list[float]) -> float:
     return max(values) / min(values) - 1
+
+
+def anchor_section(anchors) -> list[str]:
+    """The anchor table: published tokens/s per GPU vs the planner's prediction of the run's own strategy."""
+    lines = ["Published H100 runs, each predicted with its OWN strategy and memory layout and its framework's η "
+             "(role η / fp8: that anchor fits it; check: predicted with the fitted values). Tokens/s per GPU:", "",
+             "| anchor | framework (η) | role | cluster | batch | strategy | layout | published | predicted | "
+             "predicted / published | MFU (bf16 peak) | fits |", "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|"]
+    for a in anchors:
+        lines.append(f"| {a['anchor']} | {a['framework']} ({a['eta']:.3f}) | {a['role']} | {a['cluster']} | "
+                     f"{a['batch']} | {a['strategy']} | {a['layout']} | {a['published']:,.0f} | "
+                     f"{a['predicted']:,.0f} | {a['ratio']:.2f} | {a['mfu']:.1%} | "
+                     f"{'yes' if a['fits'] else 'no'} ({a['memory_gb']:.0f} GB) |")
+    notes = sorted({a["note"] for a in anchors if a["note"]})
+    lines += ["", *[f"- {n}" for n in notes],
+              "- \"fits\" is jaxpar's memory model, whose activation constants are fitted on XLA compiles of jaxpar's "
+              "own model: the published runs ran, so a \"no\" marks this model's limit for another framework's "
+              "kernels (and any context parallelism, which halves the activations), not the runs'.", ""]
+    return lines
 
 
 def reality_section(reality) -> list[str]:
@@ -379,7 +390,9 @@ def reality_section(reality) -> list[str]:
                      f"{r['ratio']:.2f}{flag} | "
                      f"{r['predicted_rank']} | {r['measured_rank']} | {axes} |")
     lines += ["", f"**{wall['within']} of {wall['checked']}** predicted strategies within "
-              f"{WITHIN:.0%} of measured; the fastest measured ({wall['fastest']}) is ranked "
+              f"{WITHIN:.0%} of measured; Spearman rank correlation of predicted and measured step times "
+              f"**{wall['spearman']:.2f}** over {len(wall['rows'])} strategies; the fastest measured ({wall['fastest']}) "
+              "is ranked "
               f"**#{wall['fastest_predicted_rank']}** by the planner. Predictions span "
               f"{_spread([r['predicted_s'] for r in wall['rows']]):.0%} from fastest to slowest, measured medians "
               f"{_spread([r['measured_s'] for r in wall['rows']]):.0%}; a rank is only as good as the gaps between "

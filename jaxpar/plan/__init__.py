@@ -3,7 +3,13 @@
 fleet.py     the machine: devices per node, peak FLOP/s, memory, α-β links (NVLink, InfiniBand, host memory)
 space.py     the space of candidates the registered strategies offer (a candidate: parallel/theory.py)
 memory.py    per-device memory of one step (what a device stores: its strategy's prediction)
-steptime.py  per-step time: compute at a calibrated efficiency, the strategy's predicted collectives and bubble
+steptime.py  per-step time: compute at a calibrated efficiency, the strategy's predicted collectives and bubble,
+             fixed overheads
+gemm.py      the size efficiency of a step's weight matmuls (additive roofline)
+layouts.py   model-state layouts: jaxpar's own, or a distributed optimizer's (Megatron/NeMo)
+anchors.py   published H100 runs, each with its own strategy: η per framework fitted and checked
+strategy.py  `--strategy TEXT`: one candidate written as the table's labels write it
+sweep.py     a Slurm job array over the top candidates, and the defence merged from its measurements
 planner.py   evaluate, rank, explain; budgets in tokens or Arabic words; the smallest cluster that fits
 verify.py    check the top candidates against the compiled program (deviceless GPU or CPU devices)
 risks.py     failures, checkpoint interval (Young/Daly) and goodput of a months-long run

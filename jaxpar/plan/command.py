@@ -12,6 +12,25 @@ DEFAULT_CONFIG = REPOSITORY / "configs" / "arabic_7b.py"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`jaxpar plan`'s arguments: the planning options, the single strategy, the sweep and its collection."""
+    p.add_argument("action", nargs="*", metavar="collect DIR",
+                   help="`jaxpar plan collect DIR`: merge a --sweep's measurements into the defence")
+    add_plan_options(p)
+    p.add_argument("--strategy", metavar="TEXT",
+                   help="evaluate this one strategy, e.g. 'fsdp=64 m=2 remat=dots bf16 flash' (any mesh sizes, "
+                        "m=microbatches, remat, precision, attention, pipeline schedule), buildable or not")
+    p.add_argument("--json", metavar="FILE", help="write every candidate's predictions to FILE (tokens/s per GPU, "
+                                                  "step time, MFU, memory, exposed communication per axis)")
+    p.add_argument("--cpu-devices", dest="host_devices", type=int, metavar="N",
+                   help="plan for N virtual CPU devices of this host instead of GPUs (rates from a short host probe)")
+    p.add_argument("--sweep", type=int, default=0, metavar="N",
+                   help="write a Slurm job array into --out: one task per top-N buildable candidate, each trains "
+                        "--steps steps and records step time and memory; then `jaxpar plan collect DIR`")
+    p.add_argument("--steps", type=int, default=5, metavar="K", help="steps each sweep task trains (default 5)")
+
+
+def add_plan_options(p: argparse.ArgumentParser) -> None:
+    """The options `jaxpar plan` shares with lab 07 (`jaxpar lab capstone`)."""
     add_config_arguments(p, config_help="model config (default: configs/arabic_7b.py)",
                          set_help="override a config field (repeatable)")
     p.add_argument("--nodes", type=int, default=8, help="nodes in the cluster (default 8)")
@@ -31,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", type=int, default=0, metavar="N",
                    help="compile the N best buildable candidates deviceless for the GPU (needs the CUDA plugin)")
     p.add_argument("--out", metavar="DIR", help="also write plan.md and plan.json into DIR")
+    p.add_argument("--layout", default="jaxpar", metavar="NAME",
+                   help="model-state layout the memory assumes: jaxpar (default: fp32 params on every device + "
+                        "fp32 accumulator; jaxpar builds it) or distributed-optimizer (Megatron/NeMo: bf16 params, "
+                        "fp32 master + AdamW split over data; formula only)")
 
 
 def load_model_config(args):
@@ -63,44 +86,132 @@ def budget_tokens(args, config) -> tuple[float, str]:
 
 def check_inputs(args):
     """Everything that can be refused before planning: one ConfigError naming the argument."""
-    from jaxpar.plan.fleet import gpu_cluster
-    cluster = gpu_cluster(args.gpu, args.nodes, args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
-                          ib_gbps=args.ib_gbps, price_per_gpu_hour=args.price)
+    from jaxpar import checks
+    from jaxpar.plan.layouts import check_layout
+    check_layout(args.layout)
+    cpu_devices = getattr(args, "host_devices", None)       # `jaxpar plan --cpu-devices` (not the lab's)
+    if cpu_devices is not None and cpu_devices < 1:
+        raise ConfigError("--cpu-devices", f"is {cpu_devices}; must be a positive whole number")
+    cluster = None if cpu_devices else gpu_cluster_of(args)
     if args.verify < 0:
         raise ConfigError("--verify", f"is {args.verify}; give how many candidates to compile, e.g. 3")
     if args.top < 1:
         raise ConfigError("--top", f"is {args.top}; must be at least 1")
+    sweep, steps = getattr(args, "sweep", 0), getattr(args, "steps", 1)
+    if sweep < 0 or (sweep and not args.out):
+        raise ConfigError("--sweep", f"is {sweep}; give how many candidates to measure (e.g. 3) and --out DIR")
+    if steps < 1:
+        raise ConfigError("--steps", f"is {steps}; each sweep task trains at least 1 step")
+    if getattr(args, "json", None):
+        checks.writable_file(args.json, "--json")
     config = load_model_config(args)
+    if getattr(args, "strategy", None):
+        from jaxpar.plan.strategy import parse_strategy
+        devices = cpu_devices or cluster.devices
+        args.candidate = parse_strategy(args.strategy, devices, "cpu" if cpu_devices else "gpu")
     tokens, note = budget_tokens(args, config)
     return config, cluster, tokens, note
 
 
+def gpu_cluster_of(args):
+    from jaxpar.plan.fleet import gpu_cluster
+    return gpu_cluster(args.gpu, args.nodes, args.gpus_per_node, nvlink_gbps=args.nvlink_gbps,
+                       ib_gbps=args.ib_gbps, price_per_gpu_hour=args.price)
+
+
+def host_cluster(devices: int):
+    """N virtual CPU devices of this host: the host probe's rates, collectives at its copy bandwidth (no sweep)."""
+    from jaxpar.mesh import set_cpu_devices
+    set_cpu_devices(devices)
+    from jaxpar.measure.hardware import probe_host
+    from jaxpar.plan.fleet import cpu_cluster
+    host = probe_host(1.0)
+    return cpu_cluster(devices, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
+
+
 def run(args) -> int:
+    if args.action:
+        return run_collect(args.action)
     config, cluster, tokens, note = check_inputs(args)     # before JAX is imported (the model's counts import it)
     from jaxpar.model.counting import ModelShape
-    from jaxpar.plan.planner import defence, plan, summary_line, table
+    from jaxpar.plan.planner import plan
+    from jaxpar.plan.steptime import GPU_CALIBRATION, HOST_CALIBRATION
+    if cluster is None:
+        cluster = host_cluster(args.host_devices)
     global_batch = args.global_batch if args.global_batch is not None else config.train.batch_size
     seq_len = args.seq_len if args.seq_len is not None else config.data.seq_len
+    one = getattr(args, "candidate", None)
+    space = {} if cluster.platform == "gpu" else {"precisions": ("float32",), "attentions": ("dot",)}
+    calibration = GPU_CALIBRATION if cluster.platform == "gpu" else HOST_CALIBRATION
     p = plan(ModelShape.from_config(config), cluster, global_batch=global_batch, seq_len=seq_len, tokens=tokens,
-             headroom=args.headroom)
+             headroom=args.headroom, layout=args.layout, candidates=[one] if one else None,
+             check_fits=one is None, calibration=calibration, **space)
     p.budget_note = note
-    lines = [f"# Plan: {config.name}", "", summary_line(p), ""]
-    verified_text = []
-    if args.verify:
-        verified_text = verify_top(p, config, args.verify, args.gpu)
-    from jaxpar.plan.verify import annotate, buildable_sentence
-    annotate(p, config, args.top)
-    lines += [table(p, args.top), "", "## Defence", "", defence(p) + " " + buildable_sentence(p, config)]
-    if verified_text:
-        lines += ["", "## Checked against the compiler", "", *verified_text]
-    text = "\n".join(lines)
+    text = strategy_report(p, config) if one else ranked_report(p, config, args)
     print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(candidates_json(p), indent=2) + "\n")
+        print(f"\nwrote {args.json}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.md").write_text(text + "\n")
         (out / "plan.json").write_text(json.dumps(plan_json(p), indent=2) + "\n")
         print(f"\nwrote {out}/plan.md and plan.json")
+        if args.sweep:
+            from jaxpar.plan.sweep import write_sweep
+            script = write_sweep(p, args.config or str(DEFAULT_CONFIG), args.overrides, args.sweep, args.steps, out,
+                                 cluster.platform, args.host_devices, args.layout)
+            print(f"wrote {script}: sbatch it, then `jaxpar plan collect {out}`")
+    return 0
+
+
+def ranked_report(p, config, args) -> str:
+    from jaxpar.plan.planner import defence, summary_line, table
+    from jaxpar.plan.verify import annotate, buildable_sentence
+    lines = [f"# Plan: {config.name}", "", summary_line(p), ""]
+    verified_text = verify_top(p, config, args.verify, args.gpu) if args.verify else []
+    annotate(p, config, args.top, p.cluster.platform)
+    lines += [table(p, args.top), "", "## Defence", "", defence(p) + " " + buildable_sentence(p, config)]
+    if verified_text:
+        lines += ["", "## Checked against the compiler", "", *verified_text]
+    return "\n".join(lines)
+
+
+def strategy_report(p, config) -> str:
+    """`--strategy`: one candidate's predictions, whether it fits, and whether jaxpar builds it."""
+    from jaxpar.plan.layouts import BUILDABLE
+    from jaxpar.plan.verify import candidate_config
+    r = p.results[0]
+    t = r.time
+    why = candidate_config(config, r.cand, p.global_batch, p.seq_len, p.cluster.platform)[1]
+    if r.memory.layout not in BUILDABLE:
+        why = f"formula only: jaxpar does not build the {r.memory.layout} layout"
+    lines = [f"# Strategy: {r.label}", "", f"{p.shape.describe()}; {p.cluster.describe()}; global batch "
+             f"{p.global_batch} x {p.seq_len}; model state in the {r.memory.layout} layout. Predictions.", "",
+             f"- buildable by jaxpar: {'yes' if why is None else 'no (' + why + ')'}",
+             f"- memory per device: {r.memory.total / 1e9:.2f} GB of {r.memory.limit / 1e9:.0f} usable: "
+             f"{'fits' if r.memory.fits else 'DOES NOT FIT'}",
+             f"- step: {t.total_s:.4f} s; {r.tokens_per_s / r.cand.devices:,.0f} tokens/s per device; "
+             f"MFU {r.mfu:.1%} of the bf16 peak" + (f" ({r.mfu_fp8_peak:.1%} of the fp8 peak)"
+                                                    if r.cand.precision == "float8" else ""), "",
+             "| term | seconds |", "|---|---:|"]
+    lines += [f"| {k} | {v:.4f} |" for k, v in t.terms().items()]
+    lines += ["", "| axis | GB per device | link | seconds | exposed |", "|---|---:|---|---:|---:|"]
+    lines += [f"| {a} | {r.comm_bytes.get(a, 0) / 1e9:.3f} | {p.cluster.axis_link(r.cand, a).name} | {s:.4f} | "
+              f"{t.exposed_s.get(a, 0):.4f} |" for a, s in t.comm_s.items()]
+    return "\n".join(lines)
+
+
+def run_collect(action: list[str]) -> int:
+    if action[0] != "collect" or len(action) != 2:
+        raise ConfigError("plan", f"unexpected '{' '.join(action)}'; the only subcommand is `jaxpar plan collect DIR`")
+    from jaxpar.plan.sweep import collect
+    out = Path(action[1])
+    text, data = collect(out)
+    (out / "defence.md").write_text(text)
+    (out / "defence.json").write_text(json.dumps(data, indent=2) + "\n")
+    print(text + f"\nwrote {out}/defence.md")
     return 0
 
 
@@ -119,6 +230,26 @@ def verify_top(p, config, count: int, gpu: str) -> list[str]:
     out += ["Better-ranked candidates this checkout cannot build (formula only):", ""]
     out += [f"- {s}" for s in skipped]
     return out
+
+
+def candidate_json(r) -> dict:
+    """One candidate's predictions, for --json and plan.json."""
+    import dataclasses
+    t = r.time
+    return {"strategy": r.label, "candidate": dataclasses.asdict(r.cand), "layout": r.memory.layout,
+            "fits": r.memory.fits, "memory": r.memory.parts(), "memory_total": r.memory.total, "step_s": t.total_s,
+            "terms": t.terms(), "comm_s": t.comm_s, "exposed_s": t.exposed_s, "comm_bytes": r.comm_bytes,
+            "tokens_per_s": r.tokens_per_s, "tokens_per_s_per_device": r.tokens_per_s / r.cand.devices,
+            "mfu_bf16_peak": r.mfu, "mfu_fp8_peak": r.mfu_fp8_peak, "gemm_efficiency": t.gemm_efficiency,
+            "days": r.days, "gpu_hours": r.gpu_hours, "cost": r.cost, "note": r.note}
+
+
+def candidates_json(p) -> dict:
+    """--json: every candidate evaluated, fitting or not, in the planner's order (fastest first)."""
+    rows = sorted(p.results, key=lambda r: (not r.memory.fits, r.time.total_s))
+    return {"model_params": p.shape.params, "cluster": p.cluster.describe(), "global_batch": p.global_batch,
+            "seq_len": p.seq_len, "tokens": p.tokens, "mfu_peak": "dense bf16 peak (mfu_fp8_peak: the fp8 peak)",
+            "candidates": [candidate_json(r) for r in rows]}
 
 
 def plan_json(p) -> dict:

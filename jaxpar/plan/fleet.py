@@ -5,8 +5,11 @@ bus bandwidth each device achieves per direction (nccl-tests' busbw convention, 
 bytes are what each device sends: (n-1)/n of the buffer for an all-gather or a
 reduce-scatter, 2(n-1)/n for an all-reduce). Devices are numbered node-major, like
 `jaxpar.mesh.make_mesh` lays out `jax.devices()`: a group whose devices span at most one
-node runs on NVLink, a wider one on the scale-out network (InfiniBand), whose per-GPU
-port is then the slowest link of the ring.
+node runs on NVLink; a wider one crosses the scale-out network (InfiniBand), where NCCL
+spreads the traffic over the NICs of every GPU the group holds in each node (one ring or
+channel per NIC): a group with g GPUs per node gets g x the per-GPU NIC bandwidth, capped
+by NVLink, which carries it inside the node. An NCCL maintainer reports 192 GB/s all-reduce
+busbw across DGX-A100 nodes with 8 x 200 Gb/s NICs (8 x 25 GB/s; NCCL issue 812).
 
 GPU clusters take the datasheet figures of `jaxpar.measure.hardware` times an achieved
 fraction (an assumption, stated in `LINK_EFFICIENCY`); the CPU "cluster" (N virtual
@@ -74,11 +77,27 @@ class Cluster:
     def peak(self, dtype: str) -> float:
         return dict(self.peaks)[dtype]
 
-    def link(self, span: int) -> Link:
-        """The link a collective group crosses when its devices span `span` consecutive device ids."""
+    def link(self, span: int, size: int | None = None) -> Link:
+        """The link a collective group of `size` devices (default: `span`) spanning `span` consecutive device ids
+        crosses; across nodes, its bandwidth is the group's GPUs per node x the per-GPU NIC's, capped by NVLink."""
         if span <= self.per_node or self.scaleout is None:
             return self.scaleup
-        return self.scaleout
+        size = span if size is None else size
+        stride = max(1, span // size)                 # device ids between neighbours of the group
+        per_node = max(1, min(size, self.per_node // stride))
+        if per_node == 1:
+            return self.scaleout
+        bw = min(per_node * self.scaleout.bus_bw, self.scaleup.bus_bw)
+        return dataclasses.replace(self.scaleout, name=f"{self.scaleout.name} x{per_node} NICs", bus_bw=bw)
+
+    def axis_link(self, cand, axis: str) -> Link:
+        """The link one collective group of a candidate's mesh `axis` ("data+expert": both) crosses."""
+        names = axis.split("+")
+        span = max(cand.span(a) for a in names)
+        size = 1
+        for a in names:
+            size *= getattr(cand, a)
+        return self.link(span, size)
 
     def resized(self, nodes: int) -> Cluster:
         return dataclasses.replace(self, nodes=nodes)

@@ -65,6 +65,7 @@ class Memory:
     limit: float
     stage_weights: float = 0.0   # pipelines: the stage's weights gathered (fp32) and cast for the whole step
     taps: float = 0.0            # ZB-H1: each matmul's (x, dy) kept from B to W
+    layout: str = "jaxpar"       # the model-state layout assumed (plan/layouts.py)
 
     @property
     def state(self) -> float:
@@ -76,7 +77,9 @@ class Memory:
                 + self.stage_weights + self.taps)
 
     def parts(self) -> dict[str, float]:
-        parts = {"params (fp32)": self.params, "AdamW μ, ν (fp32)": self.optimizer,
+        jaxpar = self.layout == "jaxpar"
+        parts = {"params (fp32)" if jaxpar else "params (bf16)": self.params,
+                 "AdamW μ, ν (fp32)" if jaxpar else "master params + AdamW μ, ν (fp32, split)": self.optimizer,
                  "gradients (fp32)": self.gradients, "activations kept": self.activations, "working set": self.working}
         if self.stage_weights:
             parts["stage weights, gathered and cast"] = self.stage_weights

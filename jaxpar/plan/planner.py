@@ -17,6 +17,7 @@ from jaxpar.model.counting import ModelShape
 from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan.fleet import Cluster
+from jaxpar.plan.layouts import apply_layout, layout_flows
 from jaxpar.plan.memory import Memory, memory
 from jaxpar.plan.space import enumerate_candidates
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, StepTime, step_time
@@ -39,6 +40,7 @@ class Evaluated:
     gpu_hours: float
     cost: float | None
     note: str = ""                   # "formula only: ...", "demoted: ...", verification results
+    mfu_fp8_peak: float = 0.0        # the same model FLOPs against the fp8 peak (2x the bf16 one on H100)
 
     @property
     def label(self) -> str:
@@ -75,10 +77,13 @@ def check_budget(tokens: float | None, global_batch: int, seq_len: int) -> float
 
 
 def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch: int, seq_len: int, tokens: float,
-             headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION) -> Evaluated:
-    """Memory, step time and what they mean for the run, for one candidate."""
+             headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION, layout: str = "jaxpar") -> Evaluated:
+    """Memory (in `layout`, plan/layouts.py), step time and what they mean for the run, for one candidate.
+    MFU is against the dense bf16 peak, also for fp8 candidates (NeMo's convention); `mfu_fp8_peak` beside it."""
     prediction = predict(shape, cand, global_batch, seq_len, cluster.platform)
-    mem = memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom, prediction)
+    prediction = dataclasses.replace(prediction, flows=layout_flows(prediction.flows, shape, cand, layout))
+    mem = apply_layout(memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom, prediction), cand,
+                       layout)
     t = step_time(shape, cand, cluster, global_batch, seq_len, calibration, prediction)
     step_tokens = global_batch * seq_len
     tokens_per_s = step_tokens / t.total_s
@@ -87,12 +92,13 @@ def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch:
     seconds = tokens / tokens_per_s
     gpu_hours = seconds * cand.devices / 3600
     cost = gpu_hours * cluster.price_per_gpu_hour if cluster.price_per_gpu_hour else None
-    return Evaluated(cand, mem, t, prediction.bytes_by_axis(), tokens_per_s, mfu, seconds / DAY, gpu_hours, cost)
+    return Evaluated(cand, mem, t, prediction.bytes_by_axis(), tokens_per_s, mfu, seconds / DAY, gpu_hours, cost,
+                     mfu_fp8_peak=t.model_flops / (t.total_s * cluster.peak("float8")))
 
 
 def plan(shape: ModelShape, cluster: Cluster, *, global_batch: int, seq_len: int, tokens: float,
          headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION, candidates: list[Candidate] | None = None,
-         check_fits: bool = True, **space) -> Plan:
+         check_fits: bool = True, layout: str = "jaxpar", **space) -> Plan:
     """Evaluate the space (or `candidates`) on `cluster`; raise ConfigError when nothing fits (check_fits)."""
     tokens = check_budget(tokens, global_batch, seq_len)
     if not 0 <= headroom < 1:
@@ -102,7 +108,8 @@ def plan(shape: ModelShape, cluster: Cluster, *, global_batch: int, seq_len: int
     if not candidates:
         raise ConfigError("--global-batch", f"{global_batch} sequences cannot be split over {cluster.devices} devices "
                           "by any strategy (data x fsdp x expert must divide it); use a multiple of the device count")
-    results = [evaluate(shape, c, cluster, global_batch, seq_len, tokens, headroom, calibration) for c in candidates]
+    results = [evaluate(shape, c, cluster, global_batch, seq_len, tokens, headroom, calibration, layout)
+               for c in candidates]
     fits = sorted((r for r in results if r.memory.fits), key=lambda r: (r.time.total_s, r.memory.total))
     too_big = sorted((r for r in results if not r.memory.fits), key=lambda r: r.memory.total)[:1]
     too_big += sorted((r for r in results if not r.memory.fits and fits and r.time.total_s < fits[0].time.total_s),
@@ -173,14 +180,14 @@ def defence(p: Plan, runners_up: int = 2) -> str:
     c = best.cand
     t = best.time
     lines = [f"Choose {best.label} ({family(c)}): {t.total_s:.2f} s per step of {p.global_batch} x {p.seq_len} tokens, "
-             f"{best.tokens_per_s / 1e6:.2f} M tokens/s, MFU {best.mfu:.0%}, {best.days:.1f} days for "
+             f"{best.tokens_per_s / 1e6:.2f} M tokens/s, MFU {best.mfu:.0%} of the bf16 peak, {best.days:.1f} days for "
              f"{p.tokens:.3g} tokens; {_share(t)}, and it fits in {best.memory.total / GB:.0f} of "
              f"{best.memory.limit / GB:.0f} usable GB per device."]
     exposed = {k: v for k, v in t.exposed_s.items() if v > 0}
     if exposed:
         worst = max(exposed, key=exposed.get)
         lines.append(f"Its largest exposed collective is on {worst} ({exposed[worst]:.3f} s of "
-                     f"{t.comm_s[worst]:.3f} s, on {p.cluster.link(c.span(worst)).name}).")
+                     f"{t.comm_s[worst]:.3f} s, on {p.cluster.axis_link(c, worst).name}).")
     named = p.ranked[1:1 + runners_up]
     for r in named:
         lines.append(f"Runner-up {r.label}: {why_loses(best, r)}.")
@@ -224,7 +231,8 @@ def variants(p: Plan) -> list[tuple[str, Evaluated]]:
 def table(p: Plan, top: int = 10) -> str:
     """The ranked plan as markdown (predictions)."""
     money = p.cluster.price_per_gpu_hour is not None
-    head = ("| # | strategy | memory GB | step s | compute s | exposed comm s | bubble s | tokens/s | MFU | days | "
+    head = ("| # | strategy | memory GB | step s | compute s | exposed comm s | bubble s | tokens/s | MFU (bf16 peak) | "
+            "days | "
             "GPU-hours |" + (" cost |" if money else "") + " note |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, r in enumerate(p.ranked[:top], 1):
@@ -239,7 +247,13 @@ def table(p: Plan, top: int = 10) -> str:
 def summary_line(p: Plan) -> str:
     return (f"{p.shape.describe()}; {p.cluster.describe()}; global batch {p.global_batch} x {p.seq_len} tokens; "
             f"budget {p.tokens:.3g} tokens{p.budget_note}; {p.evaluated} candidates, {len(p.ranked)} fit "
-            f"(memory headroom {p.headroom:.0%}). Predictions, not measurements.")
+            f"(memory headroom {p.headroom:.0%}; model state in {_layout(p)}). Predictions, not measurements.")
+
+
+def _layout(p: Plan) -> str:
+    from jaxpar.plan.layouts import LAYOUTS
+    layout = p.results[0].memory.layout if p.results else "jaxpar"
+    return f"the {layout} layout ({LAYOUTS[layout]})"
 
 
 def predict_config(config, sizes: dict[str, int], vocab: int, cluster: Cluster,

@@ -63,6 +63,8 @@ class Measured:
     compile_s: float
     compiled_bytes: dict      # mesh axis label -> bytes per step, from the compiled HLO
     cpu_times: list[float] = dataclasses.field(default_factory=list)   # this process's CPU seconds per step
+    memory_bytes: float = 0.0  # the compiled step's per-device peak (measure.memory.compiled_memory)
+    global_batch: int = 0
 
     @property
     def median_s(self) -> float:
@@ -70,19 +72,22 @@ class Measured:
 
 
 
-def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len: int, rounds: int,
+def measure_steps(base, strategies: list, global_batch: int, seq_len: int, rounds: int,
                   warmup: int = 2, log=print) -> list[Measured]:
-    """Compile every strategy, then time `rounds` interleaved rounds of one step each (see module docstring)."""
+    """Compile every strategy, then time `rounds` interleaved rounds of one step each (see module docstring).
+    A strategy given as (candidate, batch) runs that global batch instead of `global_batch`."""
     import jax
 
     from jaxpar.measure import hlo
+    from jaxpar.measure.memory import compiled_memory
     from jaxpar.parallel.registry import build_trainer
     from jaxpar.plan.verify import candidate_config
 
     built = []
-    tokens = np.random.default_rng(0).integers(0, base.model.vocab_size, (global_batch, seq_len + 1), dtype=np.int32)
-    for cand in strategies:
-        config, reason = candidate_config(base, cand, global_batch, seq_len, platform="cpu")
+    for item in strategies:
+        cand, batch_size = item if isinstance(item, tuple) else (item, global_batch)
+        tokens = np.random.default_rng(0).integers(0, base.model.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+        config, reason = candidate_config(base, cand, batch_size, seq_len, platform="cpu")
         if config is None:
             log(f"  {cand.label()}: {reason}")
             continue
@@ -92,6 +97,7 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
         with jax.set_mesh(mesh):
             compiled = trainer.lower_step().compile()
         compile_s = time.perf_counter() - start
+        peak = compiled_memory(compiled, jax.devices()[0].platform).peak
         found = hlo.collectives(compiled.as_text(), mesh)
         by_axis: dict[str, float] = {}
         for c in found:
@@ -103,7 +109,8 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
                 state, metrics = compiled(state, batch)
             jax.block_until_ready(metrics)
         log(f"  compiled {cand.label()} in {compile_s:.1f} s")
-        built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis)])
+        built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis, memory_bytes=peak,
+                                                                global_batch=batch_size)])
     for _ in range(rounds):
         for item in built:
             cand, compiled, state, batch, mesh, measured = item
@@ -117,12 +124,28 @@ def measure_steps(base, strategies: list[Candidate], global_batch: int, seq_len:
     return [item[-1] for item in built]
 
 
-def calibrate(cluster: Cluster, shape, measured: Measured, global_batch: int, seq_len: int) -> Calibration:
-    """η such that the planner's time for `measured`'s strategy equals its measured median (no overlap on CPU)."""
+def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, seq_len: int) -> Calibration:
+    """η and the fixed per-step overhead O of the CPU step, from ONE strategy measured at two global batches.
+
+    The model's time at η = 1 without overhead splits each step into compute C (proportional to the batch) and
+    the rest R (memory passes, collectives); measured t = O + C/η + R at batch B and at B/2 gives
+    C(B)/(2η) = (t_B - R_B) - (t_B/2 - R_B/2), then O. Without `half`, O = 0 and η alone fits t_B.
+    """
     from jaxpar.plan.steptime import step_time
-    at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, source="")
-    t = step_time(shape, measured.cand, cluster, global_batch, seq_len, at_peak)
-    rest = t.total_s - t.compute_s
-    eta = t.compute_s / max(measured.median_s - rest, 1e-9)
-    return Calibration(compute=eta, overlap=0.0, memory=1.0,
-                       source=f"η = {eta:.3f} of the host probe's matmul rate, measured on {measured.cand.label()}")
+    at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0, source="")
+
+    def split(m: Measured) -> tuple[float, float]:
+        t = step_time(shape, m.cand, cluster, m.global_batch, seq_len, at_peak)
+        return t.compute_s, m.median_s - (t.total_s - t.compute_s)
+    compute, busy = split(full)
+    overhead, eta = 0.0, compute / max(busy, 1e-9)
+    if half is not None:
+        half_compute, half_busy = split(half)
+        slope = (busy - half_busy) / (compute - half_compute)       # measured seconds per model second of compute
+        if slope > 0 and busy - slope * compute > 0:
+            eta, overhead = 1 / slope, busy - slope * compute
+    where = (f"measured on {full.cand.label()} at global batch {full.global_batch}"
+             + (f" and {half.global_batch}" if half is not None else ""))
+    return Calibration(compute=eta, overlap=0.0, memory=1.0, step_overhead_s=overhead, layer_overhead_s=0.0,
+                       source=f"η = {eta:.3f} of the host probe's matmul rate and a fixed {overhead * 1e3:.0f} ms "
+                              f"per step, {where}")

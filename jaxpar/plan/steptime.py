@@ -1,7 +1,9 @@
 """Per-step time of one candidate: compute at a calibrated efficiency + memory-bound passes + exposed
 communication per axis + the pipeline bubble.
 
-  compute   FLOPs each device executes / (η · peak). Executed FLOPs are the model's (6 x active
+  compute   FLOPs each device executes / (η · g · peak), g the size efficiency of the step's
+            weight matmuls (plan/gemm.py: small GEMMs and short microbatches run below a large
+            GEMM's rate; attention kernels at η). Executed FLOPs are the model's (6 x active
             matmul params + attention) plus what the strategy adds: remat `full` recomputes each
             layer's forward except the two output projections (wo, w_down: their outputs are not
             needed by the backward pass) and both attention einsums; `dots` recomputes the
@@ -19,16 +21,21 @@ communication per axis + the pipeline bubble.
   comm      α-β per flow of the strategy's prediction (`Strategy.predict`) on the link its group spans;
             hideable flows are hidden behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
             non-hideable flow, is exposed.
+  overhead  a fixed cost per step (`STEP_OVERHEAD_S`: launching the optimizer, host dispatch, the
+            loss's trip to the host) and per microbatch per layer (`LAYER_OVERHEAD_S`: kernel launch
+            and tail gaps between the layer's kernels), so that microbatches are not free and a tiny
+            model's step is not 0 s.
   bubble    pipelines: the schedule's fraction β (the prediction's, parallel/schedules.bubble_fraction)
             idles every stage: the busy time is stretched by 1/(1-β).
 
 Calibration (ASSUMPTIONS unless said otherwise; the lab prints them with the anchors):
-  COMPUTE_EFFICIENCY  η of the GPU compute, set so that the planner's own best plan for a Llama-2-70B
-                      on 64 H100s (seq 4096, 4M-token batches) predicts the ~51% MFU published for
-                      MaxText's 70B GPU recipe; the Llama-3-8B anchor (torchtitan, 33-39% MFU on H100)
-                      is then a check, not a fit. On CPU η is measured (labs/capstone.py).
-  FP8_EFFICIENCY      η of fp8 matmuls relative to the fp8 peak (0.7 x η: fp8 GEMMs reach a lower
-                      fraction of their doubled peak, and casts and scaling cost extra).
+  COMPUTE_EFFICIENCY  η of an ideal large GEMM on GPU (the size factor g lowers it for real ones),
+                      fitted on a published run's OWN strategy, not on the planner's choice (plan/anchors.py:
+                      MaxText's Llama-2-70B for jaxpar/XLA; NeMo and torchtitan have their own η there).
+                      On CPU η is measured (labs/capstone.py).
+  FP8_EFFICIENCY      η of fp8 matmuls relative to the fp8 peak, as a fraction of η: fitted on NeMo's
+                      Llama-3.1-8B fp8 run (fp8 GEMMs reach a lower share of their doubled peak; casts
+                      and scaling cost extra). MFU is always against the bf16 peak (planner.evaluate).
   OVERLAP             fraction of the hideable communication XLA overlaps with the layers' compute on
                       GPU, where no measurement exists: `GPU_CALIBRATION.measured` holds the fraction of
                       each (strategy, axis) replayed from compiled H100 schedules (plan/overlap.py, lab 09).
@@ -45,11 +52,14 @@ from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
 from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.overlap import hidden_fraction
 from jaxpar.plan.overlap import measured as measured_overlap
+from jaxpar.plan.gemm import gemm_efficiency
 
-COMPUTE_EFFICIENCY = 0.600
-FP8_EFFICIENCY = 0.7
+COMPUTE_EFFICIENCY = 0.6867     # jaxpar/plan/anchors.py FITTED["jaxpar (XLA)"]
+FP8_EFFICIENCY = 0.7149         # NeMo's, FITTED["NeMo"]: no published XLA fp8 run is anchored
 OVERLAP = 0.6
 MEMORY_EFFICIENCY = 0.8
+STEP_OVERHEAD_S = 0.010
+LAYER_OVERHEAD_S = 60e-6
 # Bytes moved per S x S element per layer by the einsum attention (scores bf16 written and read, softmax in
 # fp32 fused into one read and one bf16 write of the probabilities, read again by the PV matmul: ~12 forward;
 # the backward reads the probabilities, writes and reads their gradient and the scores' gradient: ~24).
@@ -75,6 +85,9 @@ class Calibration:
     fp8: float = FP8_EFFICIENCY
     overlap: float = OVERLAP
     memory: float = MEMORY_EFFICIENCY
+    step_overhead_s: float = STEP_OVERHEAD_S
+    layer_overhead_s: float = LAYER_OVERHEAD_S      # per layer per microbatch
+    gemm_size: bool = True                          # scale matmul efficiency by GEMM size (plan/gemm.py)
     source: str = "assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py)"
     measured: tuple = ()    # ((strategy, axis), hidden fraction): compiled schedules (plan/overlap.py)
 
@@ -83,6 +96,10 @@ GPU_CALIBRATION = Calibration(measured=measured_overlap(),
                               source="assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py); "
                                      "overlap per strategy and axis from compiled H100 schedules where measured "
                                      "(jaxpar/plan/overlap_measured.json)")
+# `jaxpar plan --cpu-devices N`: the host probe's rates as they are, nothing hidden, no overheads (uncalibrated: lab 07
+# measures η and the CPU's fixed overheads, plan/reality.py).
+HOST_CALIBRATION = Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
+                               source="host probe rates, uncalibrated (lab 07 calibrates them)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +112,17 @@ class StepTime:
     bubble_fraction: float
     executed_flops: float   # per device per step
     model_flops: float      # per device per step (the MFU numerator)
+    overhead_s: float = 0.0  # fixed per step and per microbatch
+    gemm_efficiency: float = 1.0   # the size factor g of the weight matmuls
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.memory_s + sum(self.exposed_s.values()) + self.bubble_s
+        return self.compute_s + self.memory_s + sum(self.exposed_s.values()) + self.bubble_s + self.overhead_s
 
     @property
     def serial_s(self) -> float:
         """The same step with nothing overlapped: the pessimistic bound."""
-        return self.compute_s + self.memory_s + sum(self.comm_s.values()) + self.bubble_s
+        return self.compute_s + self.memory_s + sum(self.comm_s.values()) + self.bubble_s + self.overhead_s
 
     def terms(self) -> dict[str, float]:
         """Every term of the step, for the breakdown and for saying which dominates."""
@@ -111,6 +130,8 @@ class StepTime:
         out.update({f"exposed {axis}": t for axis, t in self.exposed_s.items() if t > 0})
         if self.bubble_s:
             out["pipeline bubble"] = self.bubble_s
+        if self.overhead_s:
+            out["fixed overheads"] = self.overhead_s
         return out
 
 
@@ -144,11 +165,17 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     per_token = executed_flops_per_token(shape, seq_len, cand.remat, cand.attention)
     matmul = per_token["matmul"] * tokens / n
     attention = per_token["attention"] * tokens / n
-    bf16_rate = calibration.compute * cluster.peak("bfloat16" if cand.precision != "float32" else "float32")
+    dtype = "bfloat16" if cand.precision != "float32" else "float32"
+    bf16_rate = calibration.compute * cluster.peak(dtype)
+    matmul_peak = cluster.peak("float8") if cand.precision == "float8" else cluster.peak(dtype)
+    size = (gemm_efficiency(shape, cand, rows_per_microbatch(cand, global_batch) * seq_len,
+                            matmul_peak / cluster.mem_bw) if calibration.gemm_size else 1.0)
     if cand.precision == "float8":
-        compute = matmul / (calibration.compute * calibration.fp8 * cluster.peak("float8")) + attention / bf16_rate
+        compute = matmul / (calibration.compute * calibration.fp8 * size * matmul_peak) + attention / bf16_rate
     else:
-        compute = (matmul + attention) / bf16_rate
+        compute = matmul / (bf16_rate * size) + attention / bf16_rate
+    overhead = (calibration.step_overhead_s
+                + calibration.layer_overhead_s * (shape.layers / cand.pipe + 2) * cand.microbatches)
 
     mem_rate = calibration.memory * cluster.mem_bw
     updated = prediction.stored["optimizer"]
@@ -173,7 +200,7 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     measured = {f.axis: hidden_fraction(calibration.measured, strategy, f.axis) for f in flow_list
                 if cluster.platform != "cpu"}
     for f in flow_list:
-        link = cluster.link(cand.span(f.axis))
+        link = cluster.axis_link(cand, f.axis)
         t = link.time(f.op, f.bytes, f.count)
         comm[f.axis] = comm.get(f.axis, 0.0) + t
         known = measured.get(f.axis)
@@ -189,10 +216,11 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     if spill and hideable:
         for f in flow_list:
             if f.hideable and measured.get(f.axis) is None:
-                exposed[f.axis] += spill * cluster.link(cand.span(f.axis)).time(f.op, f.bytes, f.count) / hideable
+                exposed[f.axis] += spill * cluster.axis_link(cand, f.axis).time(f.op, f.bytes, f.count) / hideable
 
     fraction = prediction.bubble
     busy = compute + memory + exposed.get("tensor", 0.0)
     bubble = float(busy * fraction / (1 - fraction)) if fraction else 0.0
     model = shape.flops_per_token(seq_len) * tokens / n
-    return StepTime(compute, memory, comm, exposed, bubble, float(fraction), matmul + attention, model)
+    return StepTime(compute, memory, comm, exposed, bubble, float(fraction), matmul + attention, model,
+                    overhead, size)

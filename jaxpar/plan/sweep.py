@@ -1,0 +1,170 @@
+"""Defend a plan with measurements: a Slurm job array over the top candidates, then the merged defence.
+
+`jaxpar plan ... --sweep N --out DIR` writes DIR/candidates.json (the N best candidates this
+checkout builds, with the planner's predictions and the config each runs) and DIR/sweep.sbatch,
+a job array with one task per candidate. Each task (`python -m jaxpar.plan.sweep DIR INDEX`)
+compiles its candidate's training step, trains K steps on one batch (after one warm-up step) and
+writes DIR/results/INDEX.json: each step's wall-clock time and the compiled step's per-device
+memory peak (and the device's own peak where the backend reports one). `jaxpar plan collect DIR`
+merges them into DIR/defence.md: predicted vs measured, the ranking by measurement, and the
+Spearman rank correlation of predicted and measured step times.
+
+One process per task: a candidate must fit one node's devices (the CPU candidates of the test,
+or a single-node GPU plan); multi-node candidates need `jaxpar slurm`'s multi-process launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+from jaxpar.config import ConfigError
+
+RESULTS = "results"
+
+
+def write_sweep(p, config_path: str, overrides: list[str], count: int, steps: int, out: Path,
+                platform: str, cpu_devices: int | None, layout: str = "jaxpar") -> Path:
+    """candidates.json and sweep.sbatch for the `count` best candidates the checkout builds."""
+    from jaxpar.config import apply_overrides, load_config
+    from jaxpar.plan.verify import candidate_config, candidate_overrides
+    if layout != "jaxpar":
+        raise ConfigError("--layout", f"'{layout}' is formula only: a sweep trains jaxpar's own layout (jaxpar)")
+    base = load_config(config_path)
+    apply_overrides(base, overrides)
+    chosen = []
+    for r in p.ranked:
+        if len(chosen) == count:
+            break
+        if r.cand.devices > p.cluster.per_node:
+            continue
+        if candidate_config(base, r.cand, p.global_batch, p.seq_len, platform)[0] is not None:
+            chosen.append(r)
+    if len(chosen) < count:
+        raise ConfigError("--sweep", f"is {count}; only {len(chosen)} ranked candidates fit one node and build here")
+    entries = [{"index": i, "strategy": r.label, "candidate": dataclasses.asdict(r.cand),
+                "overrides": candidate_overrides(r.cand, p.global_batch, p.seq_len, platform),
+                "predicted_step_s": r.time.total_s, "predicted_memory": r.memory.total,
+                "predicted_tokens_per_s_per_device": r.tokens_per_s / r.cand.devices}
+               for i, r in enumerate(chosen)]
+    spec = {"config": str(Path(config_path).resolve()), "overrides": overrides, "platform": platform,
+            "cpu_devices": cpu_devices, "global_batch": p.global_batch, "seq_len": p.seq_len, "steps": steps,
+            "cluster": p.cluster.describe(), "candidates": entries}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS).mkdir(exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)      # Slurm does not create the --output folder
+    (out / "candidates.json").write_text(json.dumps(spec, indent=2) + "\n")
+    script = out / "sweep.sbatch"
+    script.write_text(sbatch_text(out, len(entries), platform, p.cluster.per_node))
+    return script
+
+
+def sbatch_text(out: Path, tasks: int, platform: str, per_node: int) -> str:
+    out = out.resolve()
+    gpus = [f"#SBATCH --gpus-per-node={per_node}"] if platform == "gpu" else []
+    run = f"{shlex.quote(sys.executable)} -m jaxpar.plan.sweep {shlex.quote(str(out))} \"$SLURM_ARRAY_TASK_ID\""
+    return "\n".join(["#!/bin/bash", "#SBATCH --job-name=jaxpar-sweep", f"#SBATCH --array=0-{tasks - 1}",
+                      "#SBATCH --nodes=1", "#SBATCH --ntasks=1", *gpus,
+                      f"#SBATCH --output={out}/logs/task-%a.out", f"#SBATCH --chdir={Path.cwd()}",
+                      "# one array task per candidate: train K steps, record step time and memory",
+                      f"srun --kill-on-bad-exit=1 {run}", ""])
+
+
+def run_task(out: Path, index: int) -> dict:
+    """One array task: measure candidate `index` of `out`/candidates.json, write results/INDEX.json."""
+    spec = json.loads((out / "candidates.json").read_text())
+    entry = spec["candidates"][index]
+    if spec["platform"] == "cpu":
+        from jaxpar.mesh import set_cpu_devices
+        set_cpu_devices(spec["cpu_devices"])
+    import jax
+
+    from jaxpar.config import apply_overrides, load_config
+    from jaxpar.plan.reality import measure_steps
+    from jaxpar.plan.space import Candidate
+    base = load_config(spec["config"])
+    apply_overrides(base, spec["overrides"])
+    cand = Candidate(**entry["candidate"])
+    measured = measure_steps(base, [cand], spec["global_batch"], spec["seq_len"], spec["steps"], warmup=1,
+                             log=lambda line: print(line, flush=True))[0]
+    stats = jax.devices()[0].memory_stats() or {}
+    result = {"index": index, "strategy": entry["strategy"], "times_s": measured.times,
+              "step_s": measured.median_s, "compile_s": measured.compile_s,
+              "memory_compiled": measured.memory_bytes, "memory_device_peak": stats.get("peak_bytes_in_use")}
+    (out / RESULTS / f"{index}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    import numpy as np
+
+    def ranks(x):
+        x = np.asarray(x, dtype=float)
+        order = x.argsort()
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for value in np.unique(x):
+            r[x == value] = r[x == value].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def collect(out: Path) -> tuple[str, dict]:
+    """The defence from a finished sweep: predicted vs measured, ranked by measurement (markdown, data)."""
+    if not (out / "candidates.json").is_file():
+        raise ConfigError("collect", f"'{out}' holds no candidates.json; give the --out DIR of `jaxpar plan --sweep`")
+    spec = json.loads((out / "candidates.json").read_text())
+    rows, missing = [], []
+    for entry in spec["candidates"]:
+        path = out / RESULTS / f"{entry['index']}.json"
+        if not path.is_file():
+            missing.append(entry["strategy"])
+            continue
+        measured = json.loads(path.read_text())
+        rows.append({**entry, **measured, "ratio": measured["step_s"] / entry["predicted_step_s"]})
+    if len(rows) < 2:
+        raise ConfigError("collect", f"{len(rows)} of {len(spec['candidates'])} array tasks left results in "
+                          f"{out / RESULTS}; the defence needs at least 2 (see {out / 'logs'})")
+    rho = spearman([r["predicted_step_s"] for r in rows], [r["step_s"] for r in rows])
+    return markdown(spec, rows, rho, missing), {"rows": rows, "spearman": rho, "missing": missing}
+
+
+def markdown(spec: dict, rows: list[dict], rho: float, missing: list[str]) -> str:
+    by_measured = sorted(rows, key=lambda r: r["step_s"])
+    best = by_measured[0]
+    lines = ["# The plan's defence, measured", "",
+             f"{spec['cluster']}; global batch {spec['global_batch']} x {spec['seq_len']} tokens; each array task "
+             f"trained {spec['steps']} steps after one warm-up (median step, wall clock).", "",
+             "| measured rank | planner's rank | strategy | predicted s | measured s (min-max) | measured / predicted "
+             "| memory MB predicted / compiled |", "|---:|---:|---|---:|---:|---:|---|"]
+    for rank, r in enumerate(by_measured, 1):
+        lines.append(f"| {rank} | {r['index'] + 1} | {r['strategy']} | {r['predicted_step_s']:.4f} | "
+                     f"{r['step_s']:.4f} ({min(r['times_s']):.4f}-{max(r['times_s']):.4f}) | {r['ratio']:.2f} | "
+                     f"{r['predicted_memory'] / 1e6:,.1f} / {r['memory_compiled'] / 1e6:,.1f} |")
+    verdict = ("the planner's choice is also the fastest measured" if best["index"] == 0 else
+               f"the fastest measured is the planner's #{best['index'] + 1}, {best['strategy']}: choose it")
+    spread = statistics.median(r["ratio"] for r in rows)
+    lines += ["", f"Spearman rank correlation of predicted and measured step times: **{rho:.2f}** over {len(rows)} "
+              f"candidates; {verdict}. Median measured / predicted: {spread:.2f}."]
+    if missing:
+        lines.append(f"No result (task failed or still running): {', '.join(missing)}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or not argv[1].isdigit():
+        print("usage: python -m jaxpar.plan.sweep DIR INDEX (one array task of `jaxpar plan --sweep`)",
+              file=sys.stderr)
+        return 2
+    run_task(Path(argv[0]), int(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
