@@ -163,156 +163,225 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     goodput.add("startup_compile", time.time() - goodput.start)
     try:
         preemption.stop_if_requested(f"before step {start + 1}")
-        return _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, validation, checkpoints,
-                     metrics_log, goodput, sinks, guard, preemption, window, counts, peak)
+        run = _Run(config, run_dir, trainer, data, model_cfg, validation, checkpoints, metrics_log, goodput, sinks,
+                   guard, preemption, counts)
+        return _loop(run, state, start, iterator, window, peak)
     finally:
         checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
         sinks.close(metrics_linger_s)
 
 
-def _loop(config, run_dir, trainer, data, model_cfg, state, start, iterator, validation, checkpoints,
-          metrics_log, goodput, sinks, guard, preemption, window, counts, peak) -> dict:
+@dataclasses.dataclass
+class _Run:
+    """Everything the step loop works with, built and checked by `_train` before the first step."""
+    config: object
+    run_dir: Path
+    trainer: object
+    data: object
+    model_cfg: ModelConfig
+    validation: list
+    checkpoints: Checkpoints
+    metrics_log: MetricsLog
+    goodput: Goodput
+    sinks: Sinks
+    guard: NonFiniteGuard
+    preemption: Preemption
+    counts: dict
+
+
+@dataclasses.dataclass
+class _Tally:
+    """The loop's running state: losses so far, the steps not logged yet, and the current logging interval
+    (its start, its steps, and the host time spent beside the steps, which stays out of the step times)."""
+    throughput: Throughput
+    schedule: object
+    clock: StepClock | None = None
+    losses: dict = dataclasses.field(default_factory=dict)
+    pending: list = dataclasses.field(default_factory=list)
+    val_loss: float | None = None
+    evaluated: float | None = None     # a validation loss not printed yet
+    compile_s: float | None = None
+    interval_start: float = dataclasses.field(default_factory=time.perf_counter)
+    interval_steps: int = 0
+    excluded: float = 0.0
+
+    def new_interval(self) -> None:
+        self.interval_start, self.interval_steps, self.excluded = time.perf_counter(), 0, 0.0
+
+
+def _loop(run: _Run, state, start: int, iterator, window, peak) -> dict:
     """The step loop of `train` (everything it needs is built and checked)."""
-    tokens_per_step = config.train.batch_size * config.data.seq_len
-    throughput = Throughput(train_flops_per_token(model_cfg, config.data.seq_len) * tokens_per_step,
+    config, t = run.config, run.config.train
+    tokens_per_step = t.batch_size * config.data.seq_len
+    throughput = Throughput(train_flops_per_token(run.model_cfg, config.data.seq_len) * tokens_per_step,
                             tokens_per_step, jax.device_count(), peak, notice=say)
     say(throughput.describe())
-    t = config.train
     fault_here = (t.fault_at_step and restart_count() == 0
                   and t.fault_process in (-1, jax.process_index()))   # first attempt only
-    schedule = learning_rate(t)
-    losses, pending = {}, []
-    val_loss = evaluated = None     # evaluated: a validation loss not printed yet
-    compile_s = None
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                         console=console, disable=not (is_main() and console.is_terminal))
-    profiler = StepProfiler(window, run_dir / "profile")
-    interval_start = time.perf_counter()
-    interval_steps, excluded = 0, 0.0
+    profiler = StepProfiler(window, run.run_dir / "profile")
+    tally = _Tally(throughput, learning_rate(t))
     step, preempted = start, False
     with progress:
         task = progress.add_task("training", total=t.steps, completed=start)
-        clock = StepClock(lambda finished: progress.update(task, completed=finished))   # the bar moves every step
+        tally.clock = StepClock(lambda finished: progress.update(task, completed=finished))   # moves every step
         for step in range(start + 1, t.steps + 1):
-            side_start = time.perf_counter()
-            batch = to_global(next(iterator), trainer.batch_sharding, t.batch_size)
-            waited = time.perf_counter() - side_start
-            goodput.add("data_wait", waited)
-            excluded += waited
-            before = state if not (guard.skips and trainer.donate_argnums) else jax.tree.map(jnp.copy, state)
-            side_start = time.perf_counter()
-            profiler.before(step)
-            excluded += time.perf_counter() - side_start
-            dispatched = time.perf_counter()
-            with profiler.annotate(step):
-                state, metrics = trainer.step(state, batch)
-            clock.dispatched(step, metrics, dispatched)
-            if profiler.stops_after(step):
-                clock.wait()   # the traced step's own time stays in the step times
-            side_start = time.perf_counter()
-            profiled = profiler.after(step, state)
-            if profiled and is_main():
-                (run_dir / "profile_summary.md").write_text(profiled["markdown"] + "\n")
-                (run_dir / "profile_summary.json").write_text(json.dumps(profiled, indent=2))
-                say(profiled["markdown"])
-            if profiled:
-                excluded += time.perf_counter() - side_start
-            if guard.skips and guard.is_bad(step, metrics):   # undo the step (its batch is consumed)
-                say(f"step {step}: non-finite loss or gradient norm; update skipped "
-                    f"({len(guard.bad_steps)}/{t.max_bad_steps} allowed)")
-                state = before
-            else:
-                guard.after_step(step, metrics)
-            pending.append((step, metrics))
-            interval_steps += 1
-            goodput.stepped(step)
-            if compile_s is None:
-                clock.wait()
-                compile_s = time.perf_counter() - interval_start
-                goodput.add("startup_compile", compile_s - excluded)
-                say(f"first step (compile + run): {compile_s:.1f} s")
-                interval_start, interval_steps, excluded = time.perf_counter(), 0, 0.0
+            state = _step(run, tally, profiler, state, iterator, step)
+            if tally.compile_s is None:
+                _first_step_timed(run, tally)
             last = step == t.steps
-            preempted = preemption.reached(step)
+            preempted = run.preemption.reached(step)
             evaluate = step % t.eval_every == 0 or last
             save = step % t.checkpoint_every == 0 or last or preempted
             if evaluate or save:  # evaluation and checkpointing stay out of the step times
-                clock.wait()
-                jax.block_until_ready(state)
-                guard.flush()     # a non-finite state is never saved
-                side_start = time.perf_counter()
-                if evaluate:
-                    val_loss = evaluated = float(np.mean([float(trainer.evaluate(state["params"], b))
-                                                          for b in validation]))
-                    metrics_log.write({"step": step, "val_loss": val_loss})
-                    sinks.log(step, {"val_loss": val_loss})
-                if save:
-                    guard.check_state(step, state)   # nor an exploded one
-                    save_start = time.perf_counter()
-                    checkpoints.save(step, state, t.batch_size)
-                    saved_s = time.perf_counter() - save_start
-                    goodput.add("checkpoint", saved_s)
-                    goodput.saved(step)
-                    sinks.checkpoint(saved_s)
-                excluded += time.perf_counter() - side_start
+                _evaluate_and_save(run, tally, state, step, evaluate, save)
             if step % t.log_every == 0 or step == start + 1 or last or step == t.fault_at_step or preempted:
-                times = clock.take()      # each step's own time (process 0's on every process)
-                fetched = jax.device_get([m for _, m in pending])
-                elapsed = time.perf_counter() - interval_start - excluded
-                if interval_steps:
-                    goodput.add("productive", elapsed)
-                for (s_, _), m in zip(pending, fetched):
-                    losses[s_] = float(m["loss"])
-                    record = {"step": s_, **{k: np.asarray(v).tolist() for k, v in m.items()},
-                              "lr": float(schedule(s_ - 1)), **throughput.step(s_, times.get(s_)),
-                              "time": time.time()}
-                    metrics_log.write(record)
-                    if record["step_time_s"]:
-                        sinks.step_times(record["step_time_s"], 1)
-                timed = [seconds for seconds in times.values() if seconds]
-                interval = throughput.step(step, float(np.mean(timed))) if timed else {}  # the console's average
-                sinks.log(step, {**record, **interval})
-                sinks.goodput(step, goodput.flush())
-                message = f"step {step:>5}/{t.steps}  loss {losses[step]:.4f}"
-                if evaluated is not None:  # printed once, never repeated stale
-                    message += f"  val {evaluated:.4f}"
-                    evaluated = None
-                if interval:
-                    message += f"  {interval['step_time_s'] * 1e3:.0f} ms/step  {interval['tokens_per_s']:,.0f} tok/s"
-                if interval.get("mfu") is not None:
-                    message += f"  MFU {interval['mfu']:.1%}"
-                say(message)
-                progress.update(task, completed=step, description=f"loss {losses[step]:.3f}")
-                pending, interval_start, interval_steps, excluded = [], time.perf_counter(), 0, 0.0
+                _log_interval(run, tally, step)
+                progress.update(task, completed=step, description=f"loss {tally.losses[step]:.3f}")
             if fault_here and step == t.fault_at_step:  # a crash between checkpoints: later steps are lost
-                checkpoints.wait()
-                console.print(f"fault injection: {t.fault_signal} to process {jax.process_index()} after step {step}")
-                os.kill(os.getpid(), getattr(signal, t.fault_signal))
+                _inject_fault(run, step)
             if preempted:
                 break
-    guard.flush()
+    return _finish(run, tally, state, step, preempted)
+
+
+def _step(run: _Run, tally: _Tally, profiler: StepProfiler, state, iterator, step: int):
+    """One training step: its batch, the (maybe profiled) update, and the non-finite guard; returns the state."""
+    t, guard = run.config.train, run.guard
+    side_start = time.perf_counter()
+    batch = to_global(next(iterator), run.trainer.batch_sharding, t.batch_size)
+    waited = time.perf_counter() - side_start
+    run.goodput.add("data_wait", waited)
+    tally.excluded += waited
+    before = state if not (guard.skips and run.trainer.donate_argnums) else jax.tree.map(jnp.copy, state)
+    side_start = time.perf_counter()
+    profiler.before(step)
+    tally.excluded += time.perf_counter() - side_start
+    dispatched = time.perf_counter()
+    with profiler.annotate(step):
+        state, metrics = run.trainer.step(state, batch)
+    tally.clock.dispatched(step, metrics, dispatched)
+    if profiler.stops_after(step):
+        tally.clock.wait()   # the traced step's own time stays in the step times
+    side_start = time.perf_counter()
+    profiled = profiler.after(step, state)
+    if profiled and is_main():
+        (run.run_dir / "profile_summary.md").write_text(profiled["markdown"] + "\n")
+        (run.run_dir / "profile_summary.json").write_text(json.dumps(profiled, indent=2))
+        say(profiled["markdown"])
+    if profiled:
+        tally.excluded += time.perf_counter() - side_start
+    if guard.skips and guard.is_bad(step, metrics):   # undo the step (its batch is consumed)
+        say(f"step {step}: non-finite loss or gradient norm; update skipped "
+            f"({len(guard.bad_steps)}/{t.max_bad_steps} allowed)")
+        state = before
+    else:
+        guard.after_step(step, metrics)
+    tally.pending.append((step, metrics))
+    tally.interval_steps += 1
+    run.goodput.stepped(step)
+    return state
+
+
+def _first_step_timed(run: _Run, tally: _Tally) -> None:
+    """The first step includes the compile: book it as start-up and start the first logging interval after it."""
+    tally.clock.wait()
+    tally.compile_s = time.perf_counter() - tally.interval_start
+    run.goodput.add("startup_compile", tally.compile_s - tally.excluded)
+    say(f"first step (compile + run): {tally.compile_s:.1f} s")
+    tally.new_interval()
+
+
+def _evaluate_and_save(run: _Run, tally: _Tally, state, step: int, evaluate: bool, save: bool) -> None:
+    """The validation loss and/or a checkpoint after `step`, timed outside the step times."""
+    tally.clock.wait()
+    jax.block_until_ready(state)
+    run.guard.flush()     # a non-finite state is never saved
+    side_start = time.perf_counter()
+    if evaluate:
+        tally.val_loss = tally.evaluated = float(np.mean([float(run.trainer.evaluate(state["params"], b))
+                                                          for b in run.validation]))
+        run.metrics_log.write({"step": step, "val_loss": tally.val_loss})
+        run.sinks.log(step, {"val_loss": tally.val_loss})
+    if save:
+        run.guard.check_state(step, state)   # nor an exploded one
+        save_start = time.perf_counter()
+        run.checkpoints.save(step, state, run.config.train.batch_size)
+        saved_s = time.perf_counter() - save_start
+        run.goodput.add("checkpoint", saved_s)
+        run.goodput.saved(step)
+        run.sinks.checkpoint(saved_s)
+    tally.excluded += time.perf_counter() - side_start
+
+
+def _log_interval(run: _Run, tally: _Tally, step: int) -> None:
+    """Fetch the interval's step metrics once, write them, and print one console line; start a new interval."""
+    times = tally.clock.take()      # each step's own time (process 0's on every process)
+    fetched = jax.device_get([m for _, m in tally.pending])
+    elapsed = time.perf_counter() - tally.interval_start - tally.excluded
+    if tally.interval_steps:
+        run.goodput.add("productive", elapsed)
+    throughput = tally.throughput
+    for (s_, _), m in zip(tally.pending, fetched):
+        tally.losses[s_] = float(m["loss"])
+        record = {"step": s_, **{k: np.asarray(v).tolist() for k, v in m.items()},
+                  "lr": float(tally.schedule(s_ - 1)), **throughput.step(s_, times.get(s_)),
+                  "time": time.time()}
+        run.metrics_log.write(record)
+        if record["step_time_s"]:
+            run.sinks.step_times(record["step_time_s"], 1)
+    timed = [seconds for seconds in times.values() if seconds]
+    interval = throughput.step(step, float(np.mean(timed))) if timed else {}  # the console's average
+    run.sinks.log(step, {**record, **interval})
+    run.sinks.goodput(step, run.goodput.flush())
+    message = f"step {step:>5}/{run.config.train.steps}  loss {tally.losses[step]:.4f}"
+    if tally.evaluated is not None:  # printed once, never repeated stale
+        message += f"  val {tally.evaluated:.4f}"
+        tally.evaluated = None
+    if interval:
+        message += f"  {interval['step_time_s'] * 1e3:.0f} ms/step  {interval['tokens_per_s']:,.0f} tok/s"
+    if interval.get("mfu") is not None:
+        message += f"  MFU {interval['mfu']:.1%}"
+    say(message)
+    tally.pending = []
+    tally.new_interval()
+
+
+def _inject_fault(run: _Run, step: int) -> None:
+    """train.fault_at_step: kill this process with train.fault_signal once the checkpoints are on disk."""
+    t = run.config.train
+    run.checkpoints.wait()
+    console.print(f"fault injection: {t.fault_signal} to process {jax.process_index()} after step {step}")
+    os.kill(os.getpid(), getattr(signal, t.fault_signal))
+
+
+def _finish(run: _Run, tally: _Tally, state, step: int, preempted: bool) -> dict:
+    """After the last step (or a preemption): wait for the checkpoints, sample, report goodput, write the summary."""
+    t, run_dir, goodput = run.config.train, run.run_dir, run.goodput
+    run.guard.flush()
     wait_start = time.perf_counter()
-    checkpoints.close()
+    run.checkpoints.close()
     goodput.add("checkpoint", time.perf_counter() - wait_start)
     if preempted and step < t.steps:
         totals = goodput.flush()
         raise Preempted(f"preempted: saved a checkpoint at step {step} of {t.steps} and stopped "
                         f"(goodput so far {totals['goodput']:.1%}); start the run again to resume")
-    say(throughput.describe())
+    say(tally.throughput.describe())
 
     sample_text = None
     if t.sample_tokens > 0:
-        sample_text = sample_from_state(state["params"], model_cfg, data.tokenizer, t.sample_prompt,
-                                        t.sample_tokens, config.data.seq_len)
+        sample_text = sample_from_state(state["params"], run.model_cfg, run.data.tokenizer, t.sample_prompt,
+                                        t.sample_tokens, run.config.data.seq_len)
         say(f"sample ({END_OF_RUN.describe()}): {t.sample_prompt}{sample_text}")
     totals = goodput.flush(finished=True)
     badput = ", ".join(f"{k} {v:.1f} s" for k, v in totals["badput_s"].items())
     say(f"goodput {totals['goodput']:.1%} of {totals['wall_s']:.1f} s wall ({totals['restarts']} restarts, "
         f"{totals['redone_steps']} re-done steps); badput: {badput}")
     command = sample_command(run_dir, t.sample_prompt, t.sample_tokens, END_OF_RUN)
-    summary = {"run_dir": str(run_dir), "losses": losses, "final_val_loss": val_loss, "compile_s": compile_s,
-               "params": counts["total"], "sample": sample_text, "sample_command": command,
-               **throughput.summary(), "goodput": totals}
+    summary = {"run_dir": str(run_dir), "losses": tally.losses, "final_val_loss": tally.val_loss,
+               "compile_s": tally.compile_s, "params": run.counts["total"], "sample": sample_text,
+               "sample_command": command, **tally.throughput.summary(), "goodput": totals}
     if is_main():
         (run_dir / "summary.json").write_text(json.dumps(summary, ensure_ascii=False, indent=2))
     say(f"run directory: {run_dir}")

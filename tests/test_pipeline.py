@@ -22,7 +22,7 @@ from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, init_params, run_blocks
 from jaxpar.parallel import deferred
-from jaxpar.parallel.pipeline import compile_program
+from jaxpar.parallel.pipeline_program import compile_program
 from jaxpar.parallel.registry import make_trainer
 from jaxpar.parallel.schedules import NAMES, Action, ScheduleError, bubble_fraction, build, dualpipe_idle, validate
 

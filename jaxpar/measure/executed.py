@@ -10,7 +10,7 @@ import dataclasses
 import re
 
 from jaxpar.measure import hlo
-from jaxpar.parallel.pipeline import Program, part_ticks
+from jaxpar.parallel.pipeline_program import Program, part_ticks
 
 
 def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):

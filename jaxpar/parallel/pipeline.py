@@ -6,7 +6,7 @@ embedding runs on the first model stage, the head and the loss on the last, all 
 the model's own pieces (`embed`, `run_blocks` on a chunk, `head_loss`).
 
 A schedule (`parallel/schedules.py`) is a table tick x stage -> F/B/W. `compile_program`
-turns it into integer tables: which branch each stage runs at each tick, on which
+(pipeline_program.py) turns it into integer tables: which branch each stage runs at each tick, on which
 microbatch and chunk, and which buffer slot it reads and writes. The step is a
 `lax.scan` over ticks inside one `shard_map`; each tick every device
 
@@ -48,29 +48,39 @@ experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_a
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.counting import block_params
-from jaxpar.model.moe import noise_seeds, with_moe_ops
-from jaxpar.model.transformer import embed, head_loss, run_blocks, split_aux
-from jaxpar.parallel import deferred
+from jaxpar.model.moe import with_moe_ops
+from jaxpar.model.transformer import split_aux
 from jaxpar.parallel.expert import capacity_exchange, dropless_exchange
 from jaxpar.parallel.megatron import tensor_parallel_ops
 from jaxpar.parallel.pipedream import delayed_gradient
+from jaxpar.parallel.pipeline_executor import AXIS, StageFunctions, run_program
+from jaxpar.parallel.pipeline_program import (  # noqa: F401  (the table's cell codes, re-exported for the lab)
+    B_FIRST,
+    B_MID,
+    F_FIRST,
+    F_LAST,
+    F_MID,
+    IDLE,
+    W,
+    compile_program,
+    forward_only,
+    part_ticks,
+    program_for,
+)
 from jaxpar.parallel.rules import AxisRules, parse_rules
-from jaxpar.parallel.schedules import NAMES, Schedule, bubble_fraction, build, run_orders, validate
-from jaxpar.parallel.step import accumulate, apply_outside_gradient, microbatch_rows
+from jaxpar.parallel.schedules import NAMES, bubble_fraction, build, validate
+from jaxpar.parallel.step import accumulate, apply_outside_gradient
 from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.theory import (
     OTHER_WEIGHTS,
@@ -83,10 +93,7 @@ from jaxpar.parallel.theory import (
     wire_bytes,
 )
 
-AXIS = "pipe"
 BATCH_AXES = ("expert", "data", "fsdp")          # `expert` splits the batch only for MoE models
-# a table cell: F and B on the first / a middle / the last model stage differ in what they do around the chunk
-IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, W = range(7)
 
 
 # ============================================================================ config -> schedule
@@ -151,372 +158,6 @@ def check_manual_placement(config, sizes: dict[str, int]) -> None:
             raise ConfigError("parallel.rules", f"'{name}={'+'.join(axes)}': under parallel.pipe="
                               f"{config.parallel.pipe} a rule may only map {', '.join(sorted(params))} to fsdp "
                               "or to nothing (replicated)")
-
-
-def forward_only(schedule: Schedule) -> Schedule:
-    """The forwards of a schedule, in each stage's order, run as early as they can (evaluation)."""
-    orders = [[row[s] for row in schedule.grid if row[s] is not None and row[s].kind == "F"]
-              for s in range(schedule.stages)]
-    return dataclasses.replace(schedule, name=f"{schedule.name} forward", split_backward=False,
-                               grid=run_orders(orders, schedule.virtual, False, schedule.shape))
-
-
-# ============================================================================ table -> program
-
-class _Slots:
-    """The slots of one stage's buffer: a new item takes the lowest free slot; `size` is the most used."""
-
-    def __init__(self):
-        self.held: dict = {}
-        self.size = 0
-
-    def take(self, key) -> int:
-        used = set(self.held.values())
-        slot = next(i for i in range(len(used) + 1) if i not in used)
-        self.held[key] = slot
-        self.size = max(self.size, slot + 1)
-        return slot
-
-    def free(self, key) -> int:
-        return self.held.pop(key)
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """A schedule as integer tables [ticks, stages], and the buffer sizes its slots need.
-
-    branch, microbatch, chunk: what the stage runs. act / grad: the slot of the activation
-    F reads / the gradient B reads (F on the last model stage writes its dy there). stash:
-    where F keeps its residuals and B finds them; wstash: where B keeps the taps for W.
-    <route>_act_in / <route>_grad_in: the slot an activation / gradient arriving by that route is
-    filed into (the extra last slot of the buffer takes what arrives when nothing was sent).
-    Routes: `down` (from stage s-1: activations, and DualPipeV's chunk-1 gradients), `up` (from
-    s+1: gradients, and DualPipeV's chunk-1 activations), `local` (the V's bottom hands its
-    chunk 0 to its own chunk 1). flip: this cell's send travels against the usual direction.
-    """
-
-    schedule: Schedule
-    table: dict
-    slots: dict
-
-    @property
-    def ticks(self) -> int:
-        return self.schedule.ticks
-
-
-ROUTES = ("down", "up", "local")
-ARRIVALS = tuple(f"{route}_{buffer}_in" for route in ROUTES for buffer in ("act", "grad"))
-FIELDS = ("branch", "microbatch", "chunk", "act", "grad", "stash", "wstash", "flip", *ARRIVALS)
-
-
-def _route(schedule: Schedule, buffer: str, sender: int, receiver: int, flip: bool) -> str:
-    """How a send reaches `receiver`: activations go down the stages and gradients up, reversed on the V's
-    way back (flip); a stage sending to itself keeps it (the V's bottom)."""
-    if sender == receiver and schedule.shape == "v":
-        return "local"
-    return ("down" if buffer == "act" else "up") if not flip else ("up" if buffer == "act" else "down")
-
-
-def compile_program(schedule: Schedule) -> Program:
-    p, K, T = schedule.stages, schedule.model_stages, schedule.ticks
-    table = {f: np.zeros((T, p), np.int32) for f in FIELDS}
-    for field in ARRIVALS:
-        table[field][:] = -1
-    pools = [{b: _Slots() for b in ("act", "grad", "stash", "wstash")} for _ in range(p)]
-    for t, row in enumerate(schedule.grid):
-        arrivals = []
-        for s, action in enumerate(row):
-            if action is None:
-                continue
-            k, key, pool = schedule.model_stage(s, action.chunk), (action.microbatch, action.chunk), pools[s]
-            table["microbatch"][t, s], table["chunk"][t, s] = action.microbatch, action.chunk
-            flip = schedule.shape == "v" and action.chunk == 1
-            table["flip"][t, s] = flip
-            if action.kind == "F":
-                table["branch"][t, s] = F_FIRST if k == 0 else F_LAST if k == K - 1 else F_MID
-                if k > 0:
-                    table["act"][t, s] = pool["act"].free(key)
-                table["stash"][t, s] = pool["stash"].take(key)
-                if k == K - 1:
-                    table["grad"][t, s] = pool["grad"].take(key)
-                else:
-                    arrivals.append(("act", s, schedule.placement(k + 1), action.microbatch, flip))
-            elif action.kind == "B":
-                table["branch"][t, s] = B_FIRST if k == 0 else B_MID
-                table["grad"][t, s] = pool["grad"].free(key)
-                table["stash"][t, s] = pool["stash"].free(key)
-                if schedule.split_backward:
-                    table["wstash"][t, s] = pool["wstash"].take(key)
-                if k > 0:
-                    arrivals.append(("grad", s, schedule.placement(k - 1), action.microbatch, flip))
-            else:
-                table["branch"][t, s] = W
-                table["wstash"][t, s] = pool["wstash"].free(key)
-        for buffer, sender, (s, chunk), microbatch, flip in arrivals:
-            route = _route(schedule, buffer, sender, s, flip)
-            table[f"{route}_{buffer}_in"][t, s] = pools[s][buffer].take((microbatch, chunk))
-    slots = {b: max(pool[b].size for pool in pools) for b in ("act", "grad", "stash", "wstash")}
-    for field in ARRIVALS:
-        table[field][table[field] < 0] = slots[field.split("_")[1]]     # nothing sent: the spare slot
-    return Program(schedule, table, slots)
-
-
-# ============================================================================ one stage's chunk
-
-class StageFunctions:
-    """One chunk of layers as a stage runs it: a forward that keeps jax.vjp's residuals (without the
-    weights, which stay where they are), the backward that applies them, and under the split
-    backward (zb-h1) the deferred weight step. `plan` traces the chunk once, before the tick loop,
-    to learn the residuals' layout; F and B are traced in different branches and meet through it.
-    The chunk's output is (y, its summed weighted auxiliary losses); its statistics ride along."""
-
-    def __init__(self, cfg, ops, policy, split: bool, chunk_layers: int, microbatches: int = 1):
-        self.cfg, self.policy, self.split, self.chunk_layers = cfg, policy, split, chunk_layers
-        self.sites: dict = {}
-        self.base_matmul = ops.matmul
-        self.ops = deferred.deferred_ops(ops, self.sites) if split else ops
-        self.aux_cotangent = 1.0 / microbatches          # each microbatch's aux losses enter the mean
-
-    def run(self, weights, x, taps=None, seeds=None, first_layer=0):
-        """(y, aux per layer) of the chunk; `seeds`, `first_layer`: the noisy router's keys."""
-        blocks = weights if taps is None else {**weights, "taps": taps}
-        return run_blocks(blocks, x, self.cfg, self.ops, self.policy, seeds, first_layer)
-
-    def _objective(self, weights, x, taps=None, **keys):
-        y, aux = self.run(weights, x, taps, **keys)
-        losses, _ = split_aux(aux)
-        return (y, sum(losses.values(), jnp.zeros((), jnp.float32))), aux
-
-    def _vjp(self, weights, x, **keys):
-        if self.split:
-            taps = deferred.zero_taps(self.sites, self.chunk_layers)
-            return jax.vjp(lambda w, t, x: self._objective(w, x, t, **keys), weights, taps, x, has_aux=True)
-        return jax.vjp(lambda w, x: self._objective(w, x, **keys), weights, x, has_aux=True)
-
-    def plan(self, weights, x, **keys) -> None:
-        if self.split:
-            self.run(weights, x, deferred.recording_taps(deferred.deferred_names(weights)), **keys)
-        _, pullback, _ = self._vjp(weights, x, **keys)
-        leaves, self.treedef = jax.tree.flatten(pullback)
-        params = jax.tree.leaves(weights)
-        self.sources = [next((i for i, w in enumerate(params) if w is leaf), None) for leaf in leaves]
-        self.kept = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf, src in zip(leaves, self.sources)
-                     if src is None]
-
-    def forward(self, weights, x, **keys):
-        """F: (output, the chunk's weighted aux losses summed, aux per layer, residuals to keep)."""
-        (y, aux_loss), pullback, aux = self._vjp(weights, x, **keys)
-        leaves, params = jax.tree.leaves(pullback), jax.tree.leaves(weights)
-        assert len(leaves) == len(self.sources) and all(
-            leaf is params[src] for leaf, src in zip(leaves, self.sources) if src is not None), "residual layout changed"
-        return y, aux_loss, aux, [leaf for leaf, src in zip(leaves, self.sources) if src is None]
-
-    def backward(self, weights, kept, dy):
-        """B: (weight gradients computed now, taps for W or None, input gradient)."""
-        stored, params = iter(kept), jax.tree.leaves(weights)
-        pullback = jax.tree.unflatten(self.treedef, [next(stored) if src is None else params[src]
-                                                     for src in self.sources])
-        cotangent = (dy, jnp.asarray(self.aux_cotangent, jnp.float32))
-        if not self.split:
-            dw, dx = pullback(cotangent)
-            return dw, None, dx
-        dw, taps, dx = pullback(cotangent)
-        return {k: g for k, g in dw.items() if k not in taps}, taps, dx
-
-    def weight(self, weights, taps):
-        """W: the deferred weight gradients from their taps."""
-        return deferred.weight_grads(self.base_matmul, self.sites, weights, taps)
-
-
-# ============================================================================ the executor
-
-def _put(buffer, slot, value):
-    return jax.tree.map(lambda b, v: b.at[slot].set(v.astype(b.dtype)), buffer, value)
-
-
-def _get(buffer, slot):
-    return jax.tree.map(lambda b: b[slot], buffer)
-
-
-def scoped(part: str):
-    """Run under the named scope `pipeline_<part>`: the compiled HLO's metadata then says which part of a
-    tick each instruction belongs to (measure/executed.py, the lab's timeline)."""
-    def wrap(fn):
-        def run(*args):
-            with jax.named_scope(f"pipeline_{part}"):
-                return fn(*args)
-        return run
-    return wrap
-
-
-PARTS = {"F": (F_FIRST, F_MID, F_LAST), "embed": (F_FIRST,), "head": (F_LAST,), "B": (B_FIRST, B_MID),
-         "embed_grad": (B_FIRST,), "W": (W,)}
-
-
-def part_ticks(program: Program) -> dict[str, np.ndarray]:
-    """Per part of a tick (PARTS): on how many ticks each stage runs it."""
-    return {part: np.isin(program.table["branch"], codes).sum(axis=0) for part, codes in PARTS.items()}
-
-
-def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, *, cfg, ops, train: bool):
-    """Run the tick loop on this device: chunks [v, Lc, ...] (compute dtype), outer = everything but the
-    pipelined stack (embed, final_norm, lm_head; an MoE model's dense `blocks`), tokens [rows, S+1] this
-    shard's. Returns (sum of microbatch cross-entropies / m, grads or None, per-chunk aux [v, Lc, ...] / m).
-
-    The big buffers (stash, gradient accumulators, received activations) never pass through the tick's
-    `lax.switch`: each tick slices out the one slot its cell uses, the branch returns that slot's new
-    value, and the slot is written back after. (Threaded through the switch, XLA copies every buffer
-    on every tick.)"""
-    sched = program.schedule
-    p, v, m = sched.stages, sched.virtual, sched.microbatches
-    me = jax.lax.axis_index(AXIS)
-    micro = microbatch_rows(tokens, m)                       # microbatch i: rows i, i+m, ... of this shard
-    inputs, targets = micro[:, :, :-1], micro[:, :, 1:]
-    head_names = ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")
-    first_names = ("embed", "blocks") if "blocks" in outer else ("embed",)
-    noisy = train and cfg.moe is not None and cfg.moe.router == "noisy"
-    dtype = ops.dtype
-
-    def first_part(weights, microbatch):
-        """The first model stage's own layers: the embedding (and an MoE model's dense stack)."""
-        x = embed(weights, inputs[microbatch], ops)
-        return run_blocks(weights["blocks"], x, cfg, ops)[0] if "blocks" in weights else x
-
-    def keys(row):
-        """The noisy router's noise keys of this cell: the microbatch's seeds, the chunk's first layer."""
-        seeds = noise_seeds(inputs[row["microbatch"]]) if noisy else None
-        return {"seeds": seeds, "first_layer": (row["chunk"] * p + me) * stage.chunk_layers}
-
-    act_shape = jax.eval_shape(lambda: first_part(outer, 0))
-    zeros_act = jnp.zeros(act_shape.shape, act_shape.dtype)
-    zeros_outer = lambda: jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), outer)
-    first_chunk = jax.tree.map(lambda w: w[0], chunks)
-    aux_shape = jax.eval_shape(lambda: stage.run(first_chunk, zeros_act)[1])
-    zeros_aux = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape)
-    if train:
-        stage.plan(first_chunk, zeros_act, **keys({"microbatch": 0, "chunk": 0}))
-
-    # ---- the branches: (this tick's slots, row) -> the slots' new values and what leaves the device
-    def idle(io, row):
-        out = {**io, "send_act": zeros_act, "send_grad": zeros_act, "d_outer": zeros_outer(),
-               "loss": jnp.zeros((), jnp.float32)}
-        return {**out, "aux": zeros_aux()} if train else out
-
-    @scoped("head")
-    def head(y, row):
-        """The last model stage: the loss, and at once its gradient (the loss ends the graph)."""
-        head = {k: outer[k] for k in head_names}
-        objective = lambda head, y: head_loss(head, y, targets[row["microbatch"]], cfg, ops) / m
-        if not train:
-            return objective(head, y), zeros_outer(), zeros_act
-        loss, (d_head, dy) = jax.value_and_grad(objective, argnums=(0, 1))(head, y)
-        return loss, {**zeros_outer(), **d_head}, dy.astype(dtype)
-
-    @scoped("F")
-    def forward(io, row):
-        out = idle(io, row)
-        x = jax.lax.cond(row["branch"] == F_FIRST, scoped("embed")(lambda: first_part(outer, row["microbatch"])),
-                         lambda: io["x"])
-        weights = jax.tree.map(lambda w: w[row["chunk"]], chunks)
-        if train:
-            y, _, aux, out["kept"] = stage.forward(weights, x, **keys(row))
-            out["aux"] = jax.tree.map(lambda a: a.astype(jnp.float32) / m, aux)
-        else:
-            y = stage.run(weights, x)[0]
-        no_head = lambda y, row: (jnp.zeros((), jnp.float32), zeros_outer(), io["dy"] if train else zeros_act)
-        loss, d_outer, dy = jax.lax.cond(row["branch"] == F_LAST, head, no_head, y, row)
-        out.update(loss=loss, d_outer=d_outer, send_act=y.astype(dtype))
-        if train:
-            out["dy"] = dy
-        return out
-
-    @scoped("embed_grad")
-    def embed_grad(dx, row):
-        """The first model stage: the input gradient becomes the embedding's (and the dense stack's)."""
-        own = {k: outer[k] for k in first_names}
-        (d_first,) = jax.vjp(lambda w: first_part(w, row["microbatch"]), own)[1](dx)
-        return {**zeros_outer(), **d_first}
-
-    @scoped("B")
-    def backward(io, row):
-        out = idle(io, row)
-        weights = jax.tree.map(lambda w: w[row["chunk"]], chunks)
-        dw, taps, dx = stage.backward(weights, io["kept"], io["dy"])
-        out["acc"] = {k: a + dw[k].astype(a.dtype) if k in dw else a for k, a in io["acc"].items()}
-        if taps is not None:
-            out["taps"] = taps
-        out["d_outer"] = jax.lax.cond(row["branch"] == B_FIRST, embed_grad, lambda dx, row: zeros_outer(), dx, row)
-        out["send_grad"] = dx.astype(dtype)
-        return out
-
-    @scoped("W")
-    def weight(io, row):
-        out = idle(io, row)
-        dw = stage.weight(jax.tree.map(lambda w: w[row["chunk"]], chunks), io["taps"])
-        out["acc"] = {k: a + dw[k].astype(a.dtype) if k in dw else a for k, a in io["acc"].items()}
-        return out
-
-    # the switch runs one of these per tick; the table's F/B variants pick their first/last parts inside
-    kinds = jnp.asarray(np.array([0, 1, 1, 1, 2, 2, 3], np.int32))   # cell -> idle, forward, backward, weight
-    branches = [idle, forward, backward, weight][:(4 if sched.split_backward else 3) if train else 2]
-
-    # ---- the buffers
-    slots = program.slots
-    carry = {"acts": jnp.zeros((slots["act"] + 1, *act_shape.shape), dtype), "loss": jnp.zeros((), jnp.float32)}
-    if train:
-        carry["grads_in"] = jnp.zeros((slots["grad"] + 1, *act_shape.shape), dtype)
-        carry["stash"] = [jnp.zeros((max(slots["stash"], 1), *a.shape), a.dtype) for a in stage.kept]
-        carry["chunk_grads"] = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), chunks)
-        carry["outer_grads"] = zeros_outer()
-        carry["aux"] = jax.tree.map(lambda a: jnp.zeros((v, *a.shape), jnp.float32), aux_shape)
-        if sched.split_backward:
-            carry["wstash"] = {k: tuple(jnp.zeros((slots["wstash"], stage.chunk_layers, *s.shape), s.dtype)
-                                        for s in (site.x, site.y)) for k, site in stage.sites.items()}
-    ring = v > 1 and sched.shape == "loop"
-    forward_pairs = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]     # interleaved: a ring
-    backward_pairs = [(b, a) for a, b in forward_pairs]
-    used = [f for f in ARRIVALS if (program.table[f] != slots[f.split("_")[1]]).any()]   # routes in use
-    flips = bool(program.table["flip"].any())
-    table = {k: jnp.asarray(t) for k, t in program.table.items()}
-
-    def deliver(carry, row, out):
-        """The tick's sends: one ppermute down the stages, one up, and the V's hand-over to itself."""
-        down, up = out["send_act"], out["send_grad"]
-        if flips:
-            down, up = jnp.where(row["flip"], up, down), jnp.where(row["flip"], down, up)
-        arrived = {"down": lambda: jax.lax.ppermute(down, AXIS, forward_pairs),
-                   "up": lambda: jax.lax.ppermute(up, AXIS, backward_pairs), "local": lambda: down}
-        received = {route: arrived[route]() for route in ROUTES if any(f.startswith(route) for f in used)}
-        for field in used:
-            route, buffer = field.split("_")[:2]
-            name = "acts" if buffer == "act" else "grads_in"
-            carry[name] = carry[name].at[row[field]].set(received[route])
-        return carry
-
-    def tick(carry, t):
-        row = {k: column[t, me] for k, column in table.items()}
-        io = {"x": carry["acts"][row["act"]]}
-        if train:
-            io.update(dy=carry["grads_in"][row["grad"]], kept=_get(carry["stash"], row["stash"]),
-                      acc=_get(carry["chunk_grads"], row["chunk"]))
-            if sched.split_backward:
-                io["taps"] = _get(carry["wstash"], row["wstash"])
-        out = jax.lax.switch(kinds[row["branch"]], branches, io, row)
-        carry = {**carry, "loss": carry["loss"] + out["loss"]}
-        if train:
-            carry["grads_in"] = carry["grads_in"].at[row["grad"]].set(out["dy"])
-            carry["stash"] = _put(carry["stash"], row["stash"], out["kept"])
-            carry["chunk_grads"] = _put(carry["chunk_grads"], row["chunk"], out["acc"])
-            carry["outer_grads"] = jax.tree.map(jnp.add, carry["outer_grads"], out["d_outer"])
-            carry["aux"] = jax.tree.map(lambda a, new: a.at[row["chunk"]].add(new), carry["aux"], out["aux"])
-            if sched.split_backward:
-                carry["wstash"] = _put(carry["wstash"], row["wstash"], out["taps"])
-        return deliver(carry, row, out), None
-
-    carry, _ = jax.lax.scan(tick, carry, jnp.arange(program.ticks))
-    if not train:
-        return carry["loss"], None, None
-    return carry["loss"], {"chunks": carry["chunk_grads"], "outer": carry["outer_grads"]}, carry["aux"]
 
 
 # ============================================================================ the trainer
@@ -726,11 +367,6 @@ class PipelineTrainer(Strategy):
 
 
 # ============================================================================ prediction
-
-@functools.lru_cache(maxsize=256)
-def program_for(name: str, p: int, m: int, v: int) -> Program:
-    """The compiled table of a schedule (cached: the planner asks for the same few many times)."""
-    return compile_program(build(name, p, m, v))
 
 
 def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
