@@ -353,7 +353,8 @@ def anchor_section(anchors) -> list[str]:
     lines = ["Published H100 runs, each predicted with its OWN strategy and memory layout and its framework's η "
              "(role η / fp8: that anchor fits it; check: predicted with the fitted values). Tokens/s per GPU:", "",
              "| anchor | framework (η) | role | cluster | batch | strategy | layout | published | predicted | "
-             "predicted / published | MFU (bf16 peak) | fits |", "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|"]
+             "predicted / published | MFU (bf16 peak) | fits |",
+             "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|"]
     for a in anchors:
         lines.append(f"| {a['anchor']} | {a['framework']} ({a['eta']:.3f}) | {a['role']} | {a['cluster']} | "
                      f"{a['batch']} | {a['strategy']} | {a['layout']} | {a['published']:,.0f} | "
@@ -391,8 +392,8 @@ def reality_section(reality) -> list[str]:
                      f"{r['predicted_rank']} | {r['measured_rank']} | {axes} |")
     lines += ["", f"**{wall['within']} of {wall['checked']}** predicted strategies within "
               f"{WITHIN:.0%} of measured; Spearman rank correlation of predicted and measured step times "
-              f"**{wall['spearman']:.2f}** over {len(wall['rows'])} strategies; the fastest measured ({wall['fastest']}) "
-              "is ranked "
+              f"**{wall['spearman']:.2f}** over {len(wall['rows'])} strategies; "
+              f"the fastest measured ({wall['fastest']}) is ranked "
               f"**#{wall['fastest_predicted_rank']}** by the planner. Predictions span "
               f"{_spread([r['predicted_s'] for r in wall['rows']]):.0%} from fastest to slowest, measured medians "
               f"{_spread([r['measured_s'] for r in wall['rows']]):.0%}; a rank is only as good as the gaps between "

@@ -263,7 +263,7 @@ def plot_timelines(cpu: dict, path: Path) -> None:
     for ax, name in zip(axes[:, 0], names):
         lanes = cpu[name]["profile"]["lanes"]
         t0 = min(a for lane in lanes.values() for kind in lane.values() for a, _ in kind)
-        for row, (device, lane) in enumerate(sorted(lanes.items())):
+        for row, (_device, lane) in enumerate(sorted(lanes.items())):
             for kind, colour in (("compute", "0.6"), ("collective", "tab:red")):
                 ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in lane[kind]], (row - 0.4, 0.8),
                                facecolors=colour)

@@ -11,7 +11,8 @@ stream (each collective costs α + bytes / β on the link its group crosses, and
 queue behind each other, as NCCL's do on one stream). At a `-done` the compute stream waits
 until the transfer ends: that wait is the collective's *exposed* time, the rest of its α-β
 time is *hidden*. A synchronous collective (CPU; or a GPU one XLA did not make async) is
-fully exposed, and so is a start/done pair XLA marks `"is_sync":true` in its backend config. A `while` loop costs its trip count x its body's replayed time; a transfer
+fully exposed, and so is a start/done pair XLA marks `"is_sync":true` in its backend config.
+A `while` loop costs its trip count x its body's replayed time; a transfer
 started at the end of a loop body and finished at the top of the next trip (XLA's
 collective pipeliner) is replayed across the boundary.
 

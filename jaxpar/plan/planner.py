@@ -231,8 +231,8 @@ def variants(p: Plan) -> list[tuple[str, Evaluated]]:
 def table(p: Plan, top: int = 10) -> str:
     """The ranked plan as markdown (predictions)."""
     money = p.cluster.price_per_gpu_hour is not None
-    head = ("| # | strategy | memory GB | step s | compute s | exposed comm s | bubble s | tokens/s | MFU (bf16 peak) | "
-            "days | "
+    head = ("| # | strategy | memory GB | step s | compute s | exposed comm s | bubble s | tokens/s | "
+            "MFU (bf16 peak) | days | "
             "GPU-hours |" + (" cost |" if money else "") + " note |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for i, r in enumerate(p.ranked[:top], 1):

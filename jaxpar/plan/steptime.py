@@ -50,9 +50,9 @@ from jaxpar.model.counting import ModelShape
 from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
 from jaxpar.plan.fleet import Cluster
+from jaxpar.plan.gemm import gemm_efficiency
 from jaxpar.plan.overlap import hidden_fraction
 from jaxpar.plan.overlap import measured as measured_overlap
-from jaxpar.plan.gemm import gemm_efficiency
 
 COMPUTE_EFFICIENCY = 0.6867     # jaxpar/plan/anchors.py FITTED["jaxpar (XLA)"]
 FP8_EFFICIENCY = 0.7149         # NeMo's, FITTED["NeMo"]: no published XLA fp8 run is anchored
