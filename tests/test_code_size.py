@@ -7,8 +7,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxpar"
 MODULE_LINES, FUNCTION_LINES = 450, 80
 EXCEPTED = {("config.py", "base_config")}        # the config literal: one field per line, each commented
-KNOWN_MODULES = {"config.py", "labs/capstone.py", "labs/moe.py", "labs/pipeline.py", "labs/pytorch.py",
-                 "measure/hlo.py", "parallel/pipeline.py"}
+KNOWN_MODULES = {"config.py", "labs/capstone.py", "measure/hlo.py", "parallel/pipeline.py"}
 KNOWN_FUNCTIONS = {("parallel/pipeline.py", "run_program"), ("training.py", "_loop")}
 
 
