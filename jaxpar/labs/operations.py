@@ -113,20 +113,23 @@ def plot_timeline(ledger: dict, path: Path, fault_step: int | None = None):
     return save(fig, path)
 
 
-def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | None) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    args = _train_args(config, overrides)
-    steps = int(next(o.split("=")[1] for o in reversed([*LAB_DEFAULTS, *overrides]) if o.startswith("train.steps=")))
-    every = int(next(o.split("=")[1] for o in reversed([*LAB_DEFAULTS, *overrides])
-                     if o.startswith("train.checkpoint_every=")))
+def _fault_step(overrides: list[str], seed: int | None) -> tuple[int, int, int]:
+    """Steps, checkpoint interval and a random fault step between checkpoints (never on one)."""
+    def setting(name):
+        return int(next(o.split("=")[1] for o in reversed([*LAB_DEFAULTS, *overrides]) if o.startswith(f"{name}=")))
+
+    steps, every = setting("train.steps"), setting("train.checkpoint_every")
     if steps <= every + 1:
         raise ConfigError("train.steps", f"is {steps}; the drills need more than checkpoint_every + 1 = {every + 1}")
     rng = random.Random(seed)
     fault_step = rng.randrange(every + 1, steps)
     while fault_step % every == 0:
         fault_step = rng.randrange(every + 1, steps)
-    results = {"fault_step": fault_step, "checkpoint_every": every, "steps": steps}
+    return steps, every, fault_step
 
+
+def _baseline(out: Path, args: list[str]) -> dict:
+    """a. 2 processes x 4 devices, uninterrupted: the goodput ledger and the median step time."""
     print("a. baseline: 2 processes x 4 devices, uninterrupted", flush=True)
     base_dir = out / "baseline"
     shutil.rmtree(base_dir, ignore_errors=True)
@@ -135,9 +138,13 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
     base = json.loads((base_dir / "summary.json").read_text())["goodput"]
     base_metrics = [json.loads(line) for line in (base_dir / "metrics.jsonl").read_text().splitlines()]
     step_times = [r["step_time_s"] for r in base_metrics if r.get("step_time_s")]
-    step_time = float(np.median(step_times))
-    results["baseline"] = {"wall_s": base_s, "goodput": base, "step_time_s": step_time}
+    return {"wall_s": base_s, "goodput": base, "step_time_s": float(np.median(step_times))}
 
+
+def _failure_drill(out: Path, args: list[str], results: dict) -> dict:
+    """b. process 1 killed after the fault step, one restart: lost time vs its prediction, same losses."""
+    fault_step, every, steps = results["fault_step"], results["checkpoint_every"], results["steps"]
+    base = results["baseline"]["goodput"]
     print(f"b. failure drill: process 1 killed after step {fault_step}, --max-restarts 1", flush=True)
     drill_dir = out / "failure"
     shutil.rmtree(drill_dir, ignore_errors=True)
@@ -146,13 +153,16 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
                                                         "train.fault_process=1"], max_restarts=1)
     _check(code, out / "failure.log", "the failure drill")
     drill = json.loads((drill_dir / "summary.json").read_text())["goodput"]
-    predicted = predicted_loss(fault_step, every, step_time, base["badput_s"]["startup_compile"])
-    measured_lost = drill["wall_s"] - base["wall_s"]
-    results["failure"] = {"wall_s": drill_s, "goodput": drill, "predicted": predicted,
-                          "max_rel_loss_vs_baseline": _max_rel(_losses(drill_dir), _losses(base_dir),
-                                                               range(1, steps + 1))}
+    predicted = predicted_loss(fault_step, every, results["baseline"]["step_time_s"],
+                               base["badput_s"]["startup_compile"])
     plot_timeline(json.loads((drill_dir / "goodput.json").read_text()), out / "goodput_timeline.png", fault_step)
+    return {"wall_s": drill_s, "goodput": drill, "predicted": predicted,
+            "max_rel_loss_vs_baseline": _max_rel(_losses(drill_dir), _losses(out / "baseline"),
+                                                 range(1, steps + 1))}
 
+
+def _reshard_drill(out: Path, args: list[str], steps: int) -> dict:
+    """c. train on 8 devices, drop the last checkpoint, resume on 4: the losses after the resume agree."""
     print("c. reshard drill: 8 devices, then resumed on 4", flush=True)
     eight, four = out / "reshard-8", out / "reshard-4"
     for d in (eight, four):
@@ -166,18 +176,24 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
     code, _ = _train(out / "reshard-4.log", 4, ["train", "--run-dir", str(four), "--resume"])
     _check(code, out / "reshard-4.log", "the 4-device resume")
     after = range(resumed_at + 1, steps + 1)
-    results["reshard"] = {"resumed_at": resumed_at,
-                          "max_rel_loss_vs_8_devices": _max_rel(_losses(four), _losses(eight), after)}
+    return {"resumed_at": resumed_at, "max_rel_loss_vs_8_devices": _max_rel(_losses(four), _losses(eight), after)}
 
+
+def _report(results: dict, config: str | None, overrides: list[str]) -> str:
+    """report.md: the failure drill's prediction vs measurement, both goodput ledgers, both loss checks."""
+    base, drill = results["baseline"]["goodput"], results["failure"]["goodput"]
+    predicted, resumed_at = results["failure"]["predicted"], results["reshard"]["resumed_at"]
     rows = [
         ("re-done steps", predicted["redone_steps"], drill["redone_steps"]),
-        ("lost wall time (s): re-done steps + a second start-up", predicted["lost_s"], measured_lost),
+        ("lost wall time (s): re-done steps + a second start-up", predicted["lost_s"],
+         drill["wall_s"] - base["wall_s"]),
         ("re-done steps + stopping the survivor (s, ledger `restart`)", predicted["redone_and_stop_s"],
          drill["badput_s"]["restart"]),
     ]
     lines = ["# Lab 06: operations", "",
-             f"config: {config or 'embedded default'} {' '.join(overrides)}; fault after step {fault_step}, "
-             f"checkpoints every {every} steps; median step time {step_time * 1e3:.0f} ms (baseline)", "",
+             f"config: {config or 'embedded default'} {' '.join(overrides)}; fault after step "
+             f"{results['fault_step']}, checkpoints every {results['checkpoint_every']} steps; median step time "
+             f"{results['baseline']['step_time_s'] * 1e3:.0f} ms (baseline)", "",
              "| failure drill | predicted | measured | ratio |", "|---|---|---|---|"]
     for name, p, m in rows:
         lines.append(f"| {name} | {p:.2f} | {m:.2f} | {m / p if p else float('nan'):.2f} |")
@@ -192,7 +208,19 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
               f"reshard drill (8 -> 4 devices, resumed at step {resumed_at}): max relative deviation "
               f"{results['reshard']['max_rel_loss_vs_8_devices']:.2e} (tolerance {TOLERANCE:g})",
               "", "![goodput timeline](goodput_timeline.png)"]
-    report = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | None) -> dict:
+    """The three drills (baseline, failure, reshard) in `out`, then report.md and results.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    args = _train_args(config, overrides)
+    steps, every, fault_step = _fault_step(overrides, seed)
+    results = {"fault_step": fault_step, "checkpoint_every": every, "steps": steps}
+    results["baseline"] = _baseline(out, args)
+    results["failure"] = _failure_drill(out, args, results)
+    results["reshard"] = _reshard_drill(out, args, steps)
+    report = _report(results, config, overrides)
     (out / "report.md").write_text(report)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     print(report)

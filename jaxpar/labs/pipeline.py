@@ -29,112 +29,35 @@ dryrun_7b/ (dryrun.md, dryrun.json), pipedream.png. `--parts` runs a subset.
 """
 from __future__ import annotations
 
-import copy
-import gzip
 import json
 import re
 import subprocess
 import sys
-import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
-from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
+from jaxpar.labs.pipeline_build import LAB_MODEL, MICRO, REPO, TABLE_CASES, VOCAB, Lab, _pipe
 from jaxpar.labs.pipeline_moe import moe_pipelines
-from jaxpar.labs.report import draw_plots, integer_steps, md_table, standalone_main, write_report
+from jaxpar.labs.pipeline_plots import PLOTS
+from jaxpar.labs.pipeline_timeline import timeline
+from jaxpar.labs.report import draw_plots, md_table, standalone_main, write_report
 from jaxpar.measure import hlo
 from jaxpar.measure.executed import executed_collectives
-from jaxpar.parallel.pipeline import B_FIRST, B_MID, F_FIRST, F_LAST, F_MID, IDLE, W
+from jaxpar.parallel.pipeline import B_MID, F_FIRST, F_MID
 from jaxpar.parallel.schedules import bubble_fraction, build, dualpipe_idle, p2p_bytes, validate
 from jaxpar.parallel.schedules import dualpipev as dualpipev_table
-from jaxpar.units import byte_unit, fmt_bytes
+from jaxpar.units import fmt_bytes
 
 TOLERANCE = 1e-4
-VOCAB = 512
-FAST = {"xla_backend_optimization_level": 0}      # equivalence and memory: same HLO, ~2.5x faster compiles
-REPO = Path(__file__).resolve().parents[2]
-# the lab's model: 8 layers (2 per stage at p=4), big enough that a tick's compute shows in a CPU profile
-LAB_MODEL = ["model.layers=8", "model.d_model=128", "model.heads=4", "model.kv_heads=2", "model.mlp_dim=256",
-             "data.seq_len=64", "train.warmup_steps=1", "train.weight_decay=0.1"]
-MICRO = 4                                         # rows per pipeline microbatch (fixed, so memory tracks m)
-KIND = {F_FIRST: "F", F_MID: "F", F_LAST: "F", B_FIRST: "B", B_MID: "B", W: "W", IDLE: None}
-COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-
-
-# ============================================================================ building and running
-
-class Lab:
-    def __init__(self, config, out: Path, log=print):
-        self.base, self.out, self.log = config, out, log
-        self._built: dict = {}
-        self._initial = None
-
-    def config(self, overrides: list[str]):
-        config = copy.deepcopy(self.base)
-        apply_overrides(config, overrides)
-        return config
-
-    def trainer(self, overrides: list[str], devices: int):
-        from jaxpar.parallel.registry import build_trainer
-        return build_trainer(self.config(overrides), jax.devices()[:devices], VOCAB)
-
-    def compiled(self, overrides: list[str], devices: int, fast: bool = True):
-        """(trainer, compiled step), compiled once per settings."""
-        key = (tuple(overrides), devices, fast)
-        if key not in self._built:
-            trainer = self.trainer(overrides, devices)
-            start = time.perf_counter()
-            with jax.set_mesh(trainer.mesh):
-                lowered = trainer.lower_step()
-                step = lowered.compile(compiler_options=FAST) if fast else lowered.compile()
-            self.log(f"  compiled {' '.join(o for o in overrides if 'pipe' in o or 'mesh' in o)} "
-                     f"in {time.perf_counter() - start:.1f} s")
-            self._built[key] = (trainer, step)
-        return self._built[key]
-
-    def initial(self, trainer):
-        if trainer.config.parallel.pipe == "pipedream-2bw":   # its optimizer state is its own pytree; same params
-            return trainer.init_state()
-        if self._initial is None:
-            self._initial = jax.device_get(self.trainer(["mesh.data=1"], 1).init_state())
-        return jax.device_put(self._initial, trainer.state_shardings)
-
-    def batches(self, config, steps: int):
-        rng = np.random.default_rng(0)
-        rows, length = config.train.batch_size, config.data.seq_len + 1
-        out = []
-        for _ in range(steps):   # rows counting up by a row's own stride: learnable
-            start, stride = rng.integers(0, VOCAB, (rows, 1)), rng.integers(1, 4, (rows, 1))
-            out.append(((start + stride * np.arange(length)) % VOCAB).astype(np.int32))
-        return out
-
-    def run(self, trainer, step, steps: int):
-        state, losses, norms = self.initial(trainer), [], []
-        for batch in self.batches(trainer.config, steps):
-            with jax.set_mesh(trainer.mesh):
-                state, metrics = step(state, jax.device_put(batch, trainer.batch_sharding))
-            losses.append(float(metrics["loss"]))
-            norms.append(float(metrics["grad_norm"]))
-        return losses, norms
-
-
-def _pipe(schedule: str, p: int, m: int, v: int = 1, data: int = 1, fsdp: int = 1, tensor: int = 1) -> list[str]:
-    return [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.pipe={p}", f"mesh.tensor={tensor}",
-            f"parallel.pipe={schedule}", f"parallel.pipe_microbatches={m}", f"parallel.pipe_virtual={v}",
-            f"train.batch_size={MICRO * m * data * fsdp}"]
 
 
 # ============================================================================ a. tables
-
-TABLE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
-
 
 def tables(lab: Lab) -> dict:
     rows, sweep = [], []
@@ -203,146 +126,6 @@ def equivalence_of(lab: Lab, cases, steps: int) -> dict:
     table = md_table(["layout", "loss", "max rel. dev. loss", "max rel. dev. grad norm", f"within {TOLERANCE:g}"],
                      rows)
     return {"cases": out, "table": table}
-
-
-# ============================================================================ c. timeline
-
-TIMELINE = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
-
-
-def _tick_ops(hlo_text: str) -> tuple[set[str], set[str]]:
-    """(instructions of the tick's switch branches, transitively; the tick's collective-permutes) of a compiled
-    step. The switch is the conditional with 3 or more branches (idle, F, B, W); the tick's permutes are those
-    beside it in the loop body (the chunk re-deal of v > 1 permutes outside the loop)."""
-    instructions, _ = hlo.parse_module(hlo_text)
-    names, calls, switch, body = defaultdict(set), defaultdict(set), None, None
-    for ins in instructions:
-        names[ins.computation].add(ins.name)
-        calls[ins.computation].update(re.findall(
-            r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)", ins.line))
-        for listed in re.findall(r"branch_computations=\{([^}]*)\}", ins.line):
-            branches = re.findall(r"%?([\w.\-]+)", listed)
-            calls[ins.computation].update(branches)
-            if ins.opcode == "conditional" and len(branches) >= 3:
-                switch, body = branches, ins.computation
-    if switch is None:
-        raise ValueError("no tick switch in the compiled step")
-    seen, stack = set(), list(switch)
-    while stack:
-        computation = stack.pop()
-        if computation not in seen:
-            seen.add(computation)
-            stack.extend(calls[computation])
-    permutes = {ins.name for ins in instructions
-                if ins.opcode.startswith("collective-permute") and ins.computation == body}
-    return {name for c in seen for name in names[c]}, permutes
-
-
-def _union(intervals) -> float:
-    total, end = 0.0, -np.inf
-    for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
-def _profile_ticks(trainer, step, state, batch, ticks: int) -> dict[int, list[dict]]:
-    """Profile one step. Per pipe stage and tick: the time its F/B/W work ran (the union of the device's trace
-    events inside the switch's branches, whatever thread ran them) and where the tick ended (its last permute)."""
-    action_ops, permutes = _tick_ops(step.as_text())
-    position = {d.id: np.unravel_index(i, trainer.mesh.devices.shape)[2]
-                for i, d in enumerate(trainer.mesh.devices.flat)}
-    with tempfile.TemporaryDirectory() as directory:
-        options = jax.profiler.ProfileOptions()
-        options.host_tracer_level = 3          # on CPU, XLA's ops are host events
-        with jax.set_mesh(trainer.mesh):
-            jax.profiler.start_trace(directory, profiler_options=options, create_perfetto_trace=True)
-            state, _ = step(state, batch)
-            jax.block_until_ready(state)
-            jax.profiler.stop_trace()
-        with gzip.open(sorted(Path(directory).rglob("*.trace.json.gz"))[-1]) as f:
-            events = json.load(f)["traceEvents"]
-    by_stage = defaultdict(list)
-    for e in events:
-        args = e.get("args") or {}
-        if e.get("ph") == "X" and "hlo_op" in args and "device_ordinal" in args:
-            by_stage[int(position[int(args["device_ordinal"])])].append(e)
-    out = {}
-    for stage, evs in by_stage.items():
-        sends = sorted(e["ts"] + e["dur"] for e in evs if e["args"]["hlo_op"] in permutes)
-        per_tick = len(sends) // ticks
-        if per_tick == 0 or len(sends) != per_tick * ticks:
-            raise RuntimeError(f"stage {stage}: {len(sends)} permutes in the profile for {ticks} ticks")
-        ends = sends[per_tick - 1::per_tick]
-        work = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs if e["args"]["hlo_op"] in action_ops)
-        cells, begin = [], min(e["ts"] for e in evs)
-        for end in ends:
-            inside = [(a, min(b, end)) for a, b in work if begin <= a < end]
-            cells.append({"start": min((a for a, _ in inside), default=begin), "busy": _union(inside),
-                          "last": max((b for _, b in inside), default=begin), "end": end})
-            begin = end
-        out[stage] = cells
-    return out
-
-
-def timeline(lab: Lab, p: int, m: int, warmup: int) -> dict:
-    out, rows = {}, []
-    for name, v in TIMELINE:
-        trainer, step = lab.compiled(_pipe(name, p, m, v), p, fast=False)
-        schedule, program = trainer.schedule, trainer.program
-        state = lab.initial(trainer)
-        batches = [jax.device_put(b, trainer.batch_sharding) for b in lab.batches(trainer.config, warmup + 1)]
-        with jax.set_mesh(trainer.mesh):
-            for b in batches[:warmup]:
-                state, _ = step(state, b)
-            jax.block_until_ready(state)
-        T = schedule.ticks
-        cells = _profile_ticks(trainer, step, state, batches[-1], T)
-        if sorted(cells) != list(range(p)):
-            raise RuntimeError(f"{name}: profile holds stages {sorted(cells)}, expected {p}")
-        start = min(c[0]["start"] for c in cells.values())
-        end = max(c[-1]["end"] for c in cells.values())
-        boxes, busy, by_kind = [], 0.0, defaultdict(list)
-        for s in range(p):
-            for t, cell in enumerate(cells[s]):
-                kind = KIND[int(program.table["branch"][t, s])]
-                if kind is None:
-                    continue
-                busy += cell["busy"]
-                by_kind[kind].append(cell["busy"])
-                boxes.append({"stage": s, "tick": t, "kind": kind, "start_ms": (cell["start"] - start) / 1e3,
-                              "ms": (cell["last"] - cell["start"]) / 1e3, "busy_ms": cell["busy"] / 1e3})
-        span = end - start
-        measured = 1 - busy / (p * span)
-        formula = float(bubble_fraction(name, p, m, v))
-        # the lock-step model: each tick lasts as long as its slowest cell, each cell its kind's median time
-        median = {k: float(np.median(d)) for k, d in by_kind.items()}
-        tick_len = [max((median[KIND[int(c)]] for c in program.table["branch"][t] if KIND[int(c)]), default=0.0)
-                    for t in range(T)]
-        model = 1 - sum(median[KIND[int(c)]] for c in program.table["branch"].flat if KIND[int(c)]) / (p * sum(tick_len))
-        out[name] = {"p": p, "m": m, "v": v, "ticks": T, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
-                     "measured_idle": measured, "table_bubble": float(schedule.bubble()), "formula": formula,
-                     "lockstep_model_idle": model, "median_ms": {k: x / 1e3 for k, x in median.items()},
-                     "boxes": boxes}
-        rows.append([name, f"p={p} m={m}" + (f" v={v}" if v > 1 else ""), T, f"{span / 1e3:.1f}",
-                     " / ".join(f"{k} {median[k] / 1e3:.2f}" for k in "FBW" if k in median),
-                     f"{formula:.3f}", f"{measured:.3f}", f"{measured / formula:.2f}", f"{model:.3f}",
-                     f"{measured / model:.2f}"])
-        lab.log(f"  {name}: measured idle {measured:.3f} vs formula {formula:.3f}")
-    md = "\n".join([
-        f"## c. Measured timeline (one profiled step on {p} CPU devices, after {warmup} warm-up steps)", "",
-        md_table(["schedule", "", "ticks", "step span (ms)", "median action (ms)", "bubble (formula = table)",
-                "measured idle", "measured / formula", "lock-step model", "measured / model"], rows), "",
-        "Measured idle = 1 - (sum over stages and ticks of the time the stage's F, B or W work ran) / (stages x "
-        "span of the tick loop). A cell's work is every trace event of that device, on whatever thread, from an "
-        "instruction inside the tick switch's branches (read from the compiled HLO), between the stage's permutes "
-        "that close the previous tick and this one. The formula counts every action as one tick; on the mesh a "
-        "tick lasts as long as its slowest stage (B costs about 2 F, the first and last stages also embed or take "
-        "the loss), and the permutes, slot copies and gradient adds between switches count as idle. The lock-step "
-        "model replays the table with each kind's median measured time. Virtual CPU devices share the host's "
-        "cores (and the profiler records every op): read the ratios, not the milliseconds."])
-    return {"schedules": out, "markdown": md}
 
 
 # ============================================================================ d. memory
@@ -482,101 +265,6 @@ def dryrun_7b(lab: Lab, out: Path) -> dict:
             "bubbles": bubbles, "gpu": gpu, "markdown": md}
 
 
-# ============================================================================ plots
-
-KIND_MEANING = {"F": "F: forward", "B": "B: backward (input gradients; all gradients outside ZB-H1)",
-                "W": "W: weight gradients (ZB-H1)"}
-
-
-def _draw(ax, boxes, p, title, x_label):
-    for box in boxes:
-        ax.broken_barh([(box["x"], box["w"])], (p - 1 - box["stage"] - 0.4, 0.8), color=COLOURS[box["kind"]],
-                       edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(p), [f"stage {p - 1 - i}" for i in range(p)])
-    ax.grid(False)
-    ax.set_title(title)
-    ax.set_xlabel(x_label)
-
-
-@styled
-def plot_timeline(result: dict, path: Path):
-    """Each schedule's table (left, in ticks) beside what the CPU mesh ran (right, profiler, in ms)."""
-    from matplotlib.patches import Patch
-    schedules = result["schedules"]
-    fig = figure(10, 2.4 * len(schedules) + 1.2)
-    for i, (name, r) in enumerate(schedules.items()):
-        table = build(name, r["p"], r["m"], r["v"])
-        cells = [{"stage": s, "kind": row[s].kind, "x": t, "w": 1} for t, row in enumerate(table.grid)
-                 for s in range(r["p"]) if row[s] is not None]
-        _draw(fig.add_subplot(len(schedules), 2, 2 * i + 1), cells, r["p"],
-              f"{name} table: bubble {r['formula']:.3f} (formula)", "tick" if i == len(schedules) - 1 else "")
-        measured = [{**b, "x": b["start_ms"], "w": b["ms"]} for b in r["boxes"]]
-        _draw(fig.add_subplot(len(schedules), 2, 2 * i + 2), measured, r["p"],
-              f"{name} measured: idle share {r['measured_idle']:.3f}", "ms" if i == len(schedules) - 1 else "")
-    kinds = sorted({b["kind"] for r in schedules.values() for b in r["boxes"]} | {"F", "B"}, key="FBW".index)
-    fig.legend([Patch(color=COLOURS[k]) for k in kinds] + [Patch(facecolor="white", edgecolor="0.5")],
-               [KIND_MEANING[k] for k in kinds] + ["blank: idle (the bubble)"], loc="outside lower center", ncols=2)
-    fig.suptitle("Pipeline schedules: the table (left) vs the CPU mesh's profile (right)")
-    return save(fig, path)
-
-
-@styled
-def plot_tables(result: dict, path: Path):
-    fig = figure(8, 5.2)
-    ax = fig.add_subplot(1, 1, 1)
-    markers = {"gpipe": {"marker": "o", "ms": 14, "mfc": "none", "mew": 2}, "1f1b": {"marker": "o", "ms": 6}}
-    for name, v in TABLE_CASES:
-        points = [r for r in result["sweep"] if r["schedule"] == name and r["p"] == 4]
-        (dots,) = ax.plot([r["m"] for r in points], [r["table"] for r in points], ls="none",
-                          **markers.get(name, {"marker": "s"}),
-                          label=f"{name}" + (f" v={v}" if v > 1 else "")
-                          + (" (overlapping gpipe: the same bubble)" if name == "1f1b" else ""))
-        ms = range(4, 17)
-        ax.plot(ms, [float(bubble_fraction(name, 4, x, v)) for x in ms], "-", alpha=0.5, color=dots.get_color())
-    ax.plot([], [], "ko", label="points: the schedule's table")
-    ax.plot([], [], "k-", alpha=0.5, label="lines: the formula")
-    ax.set(xlabel="microbatches m (p = 4 stages)", ylabel="bubble fraction (idle share of stage-ticks)",
-           title="Bubble of each schedule: tables on their formulas")
-    legend_below(ax, ncols=2, gap=0.16)
-    integer_steps(ax)
-    return save(fig, path)
-
-
-@styled
-def plot_memory(result: dict, path: Path):
-    unit, scale = byte_unit([s["temp"] for r in result["schedules"].values() for s in r["series"]])
-    fig = figure(8, 5)
-    ax = fig.add_subplot(1, 1, 1)
-    for name, r in result["schedules"].items():
-        ax.plot([s["m"] for s in r["series"]], [s["temp"] / scale for s in r["series"]], "o-",
-                label=name + (f" v={r['v']}" if r.get("v", 1) > 1 else ""))
-    ax.set(xlabel="microbatches m (fixed microbatch size)", ylabel=f"compiled temp per stage ({unit})",
-           title="Activation memory vs m: 1F1B stays flat, GPipe grows")
-    legend_below(ax, ncols=4, gap=0.16)
-    return save(fig, path)
-
-
-@styled
-def plot_bytes(result: dict, path: Path):
-    rows = result["schedules"]
-    names = list(rows)
-    unit, scale = byte_unit([rows[n][k] for n in names for k in ("formula", "compiled")])
-    fig = figure(8, 5)
-    ax = fig.add_subplot(1, 1, 1)
-    x = np.arange(len(names))
-    ax.bar(x - 0.2, [rows[n]["formula"] / scale for n in names], 0.4, color="0.6", hatch="..", edgecolor="0.3",
-           label="formula 2(K-1)·m·b·s·h·e (K = p·v model stages)")
-    ax.bar(x + 0.2, [rows[n]["compiled"] / scale for n in names], 0.4, label="compiled permutes (HLO)")
-    ax.set_xticks(x, [n + (f" v={rows[n]['v']}" if rows[n].get("v", 1) > 1 else "") for n in names])
-    ax.set(ylabel=f"{unit} per step over pipe", title="Point-to-point bytes between stages per step")
-    legend_below(ax, gap=0.12)
-    return save(fig, path)
-
-
-PLOTS = {"tables.png": ("tables", plot_tables), "timeline.png": ("timeline", plot_timeline),
-         "memory.png": ("memory", plot_memory), "bytes.png": ("p2p", plot_bytes)}
-
-
 # ============================================================================ g. DualPipeV
 
 DUALPIPEV_EQUIVALENCE = [
@@ -648,23 +336,6 @@ def pipedream(lab: Lab, steps: int) -> dict:
         f"Steps to halve the 1F1B run's loss drop (to {level:.4f}): 1F1B {below(sync, level)}, "
         f"2BW {below(stale, level)}. Mean gap over the last half: {float(gap[steps // 2:].mean()):+.4f}."])
     return {"steps": steps, "losses": curves, "gap": gap.tolist(), "markdown": md}
-
-
-@styled
-def plot_pipedream(result: dict, path: Path):
-    fig = figure(8, 5)
-    ax = fig.add_subplot(1, 1, 1)
-    for name, curve in result["losses"].items():
-        ax.plot(range(1, len(curve) + 1), curve, "-", label=name)
-    ax.set(xlabel="step", ylabel="training loss (cross-entropy, nats)",
-           title="PipeDream-2BW (weights one step stale) against synchronous 1F1B")
-    legend_below(ax, ncols=2, gap=0.16)
-    integer_steps(ax)
-    return save(fig, path)
-
-
-# the figure is drawn after its part: PLOTS is complete only once every plot function exists
-PLOTS["pipedream.png"] = ("pipedream", plot_pipedream)
 
 
 # ============================================================================ the whole lab

@@ -19,7 +19,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
@@ -29,29 +28,23 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar import figures
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size
 from jaxpar.labs import report
+from jaxpar.labs.pytorch_pairs import PAIRS, REPO, TOLERANCE, TORCH_CODE, code_lines  # noqa: F401 (old names)
+from jaxpar.labs.pytorch_sheet import (
+    NOTES,
+    header,
+    md_communication,
+    md_equivalence,
+    md_lines,
+    md_memory,
+    md_time,
+    plot_bytes,
+    plot_losses,
+    rss_line,
+)
 
-TOLERANCE = 1e-4
 PROFILED_STEP = 2          # the torch step run under the profiler (bytes, memory), left out of the times
-REPO = Path(__file__).resolve().parents[2]
-TORCH_CODE = (Path(__file__).with_name("torch_parallel.py"), Path(__file__).with_name("torch_worker.py"))
-
-# key: (PyTorch API, torch strategy, jaxpar automatic, jaxpar hand-written); {n}, {m}: processes, microbatches
-PAIRS = {
-    "ddp": ("DistributedDataParallel", "ddp", ["mesh.data={n}"], ["mesh.data={n}", "parallel.data=ddp"]),
-    "fsdp2": ("fully_shard (FSDP2)", "fsdp2", ["mesh.fsdp={n}"], ["mesh.data={n}", "parallel.data=zero3"]),
-    "tp": ("parallelize_module: ColwiseParallel / RowwiseParallel", "tp", ["mesh.tensor={n}"],
-           ["mesh.tensor={n}", "parallel.tensor=manual"]),
-    "tp-sp": ("... + SequenceParallel", "tp-sp", ["mesh.tensor={n}", "parallel.rules=length=tensor"],
-              ["mesh.tensor={n}", "parallel.tensor=manual", "parallel.sequence=true"]),
-    "gpipe": ("pipelining: ScheduleGPipe", "gpipe",
-              ["mesh.pipe={n}", "parallel.pipe=circular", "parallel.pipe_microbatches={m}"],
-              ["mesh.pipe={n}", "parallel.pipe=gpipe", "parallel.pipe_microbatches={m}"]),
-    "1f1b": ("pipelining: Schedule1F1B", "1f1b", None,
-             ["mesh.pipe={n}", "parallel.pipe=1f1b", "parallel.pipe_microbatches={m}"]),
-}
 
 
 # ============================================================================ 1. the shared inputs
@@ -157,23 +150,6 @@ def run_jaxpar(config_path, overrides: list[str], inputs: dict, runs: dict, n: i
 
 # ============================================================================ 3. comparing
 
-def code_lines(paths=TORCH_CODE) -> dict[str, int]:
-    """Lines a PyTorch user writes per strategy: between `# parallel: NAME` and `# end parallel` (every
-    block of that name) in torch_parallel.py, and the process group's (`setup`) in torch_worker.py;
-    blank and comment-only lines left out."""
-    counts, name = {}, None
-    for line in (line for path in paths for line in path.read_text().splitlines()):
-        marker = re.match(r"\s*# parallel: (\S+)", line)
-        if marker:
-            name = marker.group(1)
-            counts.setdefault(name, 0)
-        elif re.match(r"\s*# end parallel", line):
-            name = None
-        elif name and line.strip() and not line.strip().startswith("#"):
-            counts[name] += 1
-    return counts
-
-
 def median_ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times[1:] if len(times) > 1 else times)
 
@@ -222,11 +198,6 @@ def formulas(pairs, counts: dict, config, n: int) -> dict:
     return {key: table[key] for key in pairs} | {"_u": u, "_W": W}
 
 
-def _kinds(sent: dict, calls: dict) -> str:
-    return ", ".join(f"{k} {report.fmt_bytes(v)} ({calls.get(k, 0):g}x)" for k, v in sorted(sent.items())
-                     if v or calls.get(k)) or "none"
-
-
 def compare(pairs, torch_runs: dict, jax_runs: dict, n: int) -> dict:
     """Every row of every table: per pair the PyTorch run and jaxpar's automatic and hand-written one."""
     t_single, j_single = torch_runs["single"], jax_runs["single"]
@@ -251,214 +222,6 @@ def compare(pairs, torch_runs: dict, jax_runs: dict, n: int) -> dict:
 
 def jax_summary(run: dict) -> dict:
     return {**run, "step_ms": median_ms(run["step_s"]), "sent": run["comm"]["sent"], "calls": run["comm"]["calls"]}
-
-
-# ============================================================================ the sheet's tables
-
-def md_equivalence(rows: dict, steps: int) -> str:
-    table = [[r["side"], f"`{r['name']}`" if r["side"] == "jaxpar" else r["name"], f"{r['losses'][0]:.6f}",
-              f"{r['losses'][-1]:.6f}", f"{r['dev_own']:.1e}", f"{r['dev_other']:.1e}",
-              f"{r['dev_pair']:.1e}" if r["side"] == "jaxpar" else "-",
-              "yes" if r["within"] else "**NO**"] for group in rows.values() for r in group]
-    return "\n".join([
-        f"## a. Losses: {steps} steps, same batches, same initial weights, fp32",
-        "",
-        report.md_table(["side", "strategy", "loss step 1", f"loss step {steps}", "max rel. dev. vs own one device",
-                         "vs the other framework's one device", "vs the pair's PyTorch run",
-                         f"within {TOLERANCE:g}"], table, "llrrrrrl"),
-        "",
-        "Deviation = max over steps of |loss - oracle| / oracle (measured). Predicted: 0 up to fp32 rounding: "
-        "every strategy computes the same sums in another order. Step 1 and 2 have equal losses: jaxpar's "
-        "warm-up schedule starts at a learning rate of 0, and the PyTorch side follows it step by step.",
-    ])
-
-
-def md_communication(rows: dict, predicted: dict, n: int) -> str:
-    table = []
-    for key, group in rows.items():
-        if key == "single":
-            continue
-        (course, how), (gloo, gloo_how) = predicted[key]
-        for r in group:
-            total = sum(r["sent"].values())
-            torch_side = r["side"] == "PyTorch"
-            asked = "-"
-            if torch_side and r["comm_debug_mode"]:   # under it the profiler records each c10d call twice
-                asked = "CommDebugMode: " + ", ".join(f"{k} {v}x" for k, v in sorted(r["comm_debug_mode"].items()))
-            elif torch_side:
-                asked = ", ".join(f"{k} {v:g}x" for k, v in sorted(r["asked"].items()))
-            want = gloo if torch_side else course
-            table.append([r["side"], r["name"] if torch_side else f"`{r['name']}`", _kinds(r["sent"], r["calls"]),
-                          asked, report.fmt_bytes(total), report.fmt_bytes(want), report.ratio(total, want)])
-        table.append(["", f"*course: {how}; PyTorch on gloo: {gloo_how}*", "", "", "", "", ""])
-    return "\n".join([
-        f"## b. Bytes sent per rank per step, by collective kind (ring model, N = {n}, fp32)",
-        "",
-        f"4Ψ = {report.fmt_bytes(predicted['_W'])}, u = (N-1)/N·4·b·s·h = {report.fmt_bytes(predicted['_u'])}. "
-        "PyTorch: the gloo calls of one profiled step (torch.profiler: `gloo:*` events are what ran, `c10d::*` "
-        "what the torch.distributed API was asked for; for the DTensor strategies the counts of DTensor's "
-        "`CommDebugMode` instead, rank 0), mean over ranks. jaxpar: the compiled step's collectives "
-        "(`measure.hlo`), per device (a pipeline's: per stage as executed, averaged). Both under "
-        "`hlo.ring_factor`'s model; a send counts once, a receive 0. Formula column: the course's for jaxpar's "
-        "rows, what the PyTorch code as written sends on gloo for PyTorch's (both named below each pair).",
-        "",
-        report.md_table(["side", "strategy", "sent, by kind (calls per step)", "torch API asked", "total",
-                         "formula", "total / formula"], table, "lllrrrr"),
-    ])
-
-
-def md_memory(rows: dict) -> str:
-    table = []
-    for group in rows.values():
-        for r in group:
-            if r["side"] == "PyTorch":
-                state, step = r["state_bytes"], r["peak_step_bytes"]
-                what = "params + grads + Adam (local shards)", "allocator peak during a step"
-            else:
-                state, step = r["memory"]["argument"], r["memory"]["temp"]
-                what = "compiled arguments (params + Adam + batch)", "compiled temp (activations, grads)"
-            table.append([r["side"], f"`{r['name']}`" if r["side"] == "jaxpar" else r["name"],
-                          report.fmt_bytes(state), what[0], report.fmt_bytes(step), what[1]])
-    return "\n".join([
-        "## c. Memory per rank",
-        "",
-        "PyTorch (largest rank): the bytes of the tensors each rank stores after a step, measured from the tensors "
-        "(DTensor: the local shard), and the peak of torch's CPU allocator during the profiled step (profiler "
-        "`[memory]` events: what the step allocates above what existed before it). jaxpar: per device, from the "
-        "compiled step's memory analysis. The two are not the same accounting (jaxpar's gradients are temporaries, "
-        "PyTorch's persist in `.grad`); compare within a column down a side, and across sides with that in mind.",
-        "",
-        report.md_table(["side", "strategy", "stored", "what", "step", "what"], table, "llrlrl"),
-    ])
-
-
-def md_time(rows: dict) -> str:
-    t_single = rows["single"][0]["step_ms"]
-    j_single = rows["single"][1]["step_ms"]
-    table = []
-    for group in rows.values():
-        for r in group:
-            base = t_single if r["side"] == "PyTorch" else j_single
-            table.append([r["side"], f"`{r['name']}`" if r["side"] == "jaxpar" else r["name"], f"{r['step_ms']:.1f}",
-                          f"{r['step_ms'] / base:.2f}"])
-    return "\n".join([
-        "## d. Step time on CPU (one run, this machine)",
-        "",
-        "Median over the steps after the first (PyTorch: the profiled step left out; the slowest rank). "
-        "CPU timings of a tiny model measure framework overhead, not accelerator speed: PyTorch runs N "
-        "processes with one thread each, jaxpar one process with N virtual devices. The ratios are what "
-        "compares (each side against its own one-device run), not the milliseconds across sides.",
-        "",
-        report.md_table(["side", "strategy", "ms per step (CPU)", "vs own one device"], table, "llrr"),
-    ])
-
-
-def md_lines(pairs, n: int, m: int) -> str:
-    lines = code_lines()
-    block = {"ddp": "ddp", "fsdp2": "fsdp2", "tp": "tp", "tp-sp": "tp", "gpipe": "pipeline", "1f1b": "pipeline"}
-    table = []
-    for key in pairs:
-        api, _, auto, manual = PAIRS[key]
-        table.append([api, lines[block[key]], f"`{' '.join(auto).format(n=n, m=m)}`" if auto else "-",
-                      len(auto) if auto else "-", f"`{' '.join(manual).format(n=n, m=m)}`", len(manual)])
-    return "\n".join([
-        "## e. Lines of parallelism-specific code a user writes",
-        "",
-        "PyTorch: the lines between `# parallel: NAME` and `# end parallel` in `jaxpar/labs/torch_parallel.py`, "
-        "what the user adds to the one-process program "
-        "(blank and comment lines left out; TP and TP+SP share one block, SP adds its lines to it; both pipeline "
-        f"schedules share one). Every PyTorch strategy also needs the process group ({lines['setup']} lines in "
-        "`torch_worker.py`: the rendezvous address and `init_process_group`) and a launcher (`mp.spawn` or "
-        "`torchrun`); jaxpar runs N devices of one process with `--cpu-devices N`, several processes with "
-        "`jaxpar launch`. jaxpar: "
-        "the `--set` lines of each run (the model code is unchanged).",
-        "",
-        report.md_table(["PyTorch API", "PyTorch lines", "jaxpar automatic", "lines", "jaxpar hand-written", "lines"],
-                        table, "lrlrlr"),
-    ])
-
-
-NOTES = """## f. What runs, what does not, and why
-
-- **gloo has no reduce-scatter.** `reduce_scatter_tensor` on a gloo group runs an all-reduce of the whole buffer
-  and keeps this rank's slice (the `gloo:all_reduce` events under a `c10d::_reduce_scatter_base_` or
-  `reduce_scatter_tensor_coalesced_` call, part b): FSDP2's gradient reduce-scatter and SP's reduce-scatters
-  cost 2(N-1)/N instead of (N-1)/N of their buffer. This is the PyTorch twin of XLA:CPU spelling the automatic
-  FSDP's reduce-scatter as all-reduce + slice (lab 02). On NCCL both are real reduce-scatters.
-- **Counting PyTorch's bytes.** The profiler's `gloo:*` events carry each call's buffer on every strategy.
-  DTensor's `CommDebugMode` counts the DTensor strategies' collectives (FSDP2, TP, SP: the same calls, by the
-  name the API was asked for); under `DistributedDataParallel` its module-tracking hook raised an IndexError
-  in torch 2.13 while this lab was built, so DDP and the pipelines are counted by the profiler alone.
-- **DDP broadcasts its buffers every forward** (`broadcast_buffers=True`): the RoPE frequency buffer, 32 B
-  per step here. jaxpar has no such buffer: RoPE tables are computed in the step.
-- **TP's first plan sent 7 all-reduces per layer, not 4.** With only `ColwiseParallel` on q, k, v (and gate,
-  up), each projection turns the same input into a DTensor on its own, so the backward pass all-reduces the
-  input gradient once per projection (measured while building this lab, torch 2.13, this model, N = 2: 20
-  all-reduces, 2.006 MiB per step, against 14 and 1.256 MiB now). `PrepareModuleInput` on the attention and
-  MLP modules makes the input one DTensor: Megatron's f, one all-reduce. jaxpar's automatic TP
-  (`mesh.tensor=N`, part b) is XLA:CPU making the per-projection choice: 2 forward + 5 backward all-reduces
-  per layer (lab 03).
-- **The embedding's gradient comes back replicated.** A `RowwiseParallel` embedding's weight is split by
-  vocabulary, but its gradient is a full replicated tensor on every rank; the loop slices it to the
-  parameter's placement (no bytes sent) before the optimizer.
-- **PyTorch's SP keeps the gathered input** of q/k/v and gate/up for the backward pass (autograd saves it),
-  as jaxpar's manual TP+SP with `regather=False` (lab 03): 8u per layer. jaxpar's `parallel.sequence=true`
-  gathers it again in the backward pass as Megatron-LM does (+2u per layer, less memory).
-- **Pipeline schedules.** GPipe and 1F1B run here on both sides. PyTorch also has `ScheduleInterleaved1F1B`
-  and `ScheduleInterleavedZeroBubble` (several stages per rank); jaxpar has `interleaved` and `zb-h1` (lab 03);
-  they are not paired in this lab. jaxpar's automatic pipeline counterpart is `parallel.pipe=circular`
-  (the compiler-driven pipeline); no automatic 1F1B exists. jaxpar's lock-step executor sends a buffer on
-  every tick, bubbles included; torch.distributed.pipelining sends only the useful ones (part b). jaxpar's
-  pipeline also keeps the embedding and the head on every stage and all-reduces their gradients over `pipe`
-  (the all-reduce of its pipeline rows); PyTorch's stages hold them only on the first and last rank.
-- **Clipping.** Both sides clip with optax's formula (g·max/‖g‖ when ‖g‖ ≥ max): torch's `clip_grad_norm_`
-  would add 1e-6 to the norm, and with DTensor gradients of mixed placements (TP) its norm needs the
-  placements reconciled first, which `torch_train.clip_by_global_norm` does."""
-
-
-def plot_losses(rows: dict, path: Path) -> None:
-    t_single, j_single = rows["single"][0]["losses"], rows["single"][1]["losses"]
-    runs = [("jaxpar one device", j_single, None), ("PyTorch one process (vs jaxpar's)", t_single, j_single)]
-    for key, group in rows.items():
-        if key != "single":
-            runs += [(f"{r['side']} {key}" + ("" if r["side"] == "PyTorch" else
-                                              (" auto" if r is group[1] and len(group) == 3 else " manual")),
-                      r["losses"], t_single if r["side"] == "PyTorch" else j_single) for r in group]
-    report.plot_equivalence(path, runs, TOLERANCE)
-
-
-KIND_COLOURS = {"all-reduce": "C1", "all-gather": "C0", "reduce-scatter": "C6", "all-to-all": "C2",
-                "collective-permute": "C4", "send": "C9", "broadcast": "C3"}
-
-
-def plot_bytes(rows: dict, predicted: dict, path: Path) -> None:
-    """Per pair: PyTorch, jaxpar automatic and hand-written (stacked by kind), and the formula."""
-    pairs = [k for k in rows if k != "single"]
-    kinds = sorted({k for key in pairs for r in rows[key] for k in r["sent"]})
-    colours = {kind: KIND_COLOURS.get(kind, "C5") for kind in kinds}
-    fig = figures.figure(11, 4.8)
-    ax = fig.add_subplot()
-    width, labelled = 0.2, set()
-    for i, key in enumerate(pairs):
-        names = ("torch", "auto", "manual") if len(rows[key]) == 3 else ("torch", "manual")
-        for j, (r, name) in enumerate(zip(rows[key], names)):
-            x, bottom = i + (j - 1.5) * width, 0.0
-            for kind in kinds:
-                value = r["sent"].get(kind, 0.0) / 2**10
-                ax.bar(x, value, width, bottom=bottom, color=colours[kind], edgecolor="k", linewidth=0.3,
-                       label=None if kind in labelled or not value else kind)
-                labelled |= {kind} if value else set()
-                bottom += value
-            ax.text(x, bottom, name, rotation=90, fontsize=6, ha="center", va="bottom")
-        ax.bar(i + 1.5 * width, predicted[key][0][0] / 2**10, width, color="0.85", hatch="//", edgecolor="0.4",
-               label="course formula" if i == 0 else None)
-    ax.set_xticks(range(len(pairs)), pairs)
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)       # room for the bar names
-    ax.set(ylabel="KiB sent per rank per step",
-           title="bytes per collective kind: PyTorch, jaxpar auto, jaxpar hand-written, course formula (hatched)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 # ============================================================================ the whole lab
@@ -534,30 +297,6 @@ def run_lab(config_path, overrides: list[str], out=None, *, steps: int = 10, pro
     log(report.write_report(out, sections, results, start, parts))
     log(f"wrote {out / 'report.md'}, results.json, losses.png, bytes.png")
     return results
-
-
-def header(results: dict, config, cfg) -> str:
-    import jax
-    return "\n".join([
-        f"# Lab 08: PyTorch beside jaxpar, config {config.name}, {results['processes']} CPU processes / devices",
-        "",
-        f"torch {results['torch']} (gloo), jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: d_model "
-        f"{cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads ({cfg.kv_heads} kv), mlp {cfg.mlp_dim}, vocab "
-        f"{cfg.vocab_size}; batch {config.train.batch_size} x {config.data.seq_len} tokens of '{config.data.corpus}' "
-        f"(jaxpar's data pipeline); AdamW lr {config.train.lr} (warm-up {config.train.warmup_steps}, cosine), clip "
-        f"{config.train.grad_clip}, weight decay {config.train.weight_decay}; {results['microbatches']} pipeline "
-        "microbatches. Both sides start from jaxpar's initial weights (exported as a Hugging Face Llama). The "
-        f"PyTorch module's logits on batch 1 differ from transformers' LlamaForCausalLM's on the same checkpoint by "
-        f"at most {results['transformers_max_abs_logit_dev']:.1e} (measured).",
-    ])
-
-
-def rss_line(results: dict) -> str:
-    rss = results["ru_maxrss_bytes"]
-    return (f"Process peak RSS (`ru_maxrss`, whole process: interpreter, libraries, every strategy of the run): "
-            f"PyTorch ranks {', '.join(report.fmt_bytes(b) for b in rss['torch_ranks'])}; the jaxpar process "
-            f"(all {results['processes']} virtual devices) {report.fmt_bytes(rss['jaxpar_process'])}. For a model "
-            "this small the libraries dominate.")
 
 
 # ============================================================================ command line

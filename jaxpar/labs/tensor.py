@@ -24,7 +24,6 @@ memory.png. `--parts` runs a subset.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,26 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size, to_json
-from jaxpar.figures import figure, legend_below, save, styled
+from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
 from jaxpar.labs import report
 from jaxpar.labs.arguments import TENSOR_PARTS as PARTS
 from jaxpar.labs.arguments import tensor as add_arguments
 from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
-from jaxpar.units import byte_unit, fmt_bytes, ratio
+from jaxpar.labs.tensor_build import VARIANTS, Lab
+from jaxpar.labs.tensor_plots import PLOTS, plot_communication, plot_memory  # noqa: F401 (the plots by their old name)
+from jaxpar.units import fmt_bytes, ratio
 
 TOLERANCE = 1e-4          # max relative loss deviation from the oracle (tests/test_tensor.py uses the same)
-
-# variant key -> (label, config overrides, TensorTrainer keyword arguments)
-VARIANTS = {
-    "single": ("single device", ["mesh.data=1", "mesh.tensor=1"], None),
-    "auto": ("auto TP", [], None),
-    "auto-sp": ("auto TP, rules length=tensor", ["parallel.rules=length=tensor"], None),
-    "tp": ("manual TP", ["parallel.tensor=manual"], {}),
-    "sp": ("manual TP+SP", ["parallel.tensor=manual", "parallel.sequence=true"], {}),
-    "sp-keep": ("manual TP+SP, gathered inputs kept", ["parallel.tensor=manual", "parallel.sequence=true"],
-                {"regather": False}),
-}
 MANUAL = ("tp", "sp", "sp-keep")
 
 
@@ -100,129 +89,6 @@ def layer_activations(trainer) -> dict:
             out["tensor_region"] += size
     out["per_layer"] = out["sequence_region"] + out["tensor_region"]
     return out
-
-
-# ============================================================================ building
-
-@dataclasses.dataclass
-class Built:
-    key: str
-    label: str
-    config: object
-    trainer: object
-    compiled: object
-    compile_s: float
-
-
-class Lab:
-    def __init__(self, config, devices, tensor: int, log=print):
-        from jaxpar.data.pipeline import build_token_data, train_dataset
-        from jaxpar.model.transformer import ModelConfig
-
-        self.base, self.devices, self.t, self.log = config, devices, tensor, log
-        self.d = len(devices) // tensor
-        self.data = build_token_data(config.data)
-        vocab = model_vocab_size(config, self.data.stats["vocab_size"], tensor)
-        if vocab % tensor:
-            raise ConfigError("model.vocab_size", f"{vocab} is not divisible by --tensor {tensor}")
-        self.model_cfg = ModelConfig.from_config(config.model, vocab)
-        B = config.train.batch_size
-        self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
-        self._batches: list[np.ndarray] = []
-        self.builds: dict[tuple, Built] = {}
-        self._initial = None
-
-    def batches(self, count: int) -> list[np.ndarray]:
-        while len(self._batches) < count:
-            self._batches.append(np.asarray(next(self._stream)))
-        return self._batches[:count]
-
-    def config_of(self, key: str, layers: int | None = None):
-        config = copy.deepcopy(self.base)
-        overrides = [f"mesh.data={self.d}", f"mesh.tensor={self.t}", "mesh.fsdp=1", "mesh.pipe=1", "mesh.expert=1",
-                     "train.compute_dtype=float32",
-                     "train.microbatches=1", "train.remat=none", "parallel.tensor=auto", "parallel.sequence=false",
-                     "parallel.data=auto", "parallel.rules=", *VARIANTS[key][1]]
-        if layers:
-            overrides.append(f"model.layers={layers}")
-        apply_overrides(config, overrides)
-        return config
-
-    def trainer(self, key: str, layers: int | None = None):
-        from jaxpar.mesh import make_mesh
-        from jaxpar.model.transformer import ModelConfig
-        from jaxpar.parallel.registry import make_trainer, select
-        from jaxpar.parallel.tensor import TensorTrainer
-
-        config = self.config_of(key, layers)
-        mesh = make_mesh(config, self.devices[:1] if key == "single" else self.devices)
-        model_cfg = ModelConfig.from_config(config.model, self.model_cfg.vocab_size)
-        options = VARIANTS[key][2]
-        if options is None:
-            return config, make_trainer(config, model_cfg, mesh)
-        select(config, dict(mesh.shape))
-        return config, TensorTrainer(config, model_cfg, mesh, **options)
-
-    def step(self, key: str) -> Built:
-        """The variant's train step, compiled once (cached)."""
-        if ("step", key) not in self.builds:
-            config, trainer = self.trainer(key)
-            start = time.perf_counter()
-            with jax.set_mesh(trainer.mesh):
-                compiled = trainer.lower_step().compile()
-            self.builds[("step", key)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
-                                               time.perf_counter() - start)
-            self.log(f"  compiled the step of {VARIANTS[key][0]} in {time.perf_counter() - start:.1f} s")
-        return self.builds[("step", key)]
-
-    def gradient(self, key: str, layers: int | None = None) -> Built:
-        """The variant's gradient program (loss and mean gradient, no optimizer), compiled once (cached)."""
-        layers = layers or self.model_cfg.layers
-        if ("grad", key, layers) not in self.builds:
-            config, trainer = self.trainer(key, layers)
-            start = time.perf_counter()
-            with jax.set_mesh(trainer.mesh):
-                if key == "single":
-                    compiled = jax.jit(_single_device_gradient(trainer)).lower(
-                        trainer.abstract_state["params"], trainer.abstract_batch()).compile()
-                else:
-                    compiled = trainer.grad_fn.lower(trainer.abstract_state["params"], trainer.abstract_batch()).compile()
-            self.builds[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
-                                                       time.perf_counter() - start)
-            self.log(f"  compiled the gradient of {VARIANTS[key][0]} ({layers} layers) in "
-                     f"{time.perf_counter() - start:.1f} s")
-        return self.builds[("grad", key, layers)]
-
-    def initial_params(self, built: Built):
-        if self._initial is None:
-            self._initial = jax.device_get(built.trainer.init_state())
-        return self._initial
-
-    def run(self, built: Built, batches) -> list[float]:
-        state = jax.device_put(self.initial_params(built), built.trainer.state_shardings)
-        losses = []
-        with jax.set_mesh(built.trainer.mesh):
-            for batch in batches:
-                state, metrics = built.compiled(state, jax.device_put(batch, built.trainer.batch_sharding))
-                losses.append(float(metrics["loss"]))
-        return losses
-
-    def grads(self, built: Built, batch):
-        trainer = built.trainer
-        params = jax.device_put(self.initial_params(built)["params"], trainer.param_shardings)
-        with jax.set_mesh(trainer.mesh):
-            metrics, grads = built.compiled(params, jax.device_put(batch, trainer.batch_sharding))
-        return float(metrics["loss"]), jax.device_get(grads)
-
-
-def _single_device_gradient(trainer):
-    from jaxpar.model.transformer import loss
-
-    def value_and_grad(params, tokens):
-        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tokens, trainer.model_cfg, trainer.ops,
-                                                                     trainer.policy)
-        return metrics, grads        # the manual trainers' `grad_fn` layout
-    return value_and_grad
 
 
 # ============================================================================ a. equivalence
@@ -401,79 +267,6 @@ def memory(lab: Lab) -> dict:
         "again in the backward pass (part b: +2u per layer).",
     ])
     return {"rows": rows, "predicted_ratio": 1 / t, "markdown": md}
-
-
-# ============================================================================ plots
-
-def plot_equivalence(result: dict, path: Path):
-    return report.plot_equivalence(path, [(r["label"], r["losses"], None if key == "single" else
-                                           result["runs"]["single"]["label"]) for key, r in result["runs"].items()],
-                                   result["tolerance"])
-
-
-def _variant_ticks(ax, rows) -> None:
-    ax.set_xticks(np.arange(len(rows)), [r["label"].replace(", ", ",\n").replace(" TP", "\nTP", 1) for r in rows])
-
-
-@styled
-def plot_communication(result: dict, path: Path):
-    """One layer's tensor-axis collectives: compiled by op (stacked) beside the formula, in units of u."""
-    rows, u = list(result["rows"].values()), result["u"]
-    unit, scale = byte_unit([v for r in rows for v in (r["layer_bytes"], r["layer_predicted"])])
-    fig = figure(10, 5.8)
-    ax = fig.add_subplot()
-    x, w = np.arange(len(rows)), 0.38
-    bottom = np.zeros(len(rows))
-    for op in sorted({op for r in rows for op in r["layer_by_op"]}):
-        vals = np.array([r["layer_by_op"].get(op, 0.0) for r in rows]) / scale
-        ax.bar(x - w / 2, vals, w, bottom=bottom, label=f"compiled: {op}")
-        bottom += vals
-    predicted = [r["layer_predicted"] for r in rows]
-    bars = ax.bar(x + w / 2, [(v or 0) / scale for v in predicted], w, color="0.6", hatch="..", edgecolor="0.3",
-                  label=f"formula, ring model (u = (t-1)/t·4·b·s·h = {fmt_bytes(u)})")
-    ax.bar_label(bars, [f"{v / u:.0f}u" if v else "" for v in predicted], padding=3)
-    for i in (i for i, v in enumerate(predicted) if not v):
-        ax.text(x[i] + w / 2, 0, " no formula: XLA's own layout", rotation=90, ha="center", va="bottom")
-    _variant_ticks(ax, rows)
-    ax.set_ylim(top=1.12 * max(bottom.max(), max(v or 0 for v in predicted) / scale))
-    ax.set(ylabel=f"{unit} sent per device per layer",
-           title="Tensor-axis collectives of one layer: compiled (left) vs formula (right)")
-    legend_below(ax, ncols=2, gap=0.25)
-    return save(fig, path)
-
-
-@styled
-def plot_memory(result: dict, path: Path):
-    """Activation bytes per layer, four ways, each split into the sequence region (solid, what SP divides
-    by t) and the tensor region (hatched, what TP divides by t)."""
-    rows = list(result["rows"].values())
-    sources = (("compiled (temp slope)", "k", [r["compiled_sequence_region"] for r in rows],
-                [r["compiled_per_layer"] - r["compiled_sequence_region"] for r in rows]),
-               ("autodiff saves", "#4c72b0", [r["saved"]["sequence_region"] for r in rows],
-                [r["saved"]["tensor_region"] for r in rows]),
-               ("jaxpar's count", "#55a868", [r["jaxpar_formula"]["sequence_region"] for r in rows],
-                [r["jaxpar_formula"]["tensor_region"] for r in rows]),
-               ("Korthikanti et al. x2 (their bf16 count, in fp32)", "#c44e52", [2 * r["korthikanti_bf16"]["sequence_region"] for r in rows],
-                [2 * r["korthikanti_bf16"]["tensor_region"] for r in rows]))
-    unit, scale = byte_unit([r["compiled_per_layer"] for r in rows])
-    fig = figure(10, 6)
-    ax = fig.add_subplot()
-    x, w = np.arange(len(rows)), 0.2
-    for i, (name, color, seq, ten) in enumerate(sources):
-        seq, ten = np.array(seq) / scale, np.array(ten) / scale
-        ax.bar(x + (i - 1.5) * w, seq, w, color=color, label=name)
-        ax.bar(x + (i - 1.5) * w, ten, w, bottom=seq, color=color, alpha=0.35, hatch="//", edgecolor=color)
-    ax.bar([0], [0], color="0.5", label="solid: sequence region (SP divides it by t)")
-    ax.bar([0], [0], color="0.5", alpha=0.35, hatch="//", edgecolor="0.5",
-           label="hatched: tensor region (TP divides it by t)")
-    _variant_ticks(ax, rows)
-    ax.set(ylabel=f"{unit} per layer per device", title="Activation memory per layer: compiled vs three counts")
-    legend_below(ax, ncols=2, gap=0.25)
-    return save(fig, path)
-
-
-PLOTS = {"equivalence.png": ("equivalence", plot_equivalence), "communication.png": ("communication", plot_communication),
-         "memory.png": ("memory", plot_memory)}
 
 
 # ============================================================================ the whole lab
