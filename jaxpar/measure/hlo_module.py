@@ -53,7 +53,7 @@ def parse_module(hlo_text: str):
     return instructions, entry
 
 
-def _trip_count(loop: _Instruction, by_computation) -> int | None:
+def trip_count(loop: _Instruction, by_computation) -> int | None:
     known = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', loop.line)
     if known:
         return int(known.group(1))
@@ -76,7 +76,7 @@ def runs_per_computation(instructions, entry):
     for ins in instructions:
         trips, known = 1, True
         if ins.opcode == "while":
-            count = _trip_count(ins, by_computation)
+            count = trip_count(ins, by_computation)
             trips, known = (count, True) if count is not None else (1, False)
         for key, callee in _CALLEE_KEYS.findall(ins.line):
             factor = trips if key == "body" else (trips + 1 if key == "condition" else 1)

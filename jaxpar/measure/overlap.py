@@ -29,6 +29,7 @@ from collections import defaultdict
 import numpy as np
 
 from jaxpar.measure import hlo
+from jaxpar.measure.hlo_module import matching_bracket, trip_count
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
         "replica-id", "opt-barrier", "add-dependency", "iota"}
@@ -65,7 +66,7 @@ class Record:
 
 def _operands(ins) -> list[str]:
     at = ins.line.index(ins.opcode + "(", ins.line.index("=")) + len(ins.opcode)
-    return re.findall(r"%([\w.\-]+)", ins.line[at:hlo._matching(ins.line, at)])
+    return re.findall(r"%([\w.\-]+)", ins.line[at:matching_bracket(ins.line, at)])
 
 
 class Schedule:
@@ -152,7 +153,7 @@ class _Replay:
     def _cost(self, ins) -> float:
         if ins.opcode == "while":
             body = re.search(r"\bbody=%?([\w.\-]+)", ins.line).group(1)
-            trips = hlo._trip_count(ins, self.s.by_computation) or 1
+            trips = trip_count(ins, self.s.by_computation) or 1
             return trips * self.time(body)
         if ins.opcode == "conditional":
             listed = re.search(r"branch_computations=\{([^}]*)\}", ins.line)
