@@ -72,15 +72,18 @@ def _exit_at_once(kind, value, tb) -> None:
     os._exit(1)
 
 
-def make_mesh(config, devices=None) -> Mesh:
+def make_mesh(config, devices=None, *, resumed: bool = False) -> Mesh:
     """Build the (data, fsdp, pipe, expert, tensor) mesh the config asks for, after validating it.
+
+    A fresh run's train.fault_process must name a process of this job; a `resumed` run keeps the drill
+    setting it started with, which on a job of fewer processes (an elastic resume) simply never fires.
 
     Devices are laid out in `jax.devices()` order (process-major), so the innermost
     axis, `tensor`, spans neighbouring devices: on a GPU node these share NVLink.
     """
     whole_job = devices is None   # the run's own mesh: its process count bounds train.fault_process
     devices = list(jax.devices() if whole_job else devices)
-    sizes = validate(config, len(devices), processes=jax.process_count() if whole_job else None)
+    sizes = validate(config, len(devices), processes=jax.process_count() if whole_job and not resumed else None)
     shape = tuple(sizes[axis] for axis in MESH_AXES)
     grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -109,7 +109,7 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     saved_config = json.loads((run_dir / "config.json").read_text()) if resume or restart else None
     if saved_config is not None:
         check_resume_config(config, saved_config)
-    mesh = make_mesh(config)  # validates the config against the devices before any compile
+    mesh = make_mesh(config, resumed=saved_config is not None)  # validates the config before any compile
     select(config, dict(mesh.shape))  # the strategy exists and accepts this config
     peak = run_peak(config.train.compute_dtype)   # now, before any compile competes for the cores
     data = build_token_data(config.data)
