@@ -70,19 +70,21 @@ def overwrite(path):
     abstract = abstract_state(checkpoint.parent.parent)
     intact = plain_restore(checkpoint, abstract)
     scratch = checkpoint.parent.parent.parent / "scratch" / "checkpoints" / checkpoint.name
-    for fraction in np.linspace(0.95, 0.05, 19):
-        shutil.rmtree(scratch.parent, ignore_errors=True)
-        shutil.copytree(checkpoint, scratch)
-        overwrite_at(scratch / path.relative_to(checkpoint), fraction)
-        try:
-            damaged = plain_restore(scratch, abstract)
-        except Exception:  # noqa: BLE001 - this place breaks the framing: try another
-            continue
-        finally:
+    others = [f for f in array_files(checkpoint.parent.parent, checkpoint.name) if f != path]
+    for target in [path, *others]:          # the largest file first; another where its layout leaves no place
+        for fraction in np.linspace(0.95, 0.05, 19):
             shutil.rmtree(scratch.parent, ignore_errors=True)
-        if any(not np.array_equal(a, b) for a, b in zip(intact, damaged)):
-            overwrite_at(path, fraction)
-            return
+            shutil.copytree(checkpoint, scratch)
+            overwrite_at(scratch / target.relative_to(checkpoint), fraction)
+            try:
+                damaged = plain_restore(scratch, abstract)
+            except Exception:  # noqa: BLE001 - this place breaks the framing: try another
+                continue
+            finally:
+                shutil.rmtree(scratch.parent, ignore_errors=True)
+            if any(not np.array_equal(a, b) for a, b in zip(intact, damaged)):
+                overwrite_at(target, fraction)
+                return
     pytest.fail("no place found where overwritten bytes still restore")
 
 
