@@ -24,6 +24,7 @@ from pathlib import Path
 
 from jaxpar.labs.arguments import OVERLAP_PARTS
 from jaxpar.labs.arguments import overlap as add_arguments
+from jaxpar.units import fmt_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 SEVEN_B = str(ROOT / "configs" / "arabic_7b.py")
@@ -281,7 +282,7 @@ def cpu_table(cpu: dict) -> list[str]:
         if "profile" not in r:
             continue
         p, sch = r["profile"], r["schedule"]
-        rows.append([name, f"{r['max_loss_rel_dev']:.1e}", f"{r['temp_bytes'] / 2**20:.2f} MiB",
+        rows.append([name, f"{r['max_loss_rel_dev']:.1e}", fmt_bytes(r['temp_bytes']),
                      f"{p['collective_us'] / 1e3:.1f} ms", f"{p['overlapped_fraction']:.1%}",
                      (f"{sum(a['async'] for a in sch['by_axis'].values())} of "
                      f"{sum(a['collectives'] for a in sch['by_axis'].values())}")])
