@@ -3,7 +3,7 @@
     python benchmarks/mfu.py --out runs/bench-mfu                        # a GPU: configs/llama_1b.py
     python benchmarks/mfu.py --cpu --out runs/bench-mfu-cpu              # CPU check: the tiny test model
 
-The step is jaxpar's own (make_trainer), on one device (mesh.data=1, mesh.fsdp=1), on random
+The step is jaxpar's own (make_strategy), on one device (mesh.data=1, mesh.fsdp=1), on random
 tokens. MFU = model FLOPs per step (6 x matmul params + attention, per token: model/counting.py)
 / median step time / the device's dense peak for the compute dtype. The compiled FLOPs
 (HLO count + the kernels' cost estimates, as `jaxpar dryrun` reports them) are printed too:
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from jaxpar.measure.hardware import peak_flops_per_device
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     gpu = jax.default_backend() == "gpu"
     attentions = (args.attentions or ("dot,xla,cudnn,pallas" if gpu else "dot,xla,pallas")).split(",")
@@ -59,16 +59,16 @@ def main(argv=None) -> int:
                                      f"model.attention={attention}", *args.overrides])
             mesh = make_mesh(config, jax.devices()[:1])
             vocab = model_vocab_size(config, config.data.vocab_size, 1)
-            trainer = make_trainer(config, ModelConfig.from_config(config.model, vocab), mesh)
+            strategy = make_strategy(config, ModelConfig.from_config(config.model, vocab), mesh)
             S = config.data.seq_len
             tokens = np.random.default_rng(0).integers(0, vocab, (batch, S + 1), dtype=np.int32)
             with jax.set_mesh(mesh):
                 start = time.perf_counter()
-                traced = trainer.step_fn.trace(trainer.abstract_state, trainer.abstract_batch())
+                traced = strategy.step_fn.trace(strategy.abstract_state, strategy.abstract_batch())
                 compiled = traced.lower().compile()
                 row["compile_s"] = time.perf_counter() - start
-                state = trainer.init_state()
-                batch_array = jax.device_put(tokens, trainer.batch_sharding)
+                state = strategy.init_state()
+                batch_array = jax.device_put(tokens, strategy.batch_sharding)
                 state, metrics = compiled(state, batch_array)           # warm-up
                 jax.block_until_ready(metrics)
                 times = []
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
             step = statistics.median(times)
             peak, peak_source = peak_flops_per_device(config.train.compute_dtype if config.train.compute_dtype
                                                       != "float8" else "bfloat16")
-            model_flops = model_flops_per_step(trainer.model_cfg, batch, S)
+            model_flops = model_flops_per_step(strategy.model_cfg, batch, S)
             counted = compiled_flops(compiled, kernel_flops=kernel_flops(traced.jaxpr).total)
             row.update({"config": config.name, "batch": batch, "seq_len": S, "step_s": step,
                         "tokens_per_s": batch * S / step, "model_flops": model_flops,

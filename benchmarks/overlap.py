@@ -52,19 +52,19 @@ def measure(name: str, overrides: list[str], devices, vocab: int, log=print) -> 
     from jaxpar.measure import hardware, overlap
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
     config = load_config(ARGS.config)
     apply_overrides(config, [*ARGS.overrides, *overrides])
-    trainer = make_trainer(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices))
+    strategy = make_strategy(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices))
     rng = np.random.default_rng(0)
     batch = jax.device_put(rng.integers(0, vocab, (config.train.batch_size, config.data.seq_len + 1),
-                                        dtype=np.int32), trainer.batch_sharding)
-    with jax.set_mesh(trainer.mesh):
-        step = trainer.lower_step().compile()
-        state = trainer.init_state()
+                                        dtype=np.int32), strategy.batch_sharding)
+    with jax.set_mesh(strategy.mesh):
+        step = strategy.lower_step().compile()
+        state = strategy.init_state()
         for _ in range(2):
             state, _ = step(state, batch)
-    profile = profile_step(trainer, step, state, batch)
+    profile = profile_step(strategy, step, state, batch)
     acc = hardware.lookup(devices[0].device_kind)
     platform = "cpu" if devices[0].platform == "cpu" else "gpu"
     peak = (acc.bf16_flops if acc else hardware.probe_host().fp32_flops / len(devices))
@@ -73,7 +73,7 @@ def measure(name: str, overrides: list[str], devices, vocab: int, log=print) -> 
         machine.update(target="h100" if "H100" in acc.name else ("h200" if "H200" in acc.name else "a100"),
                        hosts=1, gpus_per_host=len(devices), accelerator=next(
                            k for k, v in hardware.ACCELERATORS.items() if v is acc))
-    replay = overlap.analyse(step.as_text(), trainer.mesh, machine, peak)
+    replay = overlap.analyse(step.as_text(), strategy.mesh, machine, peak)
     log(f"  {name}: profile {profile['overlapped_fraction']:.1%} of {profile['collective_us'] / 1e3:.1f} ms beside "
         f"compute; replay {replay['hidden_fraction']:.1%} hidden")
     return {"overrides": overrides, "profile_overlapped_fraction": profile["overlapped_fraction"],
@@ -112,7 +112,8 @@ def main(argv=None) -> int:
             print(f"  {name}: failed: {results[name]['error']}")
     (out / "overlap.json").write_text(json.dumps(results, indent=2) + "\n")
     rows = [f"| {n} | {r['profile_overlapped_fraction']:.1%} | {r['profile_collective_us'] / 1e3:.2f} ms | "
-            f"{r['replay_hidden_fraction']:.1%} |" for n, r in results.items() if isinstance(r, dict) and "overrides" in r]
+            f"{r['replay_hidden_fraction']:.1%} |"
+            for n, r in results.items() if isinstance(r, dict) and "overrides" in r]
     (out / "overlap.md").write_text(
         f"# Overlap on {len(devices)} x {devices[0].device_kind} ({args.config})\n\n"
         "| strategy | collective time beside compute (profile) | collective time (profile, all devices) | "

@@ -1,4 +1,4 @@
-"""Tokens/s of jaxpar's strategies on one reference shape, to compare with other trainers on the same machine.
+"""Tokens/s of jaxpar's strategies on one reference shape, to compare with other strategies on the same machine.
 
 The shape: vocab 8192, d_model 384, 6 layers, 6 heads, SwiGLU 1024, sequence 256, global batch 16,
 fp32, no remat, on 8 devices (fsdp=8 is the headline). Each strategy is compiled once; the
@@ -37,23 +37,23 @@ def measure(name: str, overrides: list[str], steps: int, warmup: int) -> dict:
     from jaxpar.measure.flops import compiled_flops, model_flops_per_step
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     config = base_config()
     apply_overrides(config, SHAPE + overrides)
     mesh = make_mesh(config)
     model_cfg = ModelConfig.from_config(config.model)
-    trainer = make_trainer(config, model_cfg, mesh)
+    strategy = make_strategy(config, model_cfg, mesh)
     start = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = trainer.lower_step().compile()
+        compiled = strategy.lower_step().compile()
     compile_s = time.perf_counter() - start
     B, S = config.train.batch_size, config.data.seq_len
     flops = compiled_flops(compiled)["corrected"] * len(mesh.devices.flat)
     model = model_flops_per_step(model_cfg, B, S)
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (B, S + 1), dtype=np.int32)
-    batch = jax.device_put(tokens, trainer.batch_sharding)
-    state = trainer.init_state()
+    batch = jax.device_put(tokens, strategy.batch_sharding)
+    state = strategy.init_state()
     times = []
     with jax.set_mesh(mesh):
         for i in range(warmup + steps):

@@ -33,19 +33,19 @@ def main():
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.transformer import ModelConfig, forward
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     config = load_config(args.config)
     apply_overrides(config, args.overrides)
     mesh = make_mesh(config)
     model_cfg = ModelConfig.from_config(config.model, args.vocab)
-    trainer = make_trainer(config, model_cfg, mesh)
+    strategy = make_strategy(config, model_cfg, mesh)
     B, S = config.train.batch_size, config.data.seq_len
     tokens = np.random.default_rng(0).integers(0, args.vocab, (B, S + 1), dtype=np.int32)
-    batch = jax.device_put(tokens, trainer.batch_sharding)
+    batch = jax.device_put(tokens, strategy.batch_sharding)
 
     # The bare step: plain jit, no shardings declared beyond where the inputs already live.
-    optimizer = trainer.optimizer
+    optimizer = strategy.optimizer
 
     def bare_loss(params, tokens):
         logits, _ = forward(params, tokens[:, :-1], model_cfg)
@@ -57,7 +57,7 @@ def main():
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    state = trainer.init_state()
+    state = strategy.init_state()
     bare_params = jax.tree.map(lambda x: x.copy(), state["params"])
     bare_opt = jax.tree.map(lambda x: x.copy(), state["opt_state"])
 
@@ -68,11 +68,11 @@ def main():
         return time.perf_counter() - start, out
 
     with jax.set_mesh(mesh):
-        compile_jaxpar, (state, _) = timed(lambda: trainer.step(state, batch))
+        compile_jaxpar, (state, _) = timed(lambda: strategy.step(state, batch))
         compile_bare, (bare_params, bare_opt, _) = timed(lambda: bare_step(bare_params, bare_opt, batch))
         times = {"jaxpar": [], "bare": []}
         for _ in range(args.steps):
-            t, (state, _) = timed(lambda: trainer.step(state, batch))  # noqa: B023 (called in this iteration)
+            t, (state, _) = timed(lambda: strategy.step(state, batch))  # noqa: B023 (called in this iteration)
             times["jaxpar"].append(t)
             t, (bare_params, bare_opt, _) = timed(lambda: bare_step(bare_params, bare_opt, batch))  # noqa: B023 (called in this iteration)
             times["bare"].append(t)
@@ -82,7 +82,7 @@ def main():
           f"batch {B} x {S}, {args.steps} interleaved steps each")
     print("| step | compile + first run (s) | median step (ms) |")
     print("|---|---:|---:|")
-    print(f"| jaxpar Trainer.step | {compile_jaxpar:.2f} | {med['jaxpar'] * 1e3:.1f} |")
+    print(f"| jaxpar Strategy.step | {compile_jaxpar:.2f} | {med['jaxpar'] * 1e3:.1f} |")
     print(f"| bare jax.jit | {compile_bare:.2f} | {med['bare'] * 1e3:.1f} |")
     print(f"median step-time ratio jaxpar / bare: {med['jaxpar'] / med['bare']:.3f} (target <= 1.05)")
 

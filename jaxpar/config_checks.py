@@ -206,8 +206,8 @@ def validate(config, num_devices: int, processes: int | None = None) -> dict[str
         raise ConfigError("model.mlp_dim", f"mlp_dim={m.mlp_dim} is not divisible by mesh.tensor={tp}")
     if config.parallel.sequence:
         if config.parallel.tensor != "manual":
-            raise ConfigError("parallel.sequence", "sequence parallelism is part of the manual Megatron trainer: "
-                              "set parallel.tensor=manual (the automatic trainer: parallel.rules=length=tensor)")
+            raise ConfigError("parallel.sequence", "sequence parallelism is part of the manual Megatron strategy: "
+                              "set parallel.tensor=manual (the automatic strategy: parallel.rules=length=tensor)")
         if tp == 1:
             raise ConfigError("parallel.sequence", "splits the sequence over mesh.tensor, which is 1; "
                               "set mesh.tensor > 1 or parallel.sequence=false")

@@ -1,7 +1,7 @@
 """The training run: run directory, data, sharded state, steps, metrics, checkpoints, sample.
 
 It sits at the top of the package, beside the command line, because it wires every layer together:
-the trainer (parallel/), the step pieces and checkpoints (train/), MFU and profiles (measure/), goodput
+the strategy (parallel/), the step pieces and checkpoints (train/), MFU and profiles (measure/), goodput
 and metrics sinks (cluster/).
 
 Host work stays off the hot path: each step is timed while the next one is queued
@@ -39,7 +39,7 @@ from jaxpar.measure.profile import StepProfiler, parse_window
 from jaxpar.mesh import describe, make_mesh
 from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer, select
+from jaxpar.parallel.registry import make_strategy, select
 from jaxpar.parallel.step import learning_rate
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.guard import NonFiniteGuard
@@ -115,7 +115,7 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     data = build_token_data(config.data)
     model_cfg = ModelConfig.from_config(config.model, model_vocab_size(config, data.stats["vocab_size"],
                                                                        mesh.shape["tensor"]))
-    trainer = make_trainer(config, model_cfg, mesh)
+    strategy = make_strategy(config, model_cfg, mesh)
     # Every input is checked; only now does anything touch the run directory.
     multihost_utils.sync_global_devices("jaxpar-inputs-checked")
     preemption.stop_if_requested("before the run directory was written")
@@ -137,13 +137,13 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
         f"{model_cfg.layers} layers, d_model {model_cfg.d_model}; mesh: {describe(mesh)} over "
         f"{jax.device_count()} {jax.devices()[0].platform} devices in {jax.process_count()} process(es)")
 
-    rows = local_rows(trainer.batch_sharding, config.train.batch_size, config.data.seq_len + 1)
-    validation = [to_global(b, trainer.batch_sharding, config.train.batch_size)
+    rows = local_rows(strategy.batch_sharding, config.train.batch_size, config.data.seq_len + 1)
+    validation = [to_global(b, strategy.batch_sharding, config.train.batch_size)
                   for b in val_batches(data.val, config.train.batch_size, config.train.eval_batches, rows)]
     checkpoints = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints, notice=say)
     start = 0
     if resume:
-        start, state = checkpoints.restore(trainer.abstract_state)
+        start, state = checkpoints.restore(strategy.abstract_state)
         if start is None:
             raise ConfigError("--resume", f"no intact checkpoint in '{run_dir / 'checkpoints'}' "
                               "(every step is damaged or unreadable); start a new run")
@@ -151,7 +151,7 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
         say(f"resumed from step {start} (global sample {start * config.train.batch_size:,}) on "
             f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
     else:
-        state = trainer.init_state()
+        state = strategy.init_state()
     # The data position is global: the run continues at global batch `start`, whatever the process count.
     iterator = iter(train_dataset(data.train, config.train.batch_size, config.data.shuffle_seed, rows, start))
     continued = start if resume or restart else None   # a restart from step 0 drops what the lost attempt logged
@@ -163,7 +163,7 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     goodput.add("startup_compile", time.time() - goodput.start)
     try:
         preemption.stop_if_requested(f"before step {start + 1}")
-        run = _Run(config, run_dir, trainer, data, model_cfg, validation, checkpoints, metrics_log, goodput, sinks,
+        run = _Run(config, run_dir, strategy, data, model_cfg, validation, checkpoints, metrics_log, goodput, sinks,
                    guard, preemption, counts)
         return _loop(run, state, start, iterator, window, peak)
     finally:
@@ -176,7 +176,7 @@ class _Run:
     """Everything the step loop works with, built and checked by `_train` before the first step."""
     config: object
     run_dir: Path
-    trainer: object
+    strategy: object
     data: object
     model_cfg: ModelConfig
     validation: list
@@ -250,17 +250,17 @@ def _step(run: _Run, tally: _Tally, profiler: StepProfiler, state, iterator, ste
     """One training step: its batch, the (maybe profiled) update, and the non-finite guard; returns the state."""
     t, guard = run.config.train, run.guard
     side_start = time.perf_counter()
-    batch = to_global(next(iterator), run.trainer.batch_sharding, t.batch_size)
+    batch = to_global(next(iterator), run.strategy.batch_sharding, t.batch_size)
     waited = time.perf_counter() - side_start
     run.goodput.add("data_wait", waited)
     tally.excluded += waited
-    before = state if not (guard.skips and run.trainer.donate_argnums) else jax.tree.map(jnp.copy, state)
+    before = state if not (guard.skips and run.strategy.donate_argnums) else jax.tree.map(jnp.copy, state)
     side_start = time.perf_counter()
     profiler.before(step)
     tally.excluded += time.perf_counter() - side_start
     dispatched = time.perf_counter()
     with profiler.annotate(step):
-        state, metrics = run.trainer.step(state, batch)
+        state, metrics = run.strategy.step(state, batch)
     tally.clock.dispatched(step, metrics, dispatched)
     if profiler.stops_after(step):
         tally.clock.wait()   # the traced step's own time stays in the step times
@@ -300,7 +300,7 @@ def _evaluate_and_save(run: _Run, tally: _Tally, state, step: int, evaluate: boo
     run.guard.flush()     # a non-finite state is never saved
     side_start = time.perf_counter()
     if evaluate:
-        tally.val_loss = tally.evaluated = float(np.mean([float(run.trainer.evaluate(state["params"], b))
+        tally.val_loss = tally.evaluated = float(np.mean([float(run.strategy.evaluate(state["params"], b))
                                                           for b in run.validation]))
         run.metrics_log.write({"step": step, "val_loss": tally.val_loss})
         run.sinks.log(step, {"val_loss": tally.val_loss})

@@ -29,16 +29,16 @@ def train_and_print(argv: list[str], cases: dict[str, list[str]], common: tuple[
 
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     for name, overrides in cases.items():
         config = load_config("configs/test.py")
         apply_overrides(config, ["train.warmup_steps=1", *common, *overrides])
-        trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), jmesh.make_mesh(config))
-        state, losses = trainer.init_state(), []
+        strategy = make_strategy(config, ModelConfig.from_config(config.model, VOCAB), jmesh.make_mesh(config))
+        state, losses = strategy.init_state(), []
         for batch in counting_batches(config, STEPS, VOCAB):
-            global_batch = jax.make_array_from_callback(batch.shape, trainer.batch_sharding, lambda idx: batch[idx])  # noqa: B023 (called in this iteration)
-            state, metrics = trainer.step(state, global_batch)
+            global_batch = jax.make_array_from_callback(batch.shape, strategy.batch_sharding, lambda idx: batch[idx])  # noqa: B023 (called in this iteration)
+            state, metrics = strategy.step(state, global_batch)
             losses.append(float(metrics["loss"]))
         if jax.process_index() == 0:
             print(f"LOSSES {name} {json.dumps(losses)}", flush=True)

@@ -91,11 +91,11 @@ def overwrite(path):
 def abstract_state(run_dir):
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
     from jaxpar.train.rundir import resume_config
     config = resume_config(run_dir)
     model_cfg = ModelConfig.from_config(config.model, 512)   # configs/test.py's 512-token BPE vocabulary
-    return make_trainer(config, model_cfg, make_mesh(config, jax.devices())).abstract_state
+    return make_strategy(config, model_cfg, make_mesh(config, jax.devices())).abstract_state
 
 
 def truncate(path):
@@ -168,11 +168,11 @@ def test_bad_steps_are_skipped_up_to_max_bad_steps(tmp_path, capsys, monkeypatch
     import jax.numpy as jnp
 
     import jaxpar.training as loop
-    build = loop.make_trainer
+    build = loop.make_strategy
 
     def poisoned(*args, **kwargs):
-        trainer = build(*args, **kwargs)
-        step, calls = trainer.step, []
+        strategy = build(*args, **kwargs)
+        step, calls = strategy.step, []
 
         def step_going_bad_once(state, batch):
             calls.append(1)
@@ -182,10 +182,10 @@ def test_bad_steps_are_skipped_up_to_max_bad_steps(tmp_path, capsys, monkeypatch
                 metrics = {**metrics, "loss": metrics["loss"] * jnp.nan}
             return state, metrics
 
-        trainer.step = step_going_bad_once
-        return trainer
+        strategy.step = step_going_bad_once
+        return strategy
 
-    monkeypatch.setattr(loop, "make_trainer", poisoned)
+    monkeypatch.setattr(loop, "make_strategy", poisoned)
     run_dir = tmp_path / "run"
     assert main(["train", "--config", "configs/test.py", "--set", "train.sample_tokens=0", "--run-dir", str(run_dir),
                  "--set", "train.max_bad_steps=1"]) == 0

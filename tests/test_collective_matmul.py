@@ -1,5 +1,5 @@
 """Collective matmul (parallel/collective_matmul.py): the ppermute rings give the all-gather / reduce-scatter
-matmuls exactly, forward and backward, and the manual TP+SP trainer with them reproduces one device."""
+matmuls exactly, forward and backward, and the manual TP+SP strategy with them reproduces one device."""
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,8 @@ from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, loss
 from jaxpar.parallel import collective_matmul as cm
-from jaxpar.parallel.registry import make_trainer
-from jaxpar.parallel.tensor import TensorTrainer
+from jaxpar.parallel.registry import make_strategy
+from jaxpar.parallel.tensor import TensorStrategy
 
 T = 4
 VOCAB = 512
@@ -65,12 +65,12 @@ def _config(overrides):
     return config
 
 
-def _run(trainer, steps=3):
-    state, losses = trainer.init_state(), []
-    with jax.set_mesh(trainer.mesh):
-        step = trainer.lower_step().compile()
-        for batch in counting_batches(trainer.config, steps, VOCAB):
-            state, metrics = step(state, jax.device_put(batch, trainer.batch_sharding))
+def _run(strategy, steps=3):
+    state, losses = strategy.init_state(), []
+    with jax.set_mesh(strategy.mesh):
+        step = strategy.lower_step().compile()
+        for batch in counting_batches(strategy.config, steps, VOCAB):
+            state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
             losses.append(float(metrics["loss"]))
     return np.array(losses), step
 
@@ -78,28 +78,28 @@ def _run(trainer, steps=3):
 @pytest.fixture(scope="module")
 def oracle():
     config = _config(["mesh.data=1"])
-    trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:1]))
-    params = trainer.init_state()["params"]
+    strategy = make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:1]))
+    params = strategy.init_state()["params"]
     batch = counting_batches(config, 1, VOCAB)[0]
-    grads = jax.jit(jax.grad(lambda p, x: loss(p, x, trainer.model_cfg, trainer.ops)[0]))(params, batch)
-    return _run(trainer)[0], grads
+    grads = jax.jit(jax.grad(lambda p, x: loss(p, x, strategy.model_cfg, strategy.ops)[0]))(params, batch)
+    return _run(strategy)[0], grads
 
 
 @pytest.mark.parametrize("mode", ["bidirectional"])   # both rings' directions; the one-way ring: unit test above
-def test_trainer_with_rings_matches_one_device(mode, oracle):
+def test_strategy_with_rings_matches_one_device(mode, oracle):
     config = _config(["mesh.data=2", f"mesh.tensor={T}", "parallel.tensor=manual", "parallel.sequence=true",
                       f"parallel.tensor_overlap={mode}"])
-    trainer = TensorTrainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()))
-    losses, step = _run(trainer)
+    strategy = TensorStrategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()))
+    losses, step = _run(strategy)
     np.testing.assert_allclose(losses, oracle[0], rtol=1e-4)
-    params = trainer.init_state()["params"]
-    with jax.set_mesh(trainer.mesh):
-        _, grads = trainer.grad_fn(params, jax.device_put(counting_batches(config, 1, VOCAB)[0],
-                                                           trainer.batch_sharding))
+    params = strategy.init_state()["params"]
+    with jax.set_mesh(strategy.mesh):
+        _, grads = strategy.grad_fn(params, jax.device_put(counting_batches(config, 1, VOCAB)[0],
+                                                           strategy.batch_sharding))
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(oracle[1])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7,
                                    err_msg=jax.tree_util.keystr(path))
-    layers = [c for c in collectives(step.as_text(), trainer.mesh) if c.runs_per_step == trainer.model_cfg.layers]
+    layers = [c for c in collectives(step.as_text(), strategy.mesh) if c.runs_per_step == strategy.model_cfg.layers]
     assert layers and {c.op for c in layers} == {"collective-permute"}    # the layers' SP collectives are rings
 
 

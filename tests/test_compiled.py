@@ -12,7 +12,7 @@ from jaxpar.measure.flops import compiled_flops, model_flops_per_step
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes
+from jaxpar.parallel.registry import make_strategy, predicted_collective_bytes
 
 VOCAB = 512
 
@@ -21,12 +21,12 @@ def build(*overrides, devices=None):
     config = load_config("configs/test.py")
     apply_overrides(config, [f"model.vocab_size={VOCAB}", *overrides])
     mesh = make_mesh(config, devices or jax.devices())
-    return make_trainer(config, ModelConfig.from_config(config.model), mesh)
+    return make_strategy(config, ModelConfig.from_config(config.model), mesh)
 
 
-def compile_step(trainer):
-    with jax.set_mesh(trainer.mesh):
-        return trainer.lower_step().compile()
+def compile_step(strategy):
+    with jax.set_mesh(strategy.mesh):
+        return strategy.lower_step().compile()
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +55,17 @@ def test_compute_dtype_reaches_every_matmul(dtype, operand):
 def test_tensor_parallel_bytes_follow_megatron():
     """tensor=4 x data=2: per layer 2 all-reduces of b·s·h forward and 5 backward on XLA:CPU (it does not
     merge the q/k/v and gate/up input-gradient sums), + the embedding's and the head's."""
-    trainer = build("mesh.data=2", "mesh.tensor=4", "model.kv_heads=4")
-    found = collectives(compile_step(trainer).as_text(), trainer.mesh)
+    strategy = build("mesh.data=2", "mesh.tensor=4", "model.kv_heads=4")
+    found = collectives(compile_step(strategy).as_text(), strategy.mesh)
     tensor = sum(c.bytes_per_step for c in found if c.axes == ("tensor",))
-    predicted = predicted_collective_bytes(trainer.config, trainer.model_cfg, dict(trainer.mesh.shape), "cpu")
+    predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, dict(strategy.mesh.shape), "cpu")
     assert tensor == pytest.approx(predicted["tensor"], rel=0.01)
 
 
 def test_compiled_flops_are_the_model_flops():
     """No one-hot embedding matmul: with remat none, compiled FLOPs are the model's 6Ψ + attention, plus
     the elementwise work (a few % on this small model)."""
-    trainer = build("mesh.data=1", devices=jax.devices()[:1])
-    flops = compiled_flops(compile_step(trainer))["corrected"]
-    model = model_flops_per_step(trainer.model_cfg, trainer.config.train.batch_size, trainer.config.data.seq_len)
+    strategy = build("mesh.data=1", devices=jax.devices()[:1])
+    flops = compiled_flops(compile_step(strategy))["corrected"]
+    model = model_flops_per_step(strategy.model_cfg, strategy.config.train.batch_size, strategy.config.data.seq_len)
     assert 1.0 < flops / model < 1.1, flops / model

@@ -22,7 +22,7 @@ from jaxpar.measure.targets import gpu_plugin_problem, parse_topology, target_de
 from jaxpar.mesh import make_mesh
 from jaxpar.model.counting import param_count
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_strategy
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "test.py")
@@ -143,9 +143,9 @@ def test_scan_correction_on_a_toy_scan():
 
 def _train_step(config):
     mesh = make_mesh(config)
-    trainer = make_trainer(config, ModelConfig.from_config(config.model), mesh)
+    strategy = make_strategy(config, ModelConfig.from_config(config.model), mesh)
     with jax.set_mesh(mesh):
-        return trainer.lower_step().compile()
+        return strategy.lower_step().compile()
 
 
 def test_scan_correction_on_the_train_step(monkeypatch):

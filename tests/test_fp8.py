@@ -22,8 +22,8 @@ from jaxpar.mesh import make_mesh
 from jaxpar.model.fp8 import E4M3, fp8_einsum, quantize
 from jaxpar.model.ops import DTYPES, make_ops
 from jaxpar.model.transformer import ModelConfig, init_params, loss
-from jaxpar.parallel.auto import AutoTrainer
-from jaxpar.parallel.zero import ZeroTrainer
+from jaxpar.parallel.auto import AutoStrategy
+from jaxpar.parallel.zero import ZeroStrategy
 
 VOCAB = 512
 FP8 = "train.compute_dtype=float8"
@@ -95,10 +95,10 @@ def test_fp8_einsum_under_checkpoint_keeps_gradients():
 # ---------------------------------------------------------------------------- in the model
 # configs/test.py on 8 devices, the learnable rows of test_strategies.py / test_zero.py
 
-def make_trainer(*overrides, manual=False):
+def make_strategy(*overrides, manual=False):
     config = load_config("configs/test.py")
     apply_overrides(config, ["train.weight_decay=0.1", "train.warmup_steps=1", *overrides])
-    cls = ZeroTrainer if manual else AutoTrainer
+    cls = ZeroStrategy if manual else AutoStrategy
     return cls(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()))
 
 
@@ -106,10 +106,10 @@ def batches(config, steps):
     return counting_batches(config, steps, VOCAB)
 
 
-def run(trainer, steps):
-    state, losses, norms = trainer.init_state(), [], []
-    for batch in batches(trainer.config, steps):
-        state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+def run(strategy, steps):
+    state, losses, norms = strategy.init_state(), [], []
+    for batch in batches(strategy.config, steps):
+        state, metrics = strategy.step(state, jax.device_put(batch, strategy.batch_sharding))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
     return np.array(losses), np.array(norms)
@@ -117,9 +117,10 @@ def run(trainer, steps):
 
 def test_float8_validates_and_keeps_the_state_layout():
     """Current scaling is stateless: checkpoints and every strategy's state layout stay those of fp32.
-    (Building a trainer validates the config: float8 combines with every strategy and remat policy.)"""
+    (Building a strategy validates the config: float8 combines with every strategy and remat policy.)"""
     layout = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype, a.sharding), t.abstract_state)
-    assert layout(make_trainer("mesh.fsdp=8", "mesh.data=1", FP8)) == layout(make_trainer("mesh.fsdp=8", "mesh.data=1"))
+    fsdp = ("mesh.fsdp=8", "mesh.data=1")
+    assert layout(make_strategy(*fsdp, FP8)) == layout(make_strategy(*fsdp))
     assert DTYPES["float8"] == jnp.float8_e4m3fn          # transformer.precision: bf16 activations, fp8 matmuls
 
 
@@ -127,8 +128,8 @@ def test_weight_matmuls_are_fp8_forward_and_backward():
     """The train step's dots: 7 weight matmuls in the layer body + lm_head, each with an e4m3 forward and two
     backward dots against the e5m2 gradient; the attention score/value einsums stay bf16 (the embedding is a
     gather, no dot)."""
-    trainer = make_trainer("mesh.data=8", FP8)
-    lowered = trainer.lower_step()
+    strategy = make_strategy("mesh.data=8", FP8)
+    lowered = strategy.lower_step()
     operand = r"tensor<(?:[0-9]+x)*(\w+)>"
     dots = Counter(re.findall(rf"stablehlo\.dot_general .*: \({operand}, {operand}\)", lowered.as_text()))
     assert dots == {("f8E4M3FN", "f8E4M3FN"): 8, ("f8E5M2", "f8E4M3FN"): 8, ("f8E4M3FN", "f8E5M2"): 8,
@@ -157,8 +158,8 @@ def test_gradients_reach_every_parameter_and_follow_fp32():
 
 def test_fp8_training_tracks_fp32():
     """30 steps on 8 devices (data=8). Measured: max deviation from fp32 1.2%, final 0.4% (bf16: 0.16%, 0.0%)."""
-    want, _ = run(make_trainer("mesh.data=8", "train.steps=30"), 30)
-    losses, _ = run(make_trainer("mesh.data=8", "train.steps=30", FP8), 30)
+    want, _ = run(make_strategy("mesh.data=8", "train.steps=30"), 30)
+    losses, _ = run(make_strategy("mesh.data=8", "train.steps=30", FP8), 30)
     assert losses[-1] < 0.5 * losses[0]
     deviation = np.abs(losses / want - 1)
     assert deviation.max() < 0.03, deviation
@@ -168,8 +169,8 @@ def test_fp8_training_tracks_fp32():
 def test_manual_zero3_trains_in_fp8():
     """ZeRO-3 gathers bf16 weights and quantizes after the gather; each device scales its own batch shard,
     so it is close to (not equal to) the automatic run. Measured: losses within 0.07%, grad norms 0.9%."""
-    auto, auto_norms = run(make_trainer("mesh.data=8", FP8), 5)
-    manual, manual_norms = run(make_trainer("mesh.data=8", "parallel.data=zero3", FP8,
+    auto, auto_norms = run(make_strategy("mesh.data=8", FP8), 5)
+    manual, manual_norms = run(make_strategy("mesh.data=8", "parallel.data=zero3", FP8,
                                             manual=True), 5)
     np.testing.assert_allclose(manual, auto, rtol=5e-3)
     np.testing.assert_allclose(manual_norms, auto_norms, rtol=3e-2)

@@ -13,7 +13,7 @@ from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
 from jaxpar.model.ops import Ops
 from jaxpar.model.transformer import ModelConfig, init_params, loss
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_strategy
 
 STEPS = 5
 VOCAB = 512
@@ -34,13 +34,13 @@ def configured(*overrides):
 def build(*overrides):
     config = configured(*overrides)
     devices = jax.devices()[:1] if "mesh.data=1" in overrides and "mesh.fsdp=8" not in overrides else jax.devices()
-    return make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
+    return make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
 
 
-def run(trainer):
-    state, losses = trainer.init_state(), []
-    for batch in counting_batches(trainer.config, STEPS, VOCAB):
-        state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+def run(strategy):
+    state, losses = strategy.init_state(), []
+    for batch in counting_batches(strategy.config, STEPS, VOCAB):
+        state, metrics = strategy.step(state, jax.device_put(batch, strategy.batch_sharding))
         losses.append(float(metrics["loss"]))
     return np.array(losses)
 
@@ -75,9 +75,9 @@ def test_xla_attention_and_chunked_loss_give_the_same_loss():
 def test_kernels_run_on_each_devices_shard():
     """Under fsdp=8 the automatic path hands the Pallas kernels each device's batch rows (shard_local),
     not the global batch the partitioner would otherwise gather onto every device."""
-    trainer = build(*MESHES["fsdp=8"], *KERNELS)
-    with jax.set_mesh(trainer.mesh):
-        jaxpr = trainer.step_fn.trace(trainer.abstract_state, trainer.abstract_batch()).jaxpr
+    strategy = build(*MESHES["fsdp=8"], *KERNELS)
+    with jax.set_mesh(strategy.mesh):
+        jaxpr = strategy.step_fn.trace(strategy.abstract_state, strategy.abstract_batch()).jaxpr
 
     batches = []
 
@@ -93,7 +93,7 @@ def test_kernels_run_on_each_devices_shard():
                     elif isinstance(sub, jax.extend.core.Jaxpr):
                         walk(sub)
     walk(jaxpr.jaxpr)
-    global_batch = trainer.config.train.batch_size
+    global_batch = strategy.config.train.batch_size
     attention_rows = [b for b in batches if b < global_batch * 32]      # norms see [rows, D]; attention [B, ...]
     assert batches and attention_rows
     assert all(b in (global_batch // 8, global_batch // 8 * 32) for b in batches), batches

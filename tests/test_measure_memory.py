@@ -19,7 +19,7 @@ from jaxpar.measure.memory import (
 from jaxpar.mesh import make_mesh
 from jaxpar.model.counting import param_count
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_strategy
 
 N = 8
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,14 +33,14 @@ def tiny(*overrides):
 
 @pytest.fixture(scope="module")
 def fsdp_step():
-    """The tiny model's train step compiled for FSDP over 8 CPU devices, and its trainer."""
+    """The tiny model's train step compiled for FSDP over 8 CPU devices, and its strategy."""
     config = tiny("mesh.data=1", f"mesh.fsdp={N}")
     mesh = make_mesh(config)
     model_cfg = ModelConfig.from_config(config.model)
-    trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
+    strategy = make_strategy(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
     with jax.set_mesh(mesh):
-        compiled = trainer.lower_step().compile()
-    return config, model_cfg, trainer, compiled
+        compiled = strategy.lower_step().compile()
+    return config, model_cfg, strategy, compiled
 
 
 def test_leaf_bytes_follow_the_sharding():
@@ -54,8 +54,8 @@ def test_leaf_bytes_follow_the_sharding():
 
 def test_state_from_shardings_equals_compiled_arguments(fsdp_step):
     """The step's arguments are the state plus the batch: the shardings predict them to the byte."""
-    config, model_cfg, trainer, compiled = fsdp_step
-    state = state_bytes(trainer.abstract_state)
+    config, model_cfg, strategy, compiled = fsdp_step
+    state = state_bytes(strategy.abstract_state)
     batch = config.train.batch_size * (config.data.seq_len + 1) * 4 // N
     mem = compiled_memory(compiled, "cpu")
     assert mem.argument == state["state_total"] + batch
@@ -65,7 +65,7 @@ def test_state_from_shardings_equals_compiled_arguments(fsdp_step):
 
 def test_zero_formula_within_5_percent_of_compiled_arguments(fsdp_step):
     """Closed form 4Ψ/N + 8Ψ/N vs the compiler; the gap is the replicated norms, counters and batch."""
-    config, model_cfg, trainer, compiled = fsdp_step
+    config, model_cfg, strategy, compiled = fsdp_step
     psi = param_count(model_cfg)["total"]
     shards = shard_counts(config, {"data": 1, "fsdp": N, "tensor": 1})
     formula = zero_formula(psi, shards)

@@ -15,7 +15,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.model import transformer
 from jaxpar.model.ops import Ops
 from jaxpar.model.transformer import ModelConfig, init_params, loss
-from jaxpar.parallel.auto import AutoTrainer
+from jaxpar.parallel.auto import AutoStrategy
 from jaxpar.parallel.megatron import tensor_parallel_ops
 from jaxpar.parallel.rules import AxisRules
 
@@ -65,7 +65,7 @@ def test_attention_reads_head_counts_from_shapes():
 
 def test_aux_outputs_reach_the_loss_and_the_metrics(monkeypatch):
     """A block that reports an auxiliary loss and a statistic: the loss adds the first (summed over layers),
-    the train step's metrics carry both without the trainer naming them."""
+    the train step's metrics carry both without the strategy naming them."""
     real_block = transformer.block
 
     def block_with_aux(x, w, cfg, ops):
@@ -78,8 +78,8 @@ def test_aux_outputs_reach_the_loss_and_the_metrics(monkeypatch):
     total, metrics = loss(params, tokens, cfg)
     assert float(total) == pytest.approx(float(plain_total) + 0.25 * cfg.layers, rel=1e-6)
     assert float(metrics["ce_loss"]) == pytest.approx(float(plain["loss"]), rel=1e-6)
-    trainer = AutoTrainer(config, cfg, make_mesh(config, jax.devices()))
-    _, step_metrics = trainer.step(trainer.init_state(), jax.device_put(tokens, trainer.batch_sharding))
+    strategy = AutoStrategy(config, cfg, make_mesh(config, jax.devices()))
+    _, step_metrics = strategy.step(strategy.init_state(), jax.device_put(tokens, strategy.batch_sharding))
     assert set(step_metrics) == {"loss", "ce_loss", "probe_loss", "probe_stat", "grad_norm"}
     assert step_metrics["probe_stat"].shape == (cfg.layers, 3)
 

@@ -16,7 +16,7 @@ from jaxpar.model import moe
 from jaxpar.model.counting import param_count
 from jaxpar.model.ops import Ops
 from jaxpar.model.transformer import ModelConfig, cross_entropy_and_aux, forward, init_params, loss
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_strategy
 from jaxpar.train.sample import generate
 
 VOCAB = 512
@@ -181,11 +181,11 @@ def test_aux_free_bias_changes_selection_not_gradients():
 def test_aux_free_bias_moves_against_the_observed_load_after_each_step():
     config, cfg, _, _ = model("model.moe.router=sigmoid", "model.moe.bias_rate=0.01", "train.weight_decay=0.5",
                               "train.warmup_steps=1", "model.layers=1")
-    trainer = make_trainer(config, cfg, make_mesh(config, jax.devices()[:1]))
-    state = trainer.init_state()
+    strategy = make_strategy(config, cfg, make_mesh(config, jax.devices()[:1]))
+    state = strategy.init_state()
     for batch in counting_batches(config, 2, VOCAB):
         before = np.asarray(state["params"]["moe_blocks"]["router_bias"])
-        state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+        state, metrics = strategy.step(state, jax.device_put(batch, strategy.batch_sharding))
         routed = np.asarray(metrics["moe_routed"])
         want = before + 0.01 * np.sign(routed.mean(-1, keepdims=True) - routed)
         np.testing.assert_allclose(np.asarray(state["params"]["moe_blocks"]["router_bias"]), want, atol=1e-7)

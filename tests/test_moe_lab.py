@@ -91,7 +91,7 @@ class RecordedLab:
         from jaxpar.model.transformer import ModelConfig
         config = load_config(str(ROOT / "configs" / "test.py"))
         apply_overrides(config, ["model.moe.experts=8", *overrides])
-        return types.SimpleNamespace(label=label, trainer=types.SimpleNamespace(
+        return types.SimpleNamespace(label=label, strategy=types.SimpleNamespace(
             model_cfg=ModelConfig.from_config(config.model, 512)))
 
     def run(self, built, steps, keep=(), evaluate=False):

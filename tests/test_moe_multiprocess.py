@@ -32,15 +32,15 @@ def train(overrides, devices=None) -> list[list[float]]:
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     config = load_config("configs/test.py")
     apply_overrides(config, [*BASE, *overrides])
-    trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
-    state, losses = trainer.init_state(), []
+    strategy = make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
+    state, losses = strategy.init_state(), []
     for batch in counting_batches(config, STEPS, VOCAB):
-        tokens = jax.make_array_from_callback(batch.shape, trainer.batch_sharding, lambda index, batch=batch: batch[index])
-        state, metrics = trainer.step(state, tokens)
+        tokens = jax.make_array_from_callback(batch.shape, strategy.batch_sharding, lambda index, batch=batch: batch[index])
+        state, metrics = strategy.step(state, tokens)
         losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
     return losses
 

@@ -8,7 +8,7 @@ from synthetic import counting_batches
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_strategy
 
 VOCAB = 512
 
@@ -20,12 +20,12 @@ def test_zero3_applies_the_aux_free_bias_update_to_its_slice():
     apply_overrides(config, ["train.warmup_steps=1", "model.moe.experts=8", "mesh.data=2", "parallel.data=zero3",
                              "model.layers=1", "model.moe.router=sigmoid", "model.moe.bias_rate=0.01",
                              "train.weight_decay=0.5"])
-    trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:2]))
-    assert trainer.state_specs["params"]["moe_blocks"]["router_bias"] == jax.sharding.PartitionSpec(None, "data")
-    state = trainer.init_state()
+    strategy = make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:2]))
+    assert strategy.state_specs["params"]["moe_blocks"]["router_bias"] == jax.sharding.PartitionSpec(None, "data")
+    state = strategy.init_state()
     for batch in counting_batches(config, 2, VOCAB):
         before = np.asarray(state["params"]["moe_blocks"]["router_bias"])
-        state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+        state, metrics = strategy.step(state, jax.device_put(batch, strategy.batch_sharding))
         routed = np.asarray(metrics["moe_routed"])
         want = before + 0.01 * np.sign(routed.mean(-1, keepdims=True) - routed)
         np.testing.assert_allclose(np.asarray(state["params"]["moe_blocks"]["router_bias"]), want, atol=1e-7)

@@ -14,7 +14,7 @@ from jaxpar.config import apply_overrides, load_config
 from jaxpar.launch import launch
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_strategy
 
 TESTS_DIR = str(Path(__file__).parent)
 
@@ -22,10 +22,10 @@ TESTS_DIR = str(Path(__file__).parent)
 def single_device_losses():
     config = load_config("configs/test.py")
     apply_overrides(config, ["train.warmup_steps=1", "mesh.data=1"])
-    trainer = make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:1]))
-    state, losses = trainer.init_state(), []
+    strategy = make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:1]))
+    state, losses = strategy.init_state(), []
     for batch in counting_batches(config, STEPS, VOCAB):
-        state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+        state, metrics = strategy.step(state, jax.device_put(batch, strategy.batch_sharding))
         losses.append(float(metrics["loss"]))
     return np.array(losses)
 

@@ -23,7 +23,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, init_params, run_blocks
 from jaxpar.parallel import deferred
 from jaxpar.parallel.pipeline_program import compile_program
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_strategy
 from jaxpar.parallel.schedules import NAMES, Action, ScheduleError, bubble_fraction, build, dualpipe_idle, validate
 
 STEPS, VOCAB = 5, 512
@@ -50,24 +50,24 @@ CASES = {
 def make(overrides, devices: int):
     config = load_config("configs/test.py")
     apply_overrides(config, BASE + overrides)
-    return make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:devices]))
+    return make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:devices]))
 
 
 class Compiled:
-    """A trainer with its step compiled once (run and inspected), from one shared initial state."""
+    """A strategy with its step compiled once (run and inspected), from one shared initial state."""
 
-    def __init__(self, trainer, initial):
-        self.trainer = trainer
-        with jax.set_mesh(trainer.mesh):
-            self.step = trainer.lower_step().compile(compiler_options=FAST)
-        self.initial = jax.device_put(initial, trainer.state_shardings)
+    def __init__(self, strategy, initial):
+        self.strategy = strategy
+        with jax.set_mesh(strategy.mesh):
+            self.step = strategy.lower_step().compile(compiler_options=FAST)
+        self.initial = jax.device_put(initial, strategy.state_shardings)
 
     def run(self, state=None, steps=STEPS):
         state = self.initial if state is None else state
         losses, norms = [], []
-        for batch in counting_batches(self.trainer.config, steps, VOCAB)[:steps]:
-            with jax.set_mesh(self.trainer.mesh):
-                state, metrics = self.step(state, jax.device_put(batch, self.trainer.batch_sharding))
+        for batch in counting_batches(self.strategy.config, steps, VOCAB)[:steps]:
+            with jax.set_mesh(self.strategy.mesh):
+                state, metrics = self.step(state, jax.device_put(batch, self.strategy.batch_sharding))
             losses.append(float(metrics["loss"]))
             norms.append(float(metrics["grad_norm"]))
         return np.array(losses), np.array(norms), state
@@ -75,7 +75,7 @@ class Compiled:
 
 @pytest.fixture(scope="module")
 def initial():
-    """The initial state every trainer starts from (same seed, same values: made once, on the host)."""
+    """The initial state every strategy starts from (same seed, same values: made once, on the host)."""
     return jax.device_get(make(["mesh.data=1"], 1).init_state())
 
 
@@ -183,15 +183,15 @@ def test_matches_single_device(name, runs, oracle):
 
 def test_evaluation_runs_the_forward_schedule(built, runs, oracle):
     _, _, state = runs("interleaved p=2 v=2 m=4")
-    trainer = built("interleaved p=2 v=2 m=4").trainer
-    single = built("single device").trainer
-    batch = counting_batches(trainer.config, 1, VOCAB, seed=7)[0]
+    strategy = built("interleaved p=2 v=2 m=4").strategy
+    single = built("single device").strategy
+    batch = counting_batches(strategy.config, 1, VOCAB, seed=7)[0]
 
     def evaluate(t, params):
         tokens = jax.device_put(batch, t.batch_sharding)
         with jax.set_mesh(t.mesh):
             return float(t.eval_fn.lower(params, tokens).compile(compiler_options=FAST)(params, tokens))
-    got, want = evaluate(trainer, state["params"]), evaluate(single, oracle[2]["params"])
+    got, want = evaluate(strategy, state["params"]), evaluate(single, oracle[2]["params"])
     assert got == pytest.approx(want, rel=1e-5)
 
 
@@ -200,7 +200,7 @@ def test_evaluation_runs_the_forward_schedule(built, runs, oracle):
 def test_1f1b_stash_is_bounded_by_p_gpipe_keeps_all_m(built):
     """Same p=4, m=8, same microbatch: GPipe keeps 8 microbatches' activations, 1F1B 4 (compiled temp)."""
     gpipe, one = (compiled_memory(built(n).step, "cpu").temp for n in ("gpipe p=4 m=8", "1f1b p=4 m=8"))
-    slots = {n: built(n).trainer.program.slots["stash"] for n in ("gpipe p=4 m=8", "1f1b p=4 m=8")}
+    slots = {n: built(n).strategy.program.slots["stash"] for n in ("gpipe p=4 m=8", "1f1b p=4 m=8")}
     assert slots == {"gpipe p=4 m=8": 8, "1f1b p=4 m=8": 4}
     assert gpipe > 1.6 * one
 
@@ -255,10 +255,10 @@ def test_executed_collectives_match_the_dry_run_formulas(built):
     from jaxpar.parallel.registry import predicted_collective_bytes
     c = built("3d data=2 pipe=2 tensor=2")
     sent = defaultdict(float)
-    for collective in step_collectives(c.trainer, c.step.as_text()):
+    for collective in step_collectives(c.strategy, c.step.as_text()):
         sent[collective.axis_label] += collective.bytes_per_step
-    sizes = {axis: int(n) for axis, n in c.trainer.mesh.shape.items()}
-    predicted = predicted_collective_bytes(c.trainer.config, c.trainer.model_cfg, sizes, "cpu")
+    sizes = {axis: int(n) for axis, n in c.strategy.mesh.shape.items()}
+    predicted = predicted_collective_bytes(c.strategy.config, c.strategy.model_cfg, sizes, "cpu")
     assert set(predicted) == {"pipe", "tensor", "data"}
     for axis, want in predicted.items():
         assert sent[axis] == pytest.approx(want, rel=0.01), axis
@@ -274,7 +274,7 @@ def test_interleaved_checkpoint_restores_on_one_device_and_on_1f1b(tmp_path, bui
     single, one_f = built("single device"), built("1f1b p=4 m=8")
     for target in (single, one_f):
         with ocp.StandardCheckpointer() as checkpointer:
-            restored = checkpointer.restore(path, target.trainer.abstract_state)
+            restored = checkpointer.restore(path, target.strategy.abstract_state)
         for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))   # layer order: the model's
         target.restored = restored

@@ -14,7 +14,7 @@ from synthetic import counting_batches
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.model.transformer import ModelConfig, loss
-from jaxpar.parallel.registry import build_trainer, select
+from jaxpar.parallel.registry import build_strategy, select
 
 STEPS, VOCAB = 3, 512
 FAST = {"xla_backend_optimization_level": 0}        # the same HLO compiled at -O0: same numbers, faster
@@ -40,14 +40,14 @@ def make_config(overrides):
 def train(overrides, devices: int, initial=None):
     """Metrics of STEPS steps (host arrays) and the final params, from `initial` (host) if given."""
     config = make_config(overrides)
-    trainer = build_trainer(config, jax.devices()[:devices], VOCAB)
-    with jax.set_mesh(trainer.mesh):
-        step = trainer.lower_step().compile(compiler_options=FAST)
-        state = trainer.init_state() if initial is None else jax.device_put(initial, trainer.state_shardings)
+    strategy = build_strategy(config, jax.devices()[:devices], VOCAB)
+    with jax.set_mesh(strategy.mesh):
+        step = strategy.lower_step().compile(compiler_options=FAST)
+        state = strategy.init_state() if initial is None else jax.device_put(initial, strategy.state_shardings)
         first = jax.device_get(state)
         metrics = []
         for batch in counting_batches(config, STEPS, VOCAB):
-            state, m = step(state, jax.device_put(batch, trainer.batch_sharding))
+            state, m = step(state, jax.device_put(batch, strategy.batch_sharding))
             metrics.append(jax.device_get(m))
     return {k: np.array([m[k] for m in metrics]) for k in metrics[0]}, jax.device_get(state["params"]), first
 

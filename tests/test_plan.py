@@ -93,14 +93,14 @@ def test_full_remat_recomputes_what_the_compiler_recomputes():
 def test_bytes_match_the_compiled_cpu_program(sizes):
     from jaxpar.measure import hlo
     from jaxpar.mesh import make_mesh
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
     cand = Candidate(remat="none", precision="float32", **sizes)
     c, reason = candidate_config(config("test"), cand, 16, 32, platform="cpu")
     assert reason is None
     mesh = make_mesh(c)
-    trainer = make_trainer(c, ModelConfig.from_config(c.model), mesh)
+    strategy = make_strategy(c, ModelConfig.from_config(c.model), mesh)
     with jax.set_mesh(mesh):
-        compiled = trainer.lower_step().compile()
+        compiled = strategy.lower_step().compile()
     found = {}
     for col in hlo.collectives(compiled.as_text(), mesh):
         found[col.axis_label] = found.get(col.axis_label, 0.0) + col.bytes_per_step

@@ -10,45 +10,45 @@ from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.counting import param_count
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_trainer
+from jaxpar.parallel.registry import make_strategy
 
 VOCAB = 512
 BASE = ["train.warmup_steps=1", "train.grad_clip=0.05"]
 
 
-def _trainer(overrides, devices):
+def _strategy(overrides, devices):
     config = load_config("configs/test.py")
     apply_overrides(config, BASE + overrides)
     model = ModelConfig.from_config(config.model, VOCAB)
-    return make_trainer(config, model, make_mesh(config, jax.devices()[:devices]))
+    return make_strategy(config, model, make_mesh(config, jax.devices()[:devices]))
 
 
-def _run(trainer, steps=2):
-    state, losses, norms = trainer.init_state(), [], []
-    with jax.set_mesh(trainer.mesh):
-        step = trainer.lower_step().compile()
-        for batch in counting_batches(trainer.config, steps, VOCAB):
-            state, metrics = step(state, jax.device_put(batch, trainer.batch_sharding))
+def _run(strategy, steps=2):
+    state, losses, norms = strategy.init_state(), [], []
+    with jax.set_mesh(strategy.mesh):
+        step = strategy.lower_step().compile()
+        for batch in counting_batches(strategy.config, steps, VOCAB):
+            state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
             losses.append(float(metrics["loss"]))
             norms.append(float(metrics["grad_norm"]))
     return np.array(losses), np.array(norms), state, step
 
 
 def test_prefetch_matches_one_device_and_costs_a_gathered_layer():
-    one = _run(_trainer(["mesh.data=1"], 1))
-    trainer = _trainer(["mesh.data=8", "parallel.data=zero3", "parallel.prefetch=true"], 8)
-    prefetch = _run(trainer)
+    one = _run(_strategy(["mesh.data=1"], 1))
+    strategy = _strategy(["mesh.data=8", "parallel.data=zero3", "parallel.prefetch=true"], 8)
+    prefetch = _run(strategy)
     np.testing.assert_allclose(prefetch[0], one[0], rtol=1e-4)
     np.testing.assert_allclose(prefetch[1], one[1], rtol=1e-4)          # the global gradient norm
     for got, want in zip(jax.tree.leaves(prefetch[2]["params"]), jax.tree.leaves(one[2]["params"])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
     step = prefetch[3]
     # the forward loop gathers the next layer: L-1 trips (layer 0 before the loop), the backward likewise
-    model = trainer.model_cfg
+    model = strategy.model_cfg
     gathers = [c for c in collectives(step.as_text()) if c.op == "all-gather" and c.runs_per_step == model.layers - 1]
     assert len(gathers) >= 2, [(c.op, c.runs_per_step) for c in collectives(step.as_text())]
     # memory: ZeRO-3 with the same recomputation (remat full) holds one gathered layer; prefetch two
-    plain = _trainer(["mesh.data=8", "parallel.data=zero3", "train.remat=full"], 8)
+    plain = _strategy(["mesh.data=8", "parallel.data=zero3", "train.remat=full"], 8)
     with jax.set_mesh(plain.mesh):
         base = plain.lower_step().compile().memory_analysis().temp_size_in_bytes
     layer = param_count(model)["blocks"] / model.layers * 4

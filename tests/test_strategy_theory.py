@@ -7,7 +7,7 @@ import pytest
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.model.counting import ModelShape
 from jaxpar.parallel import registry
-from jaxpar.parallel.auto import AutoTrainer
+from jaxpar.parallel.auto import AutoStrategy
 from jaxpar.parallel.theory import Candidate, Flow, Prediction, stored_params
 from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.planner import plan
@@ -17,7 +17,7 @@ CONFIG = Path(__file__).resolve().parent.parent / "configs" / "test.py"
 TOY_BYTES = 123456.0
 
 
-class ToyTrainer(AutoTrainer):
+class ToyStrategy(AutoStrategy):
     """XLA's data parallelism under another name, with a prediction no other strategy makes."""
 
     RUNS = {"data": ("toy",)}
@@ -29,7 +29,7 @@ class ToyTrainer(AutoTrainer):
 
 @pytest.fixture
 def toy(monkeypatch):
-    monkeypatch.setattr(registry, "STRATEGIES", (*registry.STRATEGIES, ToyTrainer))
+    monkeypatch.setattr(registry, "STRATEGIES", (*registry.STRATEGIES, ToyStrategy))
 
 
 def test_a_registered_strategy_is_in_the_dry_run(toy):
@@ -66,7 +66,7 @@ def test_a_registered_strategy_is_in_the_planners_space(toy):
 
 
 def test_every_registered_strategy_predicts():
-    """No registry line without its theory: each trainer answers `predict` for a candidate it runs (the MoE
+    """No registry line without its theory: each strategy answers `predict` for a candidate it runs (the MoE
     exchange needs an MoE model: tests/test_moe_parallel.py holds it against the compiler)."""
     c = load_config(str(CONFIG))
     apply_overrides(c, ["model.vocab_size=512"])

@@ -16,9 +16,9 @@ from jaxpar.labs.tensor import layer_activations
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, loss
-from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes, select
-from jaxpar.parallel.tensor import TensorTrainer, layer_units
-from jaxpar.parallel.zero import ZeroTrainer
+from jaxpar.parallel.registry import make_strategy, predicted_collective_bytes, select
+from jaxpar.parallel.tensor import TensorStrategy, layer_units
+from jaxpar.parallel.zero import ZeroStrategy
 from jaxpar.train.checkpoint import Checkpoints
 
 STEPS = 5
@@ -43,25 +43,25 @@ def configure(overrides):
 def manual(variant, **options):
     config = configure([*LAYOUTS.get(variant, [f"mesh.data={D}", f"mesh.tensor={T}"]), *VARIANTS[variant]])
     mesh = make_mesh(config, jax.devices())
-    assert select(config, dict(mesh.shape)) is TensorTrainer
-    return TensorTrainer(config, ModelConfig.from_config(config.model, VOCAB), mesh, **options)
+    assert select(config, dict(mesh.shape)) is TensorStrategy
+    return TensorStrategy(config, ModelConfig.from_config(config.model, VOCAB), mesh, **options)
 
 
 def single_device():
     config = configure(["mesh.data=1"])
-    return make_trainer(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:1]))
+    return make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:1]))
 
 
 class Compiled:
-    """A trainer with its step compiled once: run, and read (HLO)."""
+    """A strategy with its step compiled once: run, and read (HLO)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        with jax.set_mesh(trainer.mesh):
-            self.step = trainer.lower_step().compile()
+    def __init__(self, strategy):
+        self.strategy = strategy
+        with jax.set_mesh(strategy.mesh):
+            self.step = strategy.lower_step().compile()
 
     def run(self, state=None, steps=STEPS):
-        t = self.trainer
+        t = self.strategy
         state = t.init_state() if state is None else state
         losses, norms = [], []
         with jax.set_mesh(t.mesh):
@@ -72,11 +72,11 @@ class Compiled:
         return np.array(losses), np.array(norms), state
 
     def collectives(self):
-        return collectives(self.step.as_text(), self.trainer.mesh)
+        return collectives(self.step.as_text(), self.strategy.mesh)
 
 
-def first_batch(trainer):
-    return counting_batches(trainer.config, 1, VOCAB)[0]
+def first_batch(strategy):
+    return counting_batches(strategy.config, 1, VOCAB)[0]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def oracle():
     compiled = Compiled(single_device())
     losses, norms, state = compiled.run()
     assert losses[-1] < losses[0] and (norms > 0.05).all()
-    t = compiled.trainer
+    t = compiled.strategy
     params = t.init_state()["params"]
     grads = jax.jit(jax.grad(lambda p, x: loss(p, x, t.model_cfg, t.ops)[0]))(params, first_batch(t))
     return {"compiled": compiled, "losses": losses, "norms": norms, "state": state, "grads": grads}
@@ -113,7 +113,7 @@ def test_matches_single_device(variant, built, oracle):
     assert int(state["step"]) == STEPS
     for got, want in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(oracle["state"]["params"])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
-    t = compiled.trainer
+    t = compiled.strategy
     if variant != "sp-accumulate":   # (its gradient is sp's summed over two microbatches: one compile saved)
         params = t.init_state()["params"]
         with jax.set_mesh(t.mesh):
@@ -142,7 +142,7 @@ def by_op(found, loop_runs=None):
 @pytest.mark.parametrize("variant", ["tp", "sp"])
 def test_collective_bytes_match_the_formula(variant, built):
     compiled, _ = built(variant)
-    t = compiled.trainer
+    t = compiled.strategy
     found = compiled.collectives()
     assert all(c.trip_count_known and c.axes in (("tensor",), ("data",)) for c in found)
     total = defaultdict(float)
@@ -178,7 +178,7 @@ def test_fsdp_gathers_each_layer_where_it_runs_and_sends_the_predicted_bytes(bui
     """TP x FSDP: the weights' all-gathers over fsdp run inside the layer loops (forward and the backward's
     re-gather), their gradients reduce-scatter there; bytes per axis as `manual_tensor_bytes` predicts."""
     compiled, _ = built("tp-fsdp")
-    t = compiled.trainer
+    t = compiled.strategy
     found = compiled.collectives()
     L = t.model_cfg.layers
     in_loops = {c.op for c in found if c.axes == ("fsdp",) and c.runs_per_step == L}
@@ -204,13 +204,13 @@ def test_sp_keeps_a_t_th_of_the_sequence_region():
 
 # ---------------------------------------------------------------------------- checkpoints
 
-def test_checkpoint_restores_with_the_auto_trainer_on_one_device(tmp_path, built, oracle):
+def test_checkpoint_restores_with_the_auto_strategy_on_one_device(tmp_path, built, oracle):
     compiled, (losses, _, state) = built("tp")
     checkpoints = Checkpoints(tmp_path / "checkpoints", 1)
     checkpoints.manager.save(STEPS, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))  # no data iterator
     checkpoints.close()
     single = oracle["compiled"]
-    step, restored = Checkpoints(tmp_path / "checkpoints", 1).restore(single.trainer.abstract_state)
+    step, restored = Checkpoints(tmp_path / "checkpoints", 1).restore(single.strategy.abstract_state)
     assert step == STEPS
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         assert got.sharding.num_devices == 1
@@ -225,8 +225,8 @@ def test_checkpoint_restores_with_the_auto_trainer_on_one_device(tmp_path, built
 
 def test_registry_choices():
     sizes = {"data": 2, "fsdp": 1, "pipe": 1, "expert": 1, "tensor": 4}
-    assert select(configure(["parallel.tensor=manual", "parallel.data=ddp"]), sizes) is TensorTrainer
-    assert select(configure(["parallel.data=ddp"]), {**sizes, "tensor": 1}) is ZeroTrainer
+    assert select(configure(["parallel.tensor=manual", "parallel.data=ddp"]), sizes) is TensorStrategy
+    assert select(configure(["parallel.data=ddp"]), {**sizes, "tensor": 1}) is ZeroStrategy
 
 
 @pytest.mark.parametrize("extra, field", [
@@ -254,8 +254,8 @@ def test_bad_input_exits_2_with_one_line(capsys, tmp_path, extra, field):
 
 
 def test_jaxpar_train_with_sequence_parallelism_then_sample_on_one_device(tmp_path, capsys):
-    """The training loop runs the manual trainer (steps, evaluation, checkpoint); `jaxpar sample` restores
-    the checkpoint with the automatic trainer on one device."""
+    """The training loop runs the manual strategy (steps, evaluation, checkpoint); `jaxpar sample` restores
+    the checkpoint with the automatic strategy on one device."""
     run_dir = tmp_path / "sp"
     sets = ["model.kv_heads=4", f"mesh.tensor={T}", "parallel.tensor=manual", "parallel.sequence=true",
             "train.steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.sample_tokens=0"]

@@ -3,15 +3,15 @@ tensor (Megatron-Core's default expert tensor parallelism), the router replicate
 losses, gradient norms, the per-layer router telemetry, the parameters and the aux-free bias.
 
 The Switch balance loss E·Σ f_i·P_i is a product of two batch means: each batch shard computes its own, as
-every data-parallel trainer (and Megatron-Core) does, which is not the whole batch's. It is switched off
+every data-parallel strategy (and Megatron-Core) does, which is not the whole batch's. It is switched off
 here (the sigmoid router balances with its bias), so that one device's numbers are the exact oracle."""
 import jax
 import numpy as np
 from synthetic import counting_batches
 
 from jaxpar.config import apply_overrides, load_config
-from jaxpar.parallel.registry import build_trainer
-from jaxpar.parallel.tensor import TensorTrainer
+from jaxpar.parallel.registry import build_strategy
+from jaxpar.parallel.tensor import TensorStrategy
 
 VOCAB, STEPS = 512, 3
 FAST = {"xla_backend_optimization_level": 0}   # LLVM's -O0: faster compiles, the same HLO and numbers
@@ -25,16 +25,16 @@ TELEMETRY = ("loss", "grad_norm", "ce_loss", "moe_z_loss", "moe_routed", "moe_dr
 def make(overrides, devices):
     config = load_config("configs/test.py")
     apply_overrides(config, MOE + overrides)
-    return build_trainer(config, jax.devices()[:devices], VOCAB)
+    return build_strategy(config, jax.devices()[:devices], VOCAB)
 
 
-def train(trainer):
-    with jax.set_mesh(trainer.mesh):
-        step = trainer.lower_step().compile(compiler_options=FAST)
-    state, records = trainer.init_state(), []
-    for batch in counting_batches(trainer.config, STEPS, VOCAB):
-        with jax.set_mesh(trainer.mesh):
-            state, metrics = step(state, jax.device_put(batch, trainer.batch_sharding))
+def train(strategy):
+    with jax.set_mesh(strategy.mesh):
+        step = strategy.lower_step().compile(compiler_options=FAST)
+    state, records = strategy.init_state(), []
+    for batch in counting_batches(strategy.config, STEPS, VOCAB):
+        with jax.set_mesh(strategy.mesh):
+            state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
         records.append({k: np.asarray(metrics[k]) for k in TELEMETRY})
     return state, records
 
@@ -44,7 +44,7 @@ def test_moe_with_manual_tp_and_fsdp_matches_one_device():
     f) and router telemetry per layer; the parameters after the steps, the aux-free bias included."""
     single = make(["mesh.data=1"], 1)
     manual = make(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.tensor=manual"], 8)
-    assert isinstance(manual, TensorTrainer)
+    assert isinstance(manual, TensorStrategy)
     want_state, want = train(single)
     got_state, got = train(manual)
     for step, (g, w) in enumerate(zip(got, want)):

@@ -12,8 +12,8 @@ from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.auto import AutoTrainer
-from jaxpar.parallel.zero import ZeroTrainer
+from jaxpar.parallel.auto import AutoStrategy
+from jaxpar.parallel.zero import ZeroStrategy
 
 STEPS = 5
 VOCAB = 512
@@ -27,7 +27,7 @@ def make(overrides, devices=None, manual=True):
     apply_overrides(config, BASE + overrides)
     devices = jax.devices() if devices is None else devices
     mesh = make_mesh(config, devices)
-    cls = ZeroTrainer if manual else AutoTrainer
+    cls = ZeroStrategy if manual else AutoStrategy
     if manual:
         cls.check(config, dict(mesh.shape))
     return cls(config, ModelConfig.from_config(config.model, VOCAB), mesh)
@@ -45,19 +45,19 @@ def batches(config):
     return counting_batches(config, STEPS, VOCAB)
 
 
-def run(trainer):
-    state = trainer.init_state()
+def run(strategy):
+    state = strategy.init_state()
     losses, norms = [], []
-    for batch in batches(trainer.config):
-        state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+    for batch in batches(strategy.config):
+        state, metrics = strategy.step(state, jax.device_put(batch, strategy.batch_sharding))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
     return np.array(losses), np.array(norms), state
 
 
-def compiled_step(trainer):
-    with jax.set_mesh(trainer.mesh):
-        return trainer.lower_step().compile()
+def compiled_step(strategy):
+    with jax.set_mesh(strategy.mesh):
+        return strategy.lower_step().compile()
 
 
 def shard_fraction(array):
@@ -76,18 +76,18 @@ def oracle():
 
 
 @pytest.fixture(scope="module")
-def trainers():
+def strategies():
     return {stage: zero(stage) for stage in STAGES}
 
 
 @pytest.fixture(scope="module")
-def runs(trainers):
+def runs(strategies):
     """Each stage's 5-step run, made once (by whichever test asks first)."""
     cache = {}
 
     def get(stage):
         if stage not in cache:
-            cache[stage] = run(trainers[stage])
+            cache[stage] = run(strategies[stage])
         return cache[stage]
     return get
 
@@ -118,7 +118,7 @@ def test_clipping_microbatches_and_remat_match_single_device(stage):
 
 # ---------------------------------------------------------------------------- layout
 
-def test_zero3_slices_params_and_adam_state_zero1_only_adam_state(trainers, runs):
+def test_zero3_slices_params_and_adam_state_zero1_only_adam_state(strategies, runs):
     """The state after 5 steps (so the step keeps the layout, not only init_state)."""
     for stage, params_fraction in (("zero1", 1.0), ("zero3", 1 / N)):
         state = runs(stage)[2]
@@ -130,17 +130,17 @@ def test_zero3_slices_params_and_adam_state_zero1_only_adam_state(trainers, runs
     state = runs("ddp")[2]
     assert all(shard_fraction(leaf) == 1.0 for leaf in jax.tree.leaves(state))
     # the split rule: the first divisible dimension, never the stacked layers axis
-    dims = trainers["zero3"].dims
+    dims = strategies["zero3"].dims
     assert dims["embed"] == 0 and dims["lm_head"] == 0                  # vocab (512); d_model (64)
     assert dims["blocks"]["wq"] == 1 and dims["blocks"]["w_down"] == 1  # d_model; mlp (128)
     assert dims["blocks"]["wo"] == 2                                    # heads (4) do not divide by 8: head_dim
     assert dims["blocks"]["attn_norm"] == 1
 
 
-def test_checkpoints_interchange_with_the_auto_trainer(trainers):
+def test_checkpoints_interchange_with_the_auto_strategy(strategies):
     auto = make(["mesh.data=1", "mesh.fsdp=8"], manual=False).abstract_state
-    for trainer in trainers.values():
-        ours = trainer.abstract_state
+    for strategy in strategies.values():
+        ours = strategy.abstract_state
         assert jax.tree.structure(ours) == jax.tree.structure(auto)
         assert jax.tree.map(lambda a: (a.shape, a.dtype), ours) == jax.tree.map(lambda a: (a.shape, a.dtype), auto)
 
@@ -163,17 +163,17 @@ def test_bad_manual_configs_raise_config_error():
 # ---------------------------------------------------------------------------- compiled program
 
 @pytest.fixture(scope="module")
-def compiled(trainers):
-    return {stage: compiled_step(t) for stage, t in trainers.items()}
+def compiled(strategies):
+    return {stage: compiled_step(t) for stage, t in strategies.items()}
 
 
-def test_collectives_per_stage_match_the_theory(trainers, compiled):
-    params = trainers["ddp"].abstract_state["params"]
+def test_collectives_per_stage_match_the_theory(strategies, compiled):
+    params = strategies["ddp"].abstract_state["params"]
     psi = nbytes(params)                                    # fp32 parameter bytes
     ring = (N - 1) / N
     blocks = nbytes(params["blocks"])
-    L = trainers["ddp"].model_cfg.layers
-    found = {s: collectives(c.as_text(), trainers[s].mesh) for s, c in compiled.items()}
+    L = strategies["ddp"].model_cfg.layers
+    found = {s: collectives(c.as_text(), strategies[s].mesh) for s, c in compiled.items()}
     for cs in found.values():
         assert all(c.axes == ("data",) and c.trip_count_known for c in cs)
 
@@ -214,10 +214,10 @@ def test_collectives_per_stage_match_the_theory(trainers, compiled):
     assert z3["all-reduce"] < small
 
 
-def test_memory_per_device_follows_the_zero_formulas(trainers, compiled):
+def test_memory_per_device_follows_the_zero_formulas(strategies, compiled):
     """Per-device arguments: fp32 params 4Ψ, Adam m+v 8Ψ: DDP 12Ψ; ZeRO-1/2 4Ψ + 8Ψ/N; ZeRO-3 12Ψ/N."""
-    psi = sum(leaf.size for leaf in jax.tree.leaves(trainers["ddp"].abstract_state["params"]))
-    c = trainers["ddp"].config
+    psi = sum(leaf.size for leaf in jax.tree.leaves(strategies["ddp"].abstract_state["params"]))
+    c = strategies["ddp"].config
     extras = c.train.batch_size // N * (c.data.seq_len + 1) * 4 + 3 * 4   # tokens, step, two Adam counts
     args = {s: compiled[s].memory_analysis().argument_size_in_bytes for s in STAGES}
     assert args["ddp"] == 12 * psi + extras
@@ -237,17 +237,17 @@ def test_jaxpar_train_with_zero3_checkpoints_and_samples(tmp_path, capsys):
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == [4, 8]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["sample"] and summary["final_val_loss"] < losses[1]
-    # `jaxpar sample` restores the ZeRO-3 checkpoint with the automatic trainer on one device
+    # `jaxpar sample` restores the ZeRO-3 checkpoint with the automatic strategy on one device
     capsys.readouterr()
     assert main(["sample", "--run-dir", str(run_dir), "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("[step 8] ")
 
 
-def test_dryrun_prediction_matches_each_compiled_stage(trainers, compiled):
-    """ZeroTrainer.predict knows the manual stages: compiled / predicted = 1 (+ scalars)."""
+def test_dryrun_prediction_matches_each_compiled_stage(strategies, compiled):
+    """ZeroStrategy.predict knows the manual stages: compiled / predicted = 1 (+ scalars)."""
     from jaxpar.parallel.registry import predicted_collective_bytes
-    for stage, trainer in trainers.items():
-        found = collectives(compiled[stage].as_text(), trainer.mesh)
-        sizes = dict(trainer.mesh.shape)
-        predicted = predicted_collective_bytes(trainer.config, trainer.model_cfg, sizes, "cpu")["data"]
+    for stage, strategy in strategies.items():
+        found = collectives(compiled[stage].as_text(), strategy.mesh)
+        sizes = dict(strategy.mesh.shape)
+        predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, sizes, "cpu")["data"]
         assert sum(c.bytes_per_step for c in found) == pytest.approx(predicted, abs=64), stage

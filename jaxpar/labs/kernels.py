@@ -112,11 +112,11 @@ def kernel_agreement() -> dict:
     return {"rows": rows, "markdown": table}
 
 
-def _trainer(overrides, devices, vocab):
-    from jaxpar.parallel.registry import build_trainer
+def _strategy(overrides, devices, vocab):
+    from jaxpar.parallel.registry import build_strategy
     config = load_config(None)
     apply_overrides(config, overrides)
-    return build_trainer(config, devices, vocab)
+    return build_strategy(config, devices, vocab)
 
 
 def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:
@@ -130,12 +130,12 @@ def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:
                   ["mesh.data=2", "mesh.tensor=4", *KERNELS], 8)]
     results = []
     for label, mesh, overrides, devices in runs:
-        trainer = _trainer([*base, *overrides], jax.devices()[:devices], vocab)
-        batches = counting_batches(trainer.config.train.batch_size, trainer.config.data.seq_len, vocab, steps)
-        state, losses = trainer.init_state(), []
+        strategy = _strategy([*base, *overrides], jax.devices()[:devices], vocab)
+        batches = counting_batches(strategy.config.train.batch_size, strategy.config.data.seq_len, vocab, steps)
+        state, losses = strategy.init_state(), []
         start = time.perf_counter()
         for batch in batches:
-            state, metrics = trainer.step(state, jax.device_put(batch, trainer.batch_sharding))
+            state, metrics = strategy.step(state, jax.device_put(batch, strategy.batch_sharding))
             losses.append(float(metrics["loss"]))
         results.append({"ops": label, "mesh": mesh, "losses": losses, "seconds": time.perf_counter() - start})
         log(f"  {label} on {mesh}: {', '.join(f'{v:.5f}' for v in losses)}")
@@ -157,15 +157,15 @@ def step_memory(overrides: list[str], vocab: int) -> dict:
     from jaxpar.kernels.kernel_ops import resolve
     from jaxpar.measure.memory import activation_estimate, compiled_memory, state_bytes
 
-    trainer = _trainer(["mesh.data=1", *overrides], jax.devices()[:1], vocab)
-    config, cfg = trainer.config, trainer.model_cfg
-    compiled = trainer.lower_step().compile()
+    strategy = _strategy(["mesh.data=1", *overrides], jax.devices()[:1], vocab)
+    config, cfg = strategy.config, strategy.model_cfg
+    compiled = strategy.lower_step().compile()
     chosen = resolve(config, "cpu", jnp.float32)
     acts = activation_estimate(layers=cfg.layers, seq_len=config.data.seq_len, micro_batch=config.train.batch_size,
                                d_model=cfg.d_model, heads=cfg.heads, vocab_size=cfg.vocab_size, compute_bytes=4,
                                remat=config.train.remat, flash=fused_attention(chosen["attention"], "cpu"),
                                loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None)
-    grads = state_bytes(trainer.abstract_state)["grads"]
+    grads = state_bytes(strategy.abstract_state)["grads"]
     return {"temp": compiled_memory(compiled, "cpu").temp, "predicted": grads + acts["total"],
             "activations": acts["total"], "grads": grads}
 
@@ -183,7 +183,7 @@ def memory(base: list[str], vocab: int, seq_lens, log) -> dict:
     table = md_table(["attention", "remat", "S", "temp (compiled)", "predicted: grads + activations", "ratio"],
                    [[r["attention"], r["remat"], r["seq_len"], _mib(r["temp"]), _mib(r["predicted"]),
                      f"{r['temp'] / r['predicted']:.2f}"] for r in rows])
-    probe = _trainer(["mesh.data=1", *base], jax.devices()[:1], vocab)
+    probe = _strategy(["mesh.data=1", *base], jax.devices()[:1], vocab)
     b, heads, layers = probe.config.train.batch_size, probe.model_cfg.heads, probe.model_cfg.layers
     quadratic = []
     for remat in ("none", "full"):
@@ -217,7 +217,7 @@ def loss_memory(base: list[str], vocab: int, log) -> dict:
     for loss in ("full", "chunked"):
         out[loss] = step_memory([*base, f"model.loss={loss}", "model.loss_chunk=16"], vocab)
         log(f"  loss {loss}: temp {_mib(out[loss]['temp'])}")
-    probe = _trainer(["mesh.data=1", *base], jax.devices()[:1], vocab).config
+    probe = _strategy(["mesh.data=1", *base], jax.devices()[:1], vocab).config
     B, S = probe.train.batch_size, probe.data.seq_len
     logits_bytes = B * S * vocab * 4
     saved = out["full"]["temp"] - out["chunked"]["temp"]

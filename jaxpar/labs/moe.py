@@ -133,8 +133,8 @@ def communication(lab: Lab) -> dict:
         if devices == 1:
             continue
         built = lab.build(label, overrides, devices)
-        found = collectives(built.compiled.as_text(), built.trainer.mesh)
-        theory = moe_all_to_all_bytes(*workload(built.config, built.trainer.model_cfg, built.sizes,
+        found = collectives(built.compiled.as_text(), built.strategy.mesh)
+        theory = moe_all_to_all_bytes(*workload(built.config, built.strategy.model_cfg, built.sizes,
                                                lab.devices[0].platform))
         on_expert = _by_op(found, lambda c: "expert" in (c.axes or ()))
         a2a = on_expert.get("all-to-all", {}).get("bytes", 0.0)
@@ -233,9 +233,9 @@ def capacity(lab: Lab, steps: int) -> dict:
     for label, dispatch in settings:
         built = lab.build(f"manual EP expert={n}, {label}", [*dispatch, f"mesh.expert={n}", _ep(True)], n)
         r = lab.run(built, steps)
-        a2a = sum(c.bytes_per_step for c in collectives(built.compiled.as_text(), built.trainer.mesh)
+        a2a = sum(c.bytes_per_step for c in collectives(built.compiled.as_text(), built.strategy.mesh)
                   if c.op == "all-to-all")
-        theory = moe_all_to_all_bytes(*workload(built.config, built.trainer.model_cfg, built.sizes,
+        theory = moe_all_to_all_bytes(*workload(built.config, built.strategy.model_cfg, built.sizes,
                                                lab.devices[0].platform))
         dropped = np.sum(np.asarray(r["moe_dropped"]), axis=-1).mean(axis=-1)
         rows[label] = {"dropped": dropped.tolist(), "dropped_mean": float(dropped.mean()), "all_to_all": a2a,
@@ -270,7 +270,7 @@ def moe_vs_dense(lab: Lab, steps: int) -> dict:
     for label, overrides in models.items():
         built = lab.build(f"compare: {label}", overrides)
         r = lab.run(built, steps, keep=(), evaluate=True)
-        cfg = built.trainer.model_cfg
+        cfg = built.strategy.model_cfg
         counts = param_count(cfg)
         runs[label] = {"ce": r["ce"], "val_loss": r["val_loss"], "step_ms": _median_ms(r["times"]),
                        "params": counts["total"], "active": counts["active"],

@@ -13,17 +13,17 @@ from jaxpar.config import apply_overrides, model_vocab_size
 
 @dataclasses.dataclass
 class Built:
-    """One configuration's trainer and its compiled step (compiled once: run, timed and inspected)."""
+    """One configuration's strategy and its compiled step (compiled once: run, timed and inspected)."""
 
     label: str
     config: object
-    trainer: object
+    strategy: object
     compiled: object
     compile_s: float
 
     @property
     def sizes(self) -> dict:
-        return {name: int(size) for name, size in self.trainer.mesh.shape.items()}
+        return {name: int(size) for name, size in self.strategy.mesh.shape.items()}
 
 
 class Lab:
@@ -48,39 +48,39 @@ class Lab:
 
     def build(self, label: str, overrides: list[str], devices: int = 1) -> Built:
         """Configure, build and compile one run (cached by its overrides and device count)."""
-        from jaxpar.parallel.registry import build_trainer
+        from jaxpar.parallel.registry import build_strategy
 
         key = (tuple(overrides), devices)
         if key not in self.builds:
             config = copy.deepcopy(self.base)
             apply_overrides(config, ["mesh.data=1", "mesh.fsdp=1", "mesh.expert=1", "mesh.tensor=1",
                                      "parallel.expert=auto", "train.compute_dtype=float32", *overrides])
-            trainer = build_trainer(config, self.devices[:devices], self.vocab)
+            strategy = build_strategy(config, self.devices[:devices], self.vocab)
             start = time.perf_counter()
-            with jax.set_mesh(trainer.mesh):
-                compiled = trainer.lower_step().compile()
-            self.builds[key] = Built(label, config, trainer, compiled, time.perf_counter() - start)
+            with jax.set_mesh(strategy.mesh):
+                compiled = strategy.lower_step().compile()
+            self.builds[key] = Built(label, config, strategy, compiled, time.perf_counter() - start)
             self.log(f"  compiled {label} in {self.builds[key].compile_s:.1f} s")
         return self.builds[key]
 
     def initial_state(self, built: Built):
         """The initial state of `built`'s model in its layout: made once per parameter shapes (the same seed
         gives the same values), on the host without compiling anything, then placed per layout."""
-        shapes = jax.eval_shape(built.trainer.make_state)
+        shapes = jax.eval_shape(built.strategy.make_state)
         key = str(jax.tree.map(lambda a: (a.shape, str(a.dtype)), shapes))
         if key not in self._initial:
             with jax.default_device(jax.devices("cpu")[0]):
-                self._initial[key] = jax.device_get(built.trainer.make_state())
-        return jax.device_put(self._initial[key], built.trainer.state_shardings)
+                self._initial[key] = jax.device_get(built.strategy.make_state())
+        return jax.device_put(self._initial[key], built.strategy.state_shardings)
 
     def run(self, built: Built, steps: int, keep=("moe_routed", "moe_dropped"), evaluate: bool = False) -> dict:
         """Train from the initial state over the first `steps` batches: losses, times, kept metrics per step,
         and with `evaluate` the validation cross-entropy at the end."""
         state = self.initial_state(built)
         out = {"losses": [], "ce": [], "times": [], **{k: [] for k in keep}}
-        with jax.set_mesh(built.trainer.mesh):
+        with jax.set_mesh(built.strategy.mesh):
             for batch in self.batches(steps):
-                tokens = jax.device_put(batch, built.trainer.batch_sharding)
+                tokens = jax.device_put(batch, built.strategy.batch_sharding)
                 start = time.perf_counter()
                 state, metrics = built.compiled(state, tokens)
                 jax.block_until_ready(metrics)
@@ -91,6 +91,6 @@ class Lab:
                     if k in metrics:
                         out[k].append(np.asarray(metrics[k]).tolist())
             if evaluate:
-                out["val_loss"] = float(np.mean([float(built.trainer.evaluate(state["params"], b))
+                out["val_loss"] = float(np.mean([float(built.strategy.evaluate(state["params"], b))
                                                  for b in self.validation]))
         return out

@@ -193,7 +193,7 @@ def overlap_of(lanes: dict) -> dict:
             "overlapped_fraction": beside / collective if collective else 0.0}
 
 
-def profile_step(trainer, step, state, batch) -> dict:
+def profile_step(strategy, step, state, batch) -> dict:
     """One profiled step: per device its compute and collective ops, and how much of the collective time
     a compute op of the same device ran beside."""
     import gzip
@@ -202,7 +202,7 @@ def profile_step(trainer, step, state, batch) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         options = jax.profiler.ProfileOptions()
         options.host_tracer_level = 3          # on CPU, XLA's ops are host events
-        with jax.set_mesh(trainer.mesh):
+        with jax.set_mesh(strategy.mesh):
             jax.profiler.start_trace(directory, profiler_options=options, create_perfetto_trace=True)
             jax.block_until_ready(step(state, batch))
             jax.profiler.stop_trace()
@@ -220,7 +220,7 @@ def cpu_part(out: Path, steps: int, overrides: list[str], log=print) -> dict:
     from jaxpar.measure import overlap as schedule
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     base = load_config(None)
     apply_overrides(base, ["train.warmup_steps=1", *overrides])
@@ -234,19 +234,19 @@ def cpu_part(out: Path, steps: int, overrides: list[str], log=print) -> dict:
         config = load_config(None)
         apply_overrides(config, ["train.warmup_steps=1", *overrides, *extra])
         devices = jax.devices()[:1] if name == "one device" else jax.devices()[:8]
-        trainer = make_trainer(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices))
-        with jax.set_mesh(trainer.mesh):
-            step = trainer.lower_step().compile()
-            state, losses = trainer.init_state(), []
+        strategy = make_strategy(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices))
+        with jax.set_mesh(strategy.mesh):
+            step = strategy.lower_step().compile()
+            state, losses = strategy.init_state(), []
             for batch in batches:
-                state, metrics = step(state, jax.device_put(batch, trainer.batch_sharding))
+                state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
                 losses.append(float(metrics["loss"]))
         row = {"losses": losses, "temp_bytes": step.memory_analysis().temp_size_in_bytes}
         if name != "one device":
             want = np.array(results["one device"]["losses"])
             row["max_loss_rel_dev"] = float(np.max(np.abs(np.array(losses) - want) / want))
-            row["profile"] = profile_step(trainer, step, state, jax.device_put(batches[0], trainer.batch_sharding))
-            row["schedule"] = {k: v for k, v in schedule.analyse(step.as_text(), trainer.mesh,
+            row["profile"] = profile_step(strategy, step, state, jax.device_put(batches[0], strategy.batch_sharding))
+            row["schedule"] = {k: v for k, v in schedule.analyse(step.as_text(), strategy.mesh,
                                {"platform": "cpu"}, 1e11).items() if k != "collectives"}
             log(f"  {name}: max loss deviation {row['max_loss_rel_dev']:.1e}, profile: "
                 f"{row['profile']['overlapped_fraction']:.1%} of {row['profile']['collective_us'] / 1e3:.1f} ms "

@@ -114,10 +114,10 @@ def equivalence_of(lab: Lab, cases, steps: int) -> dict:
     """Each (label, overrides, devices) against one device over the same batches: {"cases", "table"}."""
     rows, out = [], {}
     for label, overrides, devices in cases:
-        trainer, step = lab.compiled(overrides, devices)
-        oracle_t, oracle_s = lab.compiled(["mesh.data=1", f"train.batch_size={trainer.config.train.batch_size}"], 1)
+        strategy, step = lab.compiled(overrides, devices)
+        oracle_t, oracle_s = lab.compiled(["mesh.data=1", f"train.batch_size={strategy.config.train.batch_size}"], 1)
         want_losses, want_norms = lab.run(oracle_t, oracle_s, steps)
-        losses, norms = lab.run(trainer, step, steps)
+        losses, norms = lab.run(strategy, step, steps)
         dev = max(abs(g / w - 1) for g, w in zip(losses, want_losses))
         dev_norm = max(abs(g / w - 1) for g, w in zip(norms, want_norms))
         out[label] = {"losses": losses, "oracle": want_losses, "max_rel_loss": dev, "max_rel_grad_norm": dev_norm}
@@ -139,16 +139,16 @@ def memory(lab: Lab, p: int) -> dict:
     for name, v in MEMORY:
         series = []
         for m in (p, 2 * p, 4 * p):
-            trainer, step = lab.compiled(_pipe(name, p, m, v), p)
+            strategy, step = lab.compiled(_pipe(name, p, m, v), p)
             cm = compiled_memory(step, "cpu")
             stash = None
-            if hasattr(trainer, "program"):
-                kept = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in trainer.stage_functions.kept)
-                taps = sum(int(np.prod((trainer.chunk_layers, *s.shape))) * np.dtype(s.dtype).itemsize
-                           for site in trainer.stage_functions.sites.values() for s in (site.x, site.y))
-                stash = trainer.program.slots["stash"] * kept + trainer.program.slots["wstash"] * taps
+            if hasattr(strategy, "program"):
+                kept = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in strategy.stage_functions.kept)
+                taps = sum(int(np.prod((strategy.chunk_layers, *s.shape))) * np.dtype(s.dtype).itemsize
+                           for site in strategy.stage_functions.sites.values() for s in (site.x, site.y))
+                stash = strategy.program.slots["stash"] * kept + strategy.program.slots["wstash"] * taps
             series.append({"m": m, "temp": cm.temp, "peak": cm.peak, "argument": cm.argument, "stash": stash,
-                           "slots": dict(trainer.program.slots) if hasattr(trainer, "program") else None})
+                           "slots": dict(strategy.program.slots) if hasattr(strategy, "program") else None})
         base = series[0]["temp"]
         out[name] = {"v": v, "series": series, "growth_4p": series[-1]["temp"] / base}
         for r in series:
@@ -185,22 +185,22 @@ def _permute_pairs(hlo_text: str) -> dict[str, int]:
 def p2p(lab: Lab, p: int, m: int) -> dict:
     rows, out = [], {}
     for name, v in MEMORY:
-        trainer, step = lab.compiled(_pipe(name, p, m, v), p)
+        strategy, step = lab.compiled(_pipe(name, p, m, v), p)
         text = step.as_text()
         pairs = _permute_pairs(text)
-        found = (executed_collectives(text, trainer.mesh, trainer.program, 0) if hasattr(trainer, "program")
-                 else hlo.collectives(text, trainer.mesh))
+        found = (executed_collectives(text, strategy.mesh, strategy.program, 0) if hasattr(strategy, "program")
+                 else hlo.collectives(text, strategy.mesh))
         compiled = sum(c.result_bytes * c.runs_per_step * pairs.get(c.name, 1) for c in found
                        if c.op == "collective-permute")
-        cfg = trainer.config
+        cfg = strategy.config
         e = 4
         K = p * v
         formula = p2p_bytes(K, m, MICRO, cfg.data.seq_len, cfg.model.d_model, e)
         a = MICRO * cfg.data.seq_len * cfg.model.d_model * e
         useful = None
-        if hasattr(trainer, "program"):
-            table = trainer.program.table["branch"]
-            chunk = trainer.program.table["chunk"]
+        if hasattr(strategy, "program"):
+            table = strategy.program.table["branch"]
+            chunk = strategy.program.table["chunk"]
             stage = np.arange(p)[None, :]
             k = chunk * p + stage
             sends = ((np.isin(table, (F_FIRST, F_MID)) & (k < K - 1)).sum()
@@ -318,8 +318,8 @@ def dualpipev(lab: Lab, steps: int) -> dict:
 def pipedream(lab: Lab, steps: int) -> dict:
     curves = {}
     for name in ("1f1b", "pipedream-2bw"):
-        trainer, step = lab.compiled(_pipe(name, 4, 8), 4)
-        curves[name] = lab.run(trainer, step, steps)[0]
+        strategy, step = lab.compiled(_pipe(name, 4, 8), 4)
+        curves[name] = lab.run(strategy, step, steps)[0]
     sync, stale = np.array(curves["1f1b"]), np.array(curves["pipedream-2bw"])
     gap = stale - sync
     marks = sorted({0, 1, 4, 9, steps // 2, steps - 1} & set(range(steps)))

@@ -36,30 +36,30 @@ class Lab:
         apply_overrides(config, overrides)
         return config
 
-    def trainer(self, overrides: list[str], devices: int):
-        from jaxpar.parallel.registry import build_trainer
-        return build_trainer(self.config(overrides), jax.devices()[:devices], VOCAB)
+    def strategy(self, overrides: list[str], devices: int):
+        from jaxpar.parallel.registry import build_strategy
+        return build_strategy(self.config(overrides), jax.devices()[:devices], VOCAB)
 
     def compiled(self, overrides: list[str], devices: int, fast: bool = True):
-        """(trainer, compiled step), compiled once per settings."""
+        """(strategy, compiled step), compiled once per settings."""
         key = (tuple(overrides), devices, fast)
         if key not in self._built:
-            trainer = self.trainer(overrides, devices)
+            strategy = self.strategy(overrides, devices)
             start = time.perf_counter()
-            with jax.set_mesh(trainer.mesh):
-                lowered = trainer.lower_step()
+            with jax.set_mesh(strategy.mesh):
+                lowered = strategy.lower_step()
                 step = lowered.compile(compiler_options=FAST) if fast else lowered.compile()
             self.log(f"  compiled {' '.join(o for o in overrides if 'pipe' in o or 'mesh' in o)} "
                      f"in {time.perf_counter() - start:.1f} s")
-            self._built[key] = (trainer, step)
+            self._built[key] = (strategy, step)
         return self._built[key]
 
-    def initial(self, trainer):
-        if trainer.config.parallel.pipe == "pipedream-2bw":   # its optimizer state is its own pytree; same params
-            return trainer.init_state()
+    def initial(self, strategy):
+        if strategy.config.parallel.pipe == "pipedream-2bw":   # its optimizer state is its own pytree; same params
+            return strategy.init_state()
         if self._initial is None:
-            self._initial = jax.device_get(self.trainer(["mesh.data=1"], 1).init_state())
-        return jax.device_put(self._initial, trainer.state_shardings)
+            self._initial = jax.device_get(self.strategy(["mesh.data=1"], 1).init_state())
+        return jax.device_put(self._initial, strategy.state_shardings)
 
     def batches(self, config, steps: int):
         rng = np.random.default_rng(0)
@@ -70,11 +70,11 @@ class Lab:
             out.append(((start + stride * np.arange(length)) % VOCAB).astype(np.int32))
         return out
 
-    def run(self, trainer, step, steps: int):
-        state, losses, norms = self.initial(trainer), [], []
-        for batch in self.batches(trainer.config, steps):
-            with jax.set_mesh(trainer.mesh):
-                state, metrics = step(state, jax.device_put(batch, trainer.batch_sharding))
+    def run(self, strategy, step, steps: int):
+        state, losses, norms = self.initial(strategy), [], []
+        for batch in self.batches(strategy.config, steps):
+            with jax.set_mesh(strategy.mesh):
+                state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
             losses.append(float(metrics["loss"]))
             norms.append(float(metrics["grad_norm"]))
         return losses, norms

@@ -53,12 +53,12 @@ CASES = [   # label, (overrides, devices, the oracle's microbatches), MoE model 
 ]
 
 
-def _run_metrics(lab, trainer, step, steps: int, initial):
+def _run_metrics(lab, strategy, step, steps: int, initial):
     """Every metric of `steps` steps ([steps, ...] arrays) and the final params, from `initial` (host)."""
-    state, metrics = jax.device_put(initial, trainer.state_shardings), []
-    for batch in lab.batches(trainer.config, steps):
-        with jax.set_mesh(trainer.mesh):
-            state, m = step(state, jax.device_put(batch, trainer.batch_sharding))
+    state, metrics = jax.device_put(initial, strategy.state_shardings), []
+    for batch in lab.batches(strategy.config, steps):
+        with jax.set_mesh(strategy.mesh):
+            state, m = step(state, jax.device_put(batch, strategy.batch_sharding))
         metrics.append(jax.device_get(m))
     return {k: np.array([m[k] for m in metrics]) for k in metrics[0]}, jax.device_get(state["params"])
 
@@ -77,11 +77,11 @@ def moe_pipelines(lab, steps: int) -> dict:
         batch_size = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.batch_size="))
         oracle_t, oracle_s = lab.compiled([*model, "mesh.data=1", f"train.batch_size={batch_size}",
                                            f"train.microbatches={micro}"], 1)
-        trainer, step = lab.compiled([*model, *overrides], devices)
+        strategy, step = lab.compiled([*model, *overrides], devices)
         if moe not in initial:
             initial[moe] = jax.device_get(oracle_t.init_state())
         want, want_params = _run_metrics(lab, oracle_t, oracle_s, steps, initial[moe])
-        got, params = _run_metrics(lab, trainer, step, steps, initial[moe])
+        got, params = _run_metrics(lab, strategy, step, steps, initial[moe])
         dev = {k: _max_dev(got[k], want[k]) for k in want}
         telemetry = max((v for k, v in dev.items() if k in ("moe_routed", "moe_dropped", "moe_entropy", "moe_z",
                                                             "moe_balance")), default=0.0)

@@ -55,16 +55,16 @@ def _union(intervals) -> float:
     return total
 
 
-def _profile_ticks(trainer, step, state, batch, ticks: int) -> dict[int, list[dict]]:
+def _profile_ticks(strategy, step, state, batch, ticks: int) -> dict[int, list[dict]]:
     """Profile one step. Per pipe stage and tick: the time its F/B/W work ran (the union of the device's trace
     events inside the switch's branches, whatever thread ran them) and where the tick ended (its last permute)."""
     action_ops, permutes = _tick_ops(step.as_text())
-    position = {d.id: np.unravel_index(i, trainer.mesh.devices.shape)[2]
-                for i, d in enumerate(trainer.mesh.devices.flat)}
+    position = {d.id: np.unravel_index(i, strategy.mesh.devices.shape)[2]
+                for i, d in enumerate(strategy.mesh.devices.flat)}
     with tempfile.TemporaryDirectory() as directory:
         options = jax.profiler.ProfileOptions()
         options.host_tracer_level = 3          # on CPU, XLA's ops are host events
-        with jax.set_mesh(trainer.mesh):
+        with jax.set_mesh(strategy.mesh):
             jax.profiler.start_trace(directory, profiler_options=options, create_perfetto_trace=True)
             state, _ = step(state, batch)
             jax.block_until_ready(state)
@@ -97,16 +97,16 @@ def _profile_ticks(trainer, step, state, batch, ticks: int) -> dict[int, list[di
 def timeline(lab: Lab, p: int, m: int, warmup: int) -> dict:
     out, rows = {}, []
     for name, v in TIMELINE:
-        trainer, step = lab.compiled(_pipe(name, p, m, v), p, fast=False)
-        schedule, program = trainer.schedule, trainer.program
-        state = lab.initial(trainer)
-        batches = [jax.device_put(b, trainer.batch_sharding) for b in lab.batches(trainer.config, warmup + 1)]
-        with jax.set_mesh(trainer.mesh):
+        strategy, step = lab.compiled(_pipe(name, p, m, v), p, fast=False)
+        schedule, program = strategy.schedule, strategy.program
+        state = lab.initial(strategy)
+        batches = [jax.device_put(b, strategy.batch_sharding) for b in lab.batches(strategy.config, warmup + 1)]
+        with jax.set_mesh(strategy.mesh):
             for b in batches[:warmup]:
                 state, _ = step(state, b)
             jax.block_until_ready(state)
         T = schedule.ticks
-        cells = _profile_ticks(trainer, step, state, batches[-1], T)
+        cells = _profile_ticks(strategy, step, state, batches[-1], T)
         if sorted(cells) != list(range(p)):
             raise RuntimeError(f"{name}: profile holds stages {sorted(cells)}, expected {p}")
         start = min(c[0]["start"] for c in cells.values())

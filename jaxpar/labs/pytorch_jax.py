@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 
-def collective_bytes(trainer, compiled) -> dict:
+def collective_bytes(strategy, compiled) -> dict:
     """Bytes per device per step by collective kind (ring model), and runs per step, of a compiled step.
     A pipeline's collectives are counted per stage as executed (`executed_collectives`) and averaged;
     its permutes are summed over their source-target pairs and divided by the devices."""
@@ -28,17 +28,17 @@ def collective_bytes(trainer, compiled) -> dict:
     from jaxpar.measure import hlo
     from jaxpar.measure.executed import executed_collectives
 
-    text, n = compiled.as_text(), trainer.mesh.size
+    text, n = compiled.as_text(), strategy.mesh.size
     sent, runs = defaultdict(float), defaultdict(float)
-    if not hasattr(trainer, "program"):
-        for c in hlo.collectives(text, trainer.mesh):
+    if not hasattr(strategy, "program"):
+        for c in hlo.collectives(text, strategy.mesh):
             sent[c.op] += c.bytes_per_step
             runs[c.op] += c.runs_per_step
         return {"sent": dict(sent), "calls": dict(runs)}
     pairs = _permute_pairs(text)
-    stages = trainer.mesh.shape["pipe"]
+    stages = strategy.mesh.shape["pipe"]
     for stage in range(stages):
-        for c in executed_collectives(text, trainer.mesh, trainer.program, stage):
+        for c in executed_collectives(text, strategy.mesh, strategy.program, stage):
             if c.op == "collective-permute":
                 per_device = c.result_bytes * c.runs_per_step * pairs.get(c.name, 1) / n / stages
                 sent[c.op] += per_device
@@ -57,7 +57,7 @@ def run_variants(config, batches: list[np.ndarray], variants: dict[str, list[str
     from jaxpar.measure.memory import compiled_memory
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     out, initial = {}, None
     for key, overrides in variants.items():
@@ -65,18 +65,18 @@ def run_variants(config, batches: list[np.ndarray], variants: dict[str, list[str
         apply_overrides(c, overrides)
         n = c.mesh.data * c.mesh.fsdp * c.mesh.pipe * c.mesh.tensor * c.mesh.expert
         validate(c, n)
-        trainer = make_trainer(c, ModelConfig.from_config(c.model), make_mesh(c, jax.devices()[:n]))
+        strategy = make_strategy(c, ModelConfig.from_config(c.model), make_mesh(c, jax.devices()[:n]))
         start = time.perf_counter()
-        with jax.set_mesh(trainer.mesh):
-            compiled = trainer.lower_step().compile()
+        with jax.set_mesh(strategy.mesh):
+            compiled = strategy.lower_step().compile()
         compile_s = time.perf_counter() - start
         if initial is None:
-            initial = jax.device_get(trainer.init_state())
-        state = jax.device_put(initial, trainer.state_shardings)
+            initial = jax.device_get(strategy.init_state())
+        state = jax.device_put(initial, strategy.state_shardings)
         losses, norms, times = [], [], []
-        with jax.set_mesh(trainer.mesh):
+        with jax.set_mesh(strategy.mesh):
             for batch in batches:
-                tokens = jax.device_put(batch, trainer.batch_sharding)
+                tokens = jax.device_put(batch, strategy.batch_sharding)
                 t0 = time.perf_counter()
                 state, metrics = compiled(state, tokens)
                 jax.block_until_ready(metrics)
@@ -85,7 +85,7 @@ def run_variants(config, batches: list[np.ndarray], variants: dict[str, list[str
                 norms.append(float(metrics["grad_norm"]))
         memory = compiled_memory(compiled, "cpu")
         out[key] = {"overrides": overrides, "devices": n, "losses": losses, "grad_norms": norms, "step_s": times,
-                    "compile_s": compile_s, "comm": collective_bytes(trainer, compiled),
+                    "compile_s": compile_s, "comm": collective_bytes(strategy, compiled),
                     "memory": {"argument": memory.argument, "temp": memory.temp, "output": memory.output}}
         log(f"  jaxpar {key} ({' '.join(overrides)}): compiled in {compile_s:.1f} s, "
             f"median step {1e3 * statistics.median(times[1:] or times):.1f} ms")

@@ -48,37 +48,37 @@ MANUAL = ("tp", "sp", "sp-keep")
 
 # ============================================================================ saved activations
 
-def saved_residuals(trainer) -> list[jax.ShapeDtypeStruct]:
-    """The per-device tensors JAX's autodiff keeps for the backward pass of `trainer`'s loss (a manual
-    trainer: its ops, remat policy and shard_map layout), traced on abstract inputs, nothing run."""
+def saved_residuals(strategy) -> list[jax.ShapeDtypeStruct]:
+    """The per-device tensors JAX's autodiff keeps for the backward pass of `strategy`'s loss (a manual
+    strategy: its ops, remat policy and shard_map layout), traced on abstract inputs, nothing run."""
     from jaxpar.model.transformer import loss
     found = []
 
     def body(params, tokens):
-        objective = lambda p: loss(p, tokens, trainer.model_cfg, trainer.ops, trainer.policy)[0]
+        objective = lambda p: loss(p, tokens, strategy.model_cfg, strategy.ops, strategy.policy)[0]
         _, backward = jax.vjp(objective, params)
         found.extend(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in jax.tree.leaves(backward))
         return jnp.zeros(())
 
-    program = jax.shard_map(body, mesh=trainer.mesh, in_specs=(trainer.param_specs, P("data", None)),
+    program = jax.shard_map(body, mesh=strategy.mesh, in_specs=(strategy.param_specs, P("data", None)),
                             out_specs=P(), check_vma=False)
-    with jax.set_mesh(trainer.mesh):
-        jax.eval_shape(program, trainer.abstract_state["params"], trainer.abstract_batch())
+    with jax.set_mesh(strategy.mesh):
+        jax.eval_shape(program, strategy.abstract_state["params"], strategy.abstract_batch())
     return found
 
 
-def layer_activations(trainer) -> dict:
+def layer_activations(strategy) -> dict:
     """Saved activations of the stacked layers per layer, per device, by region.
 
     A layer's activations are the residuals stacked by the layer scan: shape [L, b, ...] (b = rows per
     device), weights excluded. The sequence region is what SP splits: [L, b, s or s/t, h] and the
     per-token scalars [L, b, s or s/t, 1] (norm inputs and outputs, the residual stream); the rest
     (heads, MLP hidden units, attention scores: split by TP) is the tensor region."""
-    cfg, c = trainer.model_cfg, trainer.config
-    L, b, s, h, t = cfg.layers, c.train.batch_size // trainer.d, c.data.seq_len, cfg.d_model, trainer.t
-    weights = {leaf.sharding.shard_shape(leaf.shape) for leaf in jax.tree.leaves(trainer.abstract_state["params"])}
+    cfg, c = strategy.model_cfg, strategy.config
+    L, b, s, h, t = cfg.layers, c.train.batch_size // strategy.d, c.data.seq_len, cfg.d_model, strategy.t
+    weights = {leaf.sharding.shard_shape(leaf.shape) for leaf in jax.tree.leaves(strategy.abstract_state["params"])}
     out = {"sequence_region": 0, "tensor_region": 0, "sequence_shapes": []}
-    for r in saved_residuals(trainer):
+    for r in saved_residuals(strategy):
         if len(r.shape) < 3 or r.shape[:2] != (L, b) or r.shape in weights:
             continue
         size = int(np.prod(r.shape)) * r.dtype.itemsize // L
@@ -122,7 +122,7 @@ def equivalence(lab: Lab, steps: int) -> dict:
                 "within", "gradient of batch 1: max abs. deviation / max abs. gradient (measured)"], rows),
         "",
         "Predicted deviation: 0 up to fp32 rounding (the devices sum the same products in another order). "
-        "Gradients: every parameter's gradient from the manual trainer's `grad_fn` (mean over `data`, SP's "
+        "Gradients: every parameter's gradient from the manual strategy's `grad_fn` (mean over `data`, SP's "
         "norm-weight sums included) against `jax.grad` on one device.",
     ])
     return {"steps": steps, "tolerance": TOLERANCE, "runs": runs, "markdown": md}
@@ -143,20 +143,20 @@ def communication(lab: Lab) -> dict:
     rows = {}
     for key in ("auto", "auto-sp", *MANUAL):
         built = lab.step(key)
-        found = collectives(built.compiled.as_text(), built.trainer.mesh)
+        found = collectives(built.compiled.as_text(), built.strategy.mesh)
         layer, total = defaultdict(float), defaultdict(float)
         for c in found:
             total[f"{c.op} ({c.axis_label})"] += c.bytes_per_step
             if c.runs_per_step == L and c.axes == ("tensor",):
                 layer[c.op] += c.bytes_per_run
-        sizes = dict(built.trainer.mesh.shape)
+        sizes = dict(built.strategy.mesh.shape)
         if key in MANUAL:
             regather = VARIANTS[key][2].get("regather", True)
-            theory = workload(built.config, built.trainer.model_cfg, sizes, "cpu")
+            theory = workload(built.config, built.strategy.model_cfg, sizes, "cpu")
             predicted = manual_tensor(*theory, regather=regather).bytes_by_axis()
             layer_units = manual_layer_units("none", built.config.parallel.sequence, regather)
         elif key == "auto":
-            predicted = predicted_collective_bytes(built.config, built.trainer.model_cfg, sizes, "cpu")
+            predicted = predicted_collective_bytes(built.config, built.strategy.model_cfg, sizes, "cpu")
             layer_units = 2 * 7        # dryrun: 2 forward + 5 backward all-reduces per layer on XLA:CPU
         else:
             predicted, layer_units = {}, None
@@ -208,8 +208,8 @@ def memory(lab: Lab) -> dict:
         small, big = lab.gradient(key, L), lab.gradient(key, 2 * L)
         temps = [compiled_memory(x.compiled, "cpu").temp for x in (small, big)]
         sp = small.config.parallel.sequence
-        saved = layer_activations(small.trainer)
-        saved_big = layer_activations(big.trainer)
+        saved = layer_activations(small.strategy)
+        saved_big = layer_activations(big.strategy)
         korthikanti = korthikanti_layer_bytes(seq_len=s, micro_batch=b, d_model=h, heads=cfg.heads, tensor=t,
                                               sequence_parallel=sp)
         ours = jaxpar_layer_bytes(seq_len=s, micro_batch=b, d_model=h, heads=cfg.heads, kv_heads=cfg.kv_heads,
@@ -333,7 +333,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
 # ============================================================================ d. layouts
 
 # the MoE of part d: fine-grained experts, a shared one, the sigmoid router and its bias; no Switch balance loss,
-# which each batch shard computes from its own batch means (as every data-parallel trainer does): not one device's
+# which each batch shard computes from its own batch means (as every data-parallel strategy does): not one device's
 LAYOUT_MOE = ["model.moe.experts=4", "model.moe.router=sigmoid", "model.moe.balance_loss=0",
               "model.moe.shared_experts=1"]
 
@@ -342,7 +342,7 @@ def layouts(lab: Lab, steps: int) -> dict:
     from jaxpar.measure.hlo import collectives
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer, predicted_collective_bytes
+    from jaxpar.parallel.registry import make_strategy, predicted_collective_bytes
 
     n, t = len(lab.devices), lab.t
     half = [f"model.moe.expert_mlp_dim={lab.base.model.mlp_dim // 2}"]
@@ -358,26 +358,26 @@ def layouts(lab: Lab, steps: int) -> dict:
                                  "train.compute_dtype=float32", "train.microbatches=1", "train.remat=none",
                                  "parallel.sequence=false", "parallel.data=auto", "parallel.rules=", *overrides])
         model_cfg = ModelConfig.from_config(config.model, lab.model_cfg.vocab_size)
-        trainer = make_trainer(config, model_cfg, make_mesh(config, lab.devices[:devices]))
-        with jax.set_mesh(trainer.mesh):
-            compiled = trainer.lower_step().compile()
-        state, losses, norms = trainer.init_state(), [], []
-        with jax.set_mesh(trainer.mesh):
+        strategy = make_strategy(config, model_cfg, make_mesh(config, lab.devices[:devices]))
+        with jax.set_mesh(strategy.mesh):
+            compiled = strategy.lower_step().compile()
+        state, losses, norms = strategy.init_state(), [], []
+        with jax.set_mesh(strategy.mesh):
             for batch in batches:
-                state, metrics = compiled(state, jax.device_put(batch, trainer.batch_sharding))
+                state, metrics = compiled(state, jax.device_put(batch, strategy.batch_sharding))
                 losses.append(float(metrics["loss"]))
                 norms.append(float(metrics["grad_norm"]))
-        return config, trainer, compiled, losses, norms
+        return config, strategy, compiled, losses, norms
 
     for label, mesh, model in cases:
         if n % (2 * t) and label.startswith("TP x FSDP x DDP"):
             continue
         _, _, _, want, want_norms = build(["parallel.tensor=auto", *model], 1)
-        config, trainer, compiled, losses, norms = build(["parallel.tensor=manual", *mesh, *model], n)
+        config, strategy, compiled, losses, norms = build(["parallel.tensor=manual", *mesh, *model], n)
         measured = defaultdict(float)
-        for c in collectives(compiled.as_text(), trainer.mesh):
+        for c in collectives(compiled.as_text(), strategy.mesh):
             measured[c.axis_label] += c.bytes_per_step
-        predicted = predicted_collective_bytes(config, trainer.model_cfg, dict(trainer.mesh.shape),
+        predicted = predicted_collective_bytes(config, strategy.model_cfg, dict(strategy.mesh.shape),
                                                lab.devices[0].platform)
         if model:                    # the experts' f/g are not in the dense formula: fsdp and data only
             predicted.pop("tensor", None)

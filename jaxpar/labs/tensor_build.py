@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, model_vocab_size
 
-# variant key -> (label, config overrides, TensorTrainer keyword arguments)
+# variant key -> (label, config overrides, TensorStrategy keyword arguments)
 VARIANTS = {
     "single": ("single device", ["mesh.data=1", "mesh.tensor=1"], None),
     "auto": ("auto TP", [], None),
@@ -28,7 +28,7 @@ class Built:
     key: str
     label: str
     config: object
-    trainer: object
+    strategy: object
     compiled: object
     compile_s: float
 
@@ -67,29 +67,29 @@ class Lab:
         apply_overrides(config, overrides)
         return config
 
-    def trainer(self, key: str, layers: int | None = None):
+    def strategy(self, key: str, layers: int | None = None):
         from jaxpar.mesh import make_mesh
         from jaxpar.model.transformer import ModelConfig
-        from jaxpar.parallel.registry import make_trainer, select
-        from jaxpar.parallel.tensor import TensorTrainer
+        from jaxpar.parallel.registry import make_strategy, select
+        from jaxpar.parallel.tensor import TensorStrategy
 
         config = self.config_of(key, layers)
         mesh = make_mesh(config, self.devices[:1] if key == "single" else self.devices)
         model_cfg = ModelConfig.from_config(config.model, self.model_cfg.vocab_size)
         options = VARIANTS[key][2]
         if options is None:
-            return config, make_trainer(config, model_cfg, mesh)
+            return config, make_strategy(config, model_cfg, mesh)
         select(config, dict(mesh.shape))
-        return config, TensorTrainer(config, model_cfg, mesh, **options)
+        return config, TensorStrategy(config, model_cfg, mesh, **options)
 
     def step(self, key: str) -> Built:
         """The variant's train step, compiled once (cached)."""
         if ("step", key) not in self.builds:
-            config, trainer = self.trainer(key)
+            config, strategy = self.strategy(key)
             start = time.perf_counter()
-            with jax.set_mesh(trainer.mesh):
-                compiled = trainer.lower_step().compile()
-            self.builds[("step", key)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
+            with jax.set_mesh(strategy.mesh):
+                compiled = strategy.lower_step().compile()
+            self.builds[("step", key)] = Built(key, VARIANTS[key][0], config, strategy, compiled,
                                                time.perf_counter() - start)
             self.log(f"  compiled the step of {VARIANTS[key][0]} in {time.perf_counter() - start:.1f} s")
         return self.builds[("step", key)]
@@ -98,16 +98,16 @@ class Lab:
         """The variant's gradient program (loss and mean gradient, no optimizer), compiled once (cached)."""
         layers = layers or self.model_cfg.layers
         if ("grad", key, layers) not in self.builds:
-            config, trainer = self.trainer(key, layers)
+            config, strategy = self.strategy(key, layers)
             start = time.perf_counter()
-            with jax.set_mesh(trainer.mesh):
+            with jax.set_mesh(strategy.mesh):
                 if key == "single":
-                    compiled = jax.jit(_single_device_gradient(trainer)).lower(
-                        trainer.abstract_state["params"], trainer.abstract_batch()).compile()
+                    compiled = jax.jit(_single_device_gradient(strategy)).lower(
+                        strategy.abstract_state["params"], strategy.abstract_batch()).compile()
                 else:
-                    compiled = trainer.grad_fn.lower(trainer.abstract_state["params"],
-                                                     trainer.abstract_batch()).compile()
-            self.builds[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, trainer, compiled,
+                    compiled = strategy.grad_fn.lower(strategy.abstract_state["params"],
+                                                     strategy.abstract_batch()).compile()
+            self.builds[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, strategy, compiled,
                                                        time.perf_counter() - start)
             self.log(f"  compiled the gradient of {VARIANTS[key][0]} ({layers} layers) in "
                      f"{time.perf_counter() - start:.1f} s")
@@ -115,31 +115,31 @@ class Lab:
 
     def initial_params(self, built: Built):
         if self._initial is None:
-            self._initial = jax.device_get(built.trainer.init_state())
+            self._initial = jax.device_get(built.strategy.init_state())
         return self._initial
 
     def run(self, built: Built, batches) -> list[float]:
-        state = jax.device_put(self.initial_params(built), built.trainer.state_shardings)
+        state = jax.device_put(self.initial_params(built), built.strategy.state_shardings)
         losses = []
-        with jax.set_mesh(built.trainer.mesh):
+        with jax.set_mesh(built.strategy.mesh):
             for batch in batches:
-                state, metrics = built.compiled(state, jax.device_put(batch, built.trainer.batch_sharding))
+                state, metrics = built.compiled(state, jax.device_put(batch, built.strategy.batch_sharding))
                 losses.append(float(metrics["loss"]))
         return losses
 
     def grads(self, built: Built, batch):
-        trainer = built.trainer
-        params = jax.device_put(self.initial_params(built)["params"], trainer.param_shardings)
-        with jax.set_mesh(trainer.mesh):
-            metrics, grads = built.compiled(params, jax.device_put(batch, trainer.batch_sharding))
+        strategy = built.strategy
+        params = jax.device_put(self.initial_params(built)["params"], strategy.param_shardings)
+        with jax.set_mesh(strategy.mesh):
+            metrics, grads = built.compiled(params, jax.device_put(batch, strategy.batch_sharding))
         return float(metrics["loss"]), jax.device_get(grads)
 
 
-def _single_device_gradient(trainer):
+def _single_device_gradient(strategy):
     from jaxpar.model.transformer import loss
 
     def value_and_grad(params, tokens):
-        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tokens, trainer.model_cfg, trainer.ops,
-                                                                     trainer.policy)
-        return metrics, grads        # the manual trainers' `grad_fn` layout
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, tokens, strategy.model_cfg, strategy.ops,
+                                                                     strategy.policy)
+        return metrics, grads        # the manual strategies' `grad_fn` layout
     return value_and_grad

@@ -98,12 +98,12 @@ def memory(lab: Lab) -> dict:
 
     rows = {}
     for built in lab.strategies():
-        cfg, sizes, trainer = built.config, built.sizes, built.trainer
+        cfg, sizes, strategy = built.config, built.sizes, built.strategy
         shards = shard_counts(cfg, sizes)
         formula = zero_formula(lab.psi, shards)            # jaxpar's dtypes: fp32 params 4, grads 4, Adam 8
         # what the compiled executable takes in, leaf by leaf: its input shardings x the global shapes
         in_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                trainer.abstract_state, built.compiled.input_shardings[0][0])
+                                strategy.abstract_state, built.compiled.input_shardings[0][0])
         compiled_state = state_bytes(in_state)
         mem = compiled_memory(built.compiled, lab.platform)
         batch_bytes = cfg.train.batch_size // (sizes["data"] * sizes["fsdp"]) * (cfg.data.seq_len + 1) * 4
@@ -196,9 +196,9 @@ def remat(lab: Lab, repeats: int) -> dict:
     batch = lab.batches(1)[0]
     any_built = builts["none"]
     state = lab.initial_state(any_built)                 # the same shardings for all four: one state goes round
-    tokens = jax.device_put(batch, any_built.trainer.batch_sharding)
+    tokens = jax.device_put(batch, any_built.strategy.batch_sharding)
     times = {p: [] for p in REMATS}
-    with jax.set_mesh(any_built.trainer.mesh):
+    with jax.set_mesh(any_built.strategy.mesh):
         for policy in REMATS:                            # warm-up: first call of each executable
             state, metrics = builts[policy].compiled(state, tokens)
             jax.block_until_ready(metrics)

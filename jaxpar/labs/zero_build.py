@@ -20,12 +20,12 @@ MANUAL = ("ddp", "zero1", "zero2", "zero3")
 
 @dataclasses.dataclass
 class Built:
-    """One strategy's trainer and its compiled step (compiled once: run, timed and inspected)."""
+    """One strategy's strategy and its compiled step (compiled once: run, timed and inspected)."""
 
     key: str
     label: str
     config: object
-    trainer: object
+    strategy: object
     compiled: object
     compile_s: float
     sizes: dict
@@ -65,7 +65,7 @@ class Lab:
         """Configure, build and compile one strategy (cached by its settings); `impl` is parallel.data."""
         from jaxpar.mesh import make_mesh
         from jaxpar.model.transformer import ModelConfig
-        from jaxpar.parallel.registry import make_trainer
+        from jaxpar.parallel.registry import make_strategy
 
         remat = remat or self.base.train.remat
         layers = layers or self.base.model.layers
@@ -78,31 +78,31 @@ class Lab:
                                  f"train.remat={remat}", f"train.compute_dtype={dtype}"])
         mesh = make_mesh(config, self.devices[:data * fsdp])
         model_cfg = ModelConfig.from_config(config.model, self.model_cfg.vocab_size)
-        trainer = make_trainer(config, model_cfg, mesh)
+        strategy = make_strategy(config, model_cfg, mesh)
         start = time.perf_counter()
         with jax.set_mesh(mesh):
-            compiled = trainer.lower_step().compile()
-        built = Built(key, _label(impl, data, fsdp), config, trainer, compiled, time.perf_counter() - start,
+            compiled = strategy.lower_step().compile()
+        built = Built(key, _label(impl, data, fsdp), config, strategy, compiled, time.perf_counter() - start,
                       {name: int(size) for name, size in mesh.shape.items()})
         self.log(f"  compiled {built.label} (remat {remat}, {dtype}) in {built.compile_s:.1f} s")
         self.builds[settings] = built
         return built
 
     def initial_state(self, built: Built):
-        """The initial train state in `built`'s layout. Every trainer initialises the same values (same
+        """The initial train state in `built`'s layout. Every strategy initialises the same values (same
         seed, same init), so it is made once, kept on the host and placed per layout: one init
         compile instead of one per strategy."""
         if self._initial is None:
-            self._initial = jax.device_get(built.trainer.init_state())
-        return jax.device_put(self._initial, built.trainer.state_shardings)
+            self._initial = jax.device_get(built.strategy.init_state())
+        return jax.device_put(self._initial, built.strategy.state_shardings)
 
     def run(self, built: Built, batches) -> tuple[list[float], list[float]]:
         """Train from the initial state over `batches`: per-step losses and step times (blocked)."""
         state = self.initial_state(built)
         losses, times = [], []
-        with jax.set_mesh(built.trainer.mesh):
+        with jax.set_mesh(built.strategy.mesh):
             for batch in batches:
-                tokens = jax.device_put(batch, built.trainer.batch_sharding)
+                tokens = jax.device_put(batch, built.strategy.batch_sharding)
                 start = time.perf_counter()
                 state, metrics = built.compiled(state, tokens)
                 jax.block_until_ready(metrics)

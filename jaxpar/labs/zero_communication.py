@@ -120,7 +120,7 @@ def _per_strategy(lab) -> tuple[dict, dict]:
                                else "reduce-scatter Ψ − embedding")}
     rows, found_by = {}, {}
     for built in lab.strategies():
-        found = collectives(built.hlo, built.trainer.mesh)
+        found = collectives(built.hlo, built.strategy.mesh)
         found_by[built.key] = found
         ops = _by_op(found)
         pred = predicted_collective_bytes(built.config, lab.model_cfg, built.sizes, lab.platform)

@@ -105,7 +105,7 @@ def cache_files(directory: Path) -> int:
 
 
 def _child(argv=None) -> int:
-    """The fresh process: enable the cache, build the trainer, lower and compile its step, print JSON."""
+    """The fresh process: enable the cache, build the strategy, lower and compile its step, print JSON."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache-dir", required=True)
     parser.add_argument("--config")
@@ -120,15 +120,15 @@ def _child(argv=None) -> int:
     from jaxpar.config import apply_overrides, load_config, model_vocab_size
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     config = load_config(args.config)
     apply_overrides(config, args.overrides)
     mesh = make_mesh(config)
     vocab = model_vocab_size(config, config.data.vocab_size, mesh.shape["tensor"])   # the BPE's size, padded
-    trainer = make_trainer(config, ModelConfig.from_config(config.model, vocab), mesh)
-    with jax.set_mesh(trainer.mesh):
-        timing = timed_compile(trainer.step_fn, trainer.abstract_state, trainer.abstract_batch())
+    strategy = make_strategy(config, ModelConfig.from_config(config.model, vocab), mesh)
+    with jax.set_mesh(strategy.mesh):
+        timing = timed_compile(strategy.step_fn, strategy.abstract_state, strategy.abstract_batch())
     print(json.dumps({"lower_s": timing["lower_s"], "compile_s": timing["compile_s"],
                       "cache_files_before": before, "cache_files_after": cache_files(Path(args.cache_dir))}))
     return 0

@@ -15,19 +15,19 @@ from jaxpar.config import ConfigError, fused_attention
 from jaxpar.measure.targets import target_devices
 
 
-def pipeline_summary(trainer, compiled_peak: int) -> dict | None:
-    """A pipeline trainer's schedule, bubble (table and formula) and stash, for the dry-run report."""
+def pipeline_summary(strategy, compiled_peak: int) -> dict | None:
+    """A pipeline strategy's schedule, bubble (table and formula) and stash, for the dry-run report."""
     from jaxpar.parallel.schedules import bubble_fraction
-    schedule = getattr(trainer, "schedule", None)
-    name = trainer.config.parallel.pipe
+    schedule = getattr(strategy, "schedule", None)
+    name = strategy.config.parallel.pipe
     if name == "auto":
         return None
-    p, m, v = trainer.p, trainer.m, trainer.v
+    p, m, v = strategy.p, strategy.m, strategy.v
     out = {"schedule": name, "stages": p, "microbatches": m, "virtual": v,
            "bubble_formula": float(bubble_fraction(name, p, m, v)), "peak_per_stage": compiled_peak}
     if schedule is not None:
         out.update(bubble_table=float(schedule.bubble()), ticks=schedule.ticks, in_flight=max(schedule.in_flight()),
-                   stash_slots=trainer.program.slots["stash"])
+                   stash_slots=strategy.program.slots["stash"])
     return out
 
 
@@ -75,7 +75,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     from jaxpar.mesh import describe, make_mesh
     from jaxpar.model.counting import param_count
     from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_trainer
+    from jaxpar.parallel.registry import make_strategy
 
     if config.model.vocab_size <= 0:
         raise ConfigError("model.vocab_size", f"is {config.model.vocab_size}; a dry run has no tokenizer to take "
@@ -89,11 +89,11 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     n = len(chosen)
     model_cfg = ModelConfig.from_config(config.model)
     B, S = config.train.batch_size, config.data.seq_len
-    trainer = make_trainer(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
-    compiled, kernels, timing = _compile(trainer)
+    strategy = make_strategy(config, model_cfg, mesh, donate=True)  # accelerator memory: state updated in place
+    compiled, kernels, timing = _compile(strategy)
     hlo_text = compiled.as_text()
-    memory, kernel_choice = _memory(config, model_cfg, sizes, trainer, compiled, machine)
-    collectives = _collectives(config, model_cfg, sizes, trainer, hlo_text, machine)
+    memory, kernel_choice = _memory(config, model_cfg, sizes, strategy, compiled, machine)
+    collectives = _collectives(config, model_cfg, sizes, strategy, hlo_text, machine)
 
     flops = compiled_flops(compiled, hlo_text, kernel_flops=kernels.total)
     model_flops = model_flops_per_step(model_cfg, B, S)
@@ -113,7 +113,7 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
                   "microbatches": config.train.microbatches, "compute_dtype": config.train.compute_dtype,
                   "remat": config.train.remat, "kernels": kernel_choice},
         "memory": memory,
-        "pipeline": pipeline_summary(trainer, memory["compiled"]["peak"]),
+        "pipeline": pipeline_summary(strategy, memory["compiled"]["peak"]),
         "collectives": collectives,
         "flops": {**flops, "model_per_step": model_flops, "model_per_device": model_flops / n,
                   "peak_per_device": peak, "peak_source": peak_source},
@@ -125,23 +125,23 @@ def dryrun(config, target: str = "cpu", devices=None, topology: str | None = Non
     }
 
 
-def _compile(trainer):
+def _compile(strategy):
     """(the compiled step, the kernels' FLOPs from its jaxpr, lower and compile seconds): nothing allocated."""
     import jax
 
     from jaxpar.kernels.costs import kernel_flops
     start = time.perf_counter()
-    with jax.set_mesh(trainer.mesh):   # traced once: the jaxpr gives the kernels' FLOPs, then it is lowered
-        traced = trainer.step_fn.trace(trainer.abstract_state, trainer.abstract_batch())
+    with jax.set_mesh(strategy.mesh):   # traced once: the jaxpr gives the kernels' FLOPs, then it is lowered
+        traced = strategy.step_fn.trace(strategy.abstract_state, strategy.abstract_batch())
         lowered = traced.lower()
     kernels = kernel_flops(traced.jaxpr)
     lowered_at = time.perf_counter()
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(strategy.mesh):
         compiled = lowered.compile()
     return compiled, kernels, {"lower_s": lowered_at - start, "compile_s": time.perf_counter() - lowered_at}
 
 
-def _memory(config, model_cfg, sizes, trainer, compiled, machine) -> tuple[dict, dict]:
+def _memory(config, model_cfg, sizes, strategy, compiled, machine) -> tuple[dict, dict]:
     """The compiler's memory beside the shardings' and the ZeRO formula's, and the kernels the config resolved to."""
     import jax.numpy as jnp
 
@@ -167,19 +167,19 @@ def _memory(config, model_cfg, sizes, trainer, compiled, machine) -> tuple[dict,
                                sequence_parallel=config.parallel.sequence)
     counts = shard_counts(config, sizes)
     return {"compiled": compiled_memory(compiled, machine["platform"]).as_dict(),
-            "state_from_shardings": state_bytes(trainer.abstract_state),
+            "state_from_shardings": state_bytes(strategy.abstract_state),
             "zero_formula": zero_formula(param_count(model_cfg)["total"], counts), "shard_counts": counts,
-            "batch_bytes": leaf_bytes_per_device(trainer.abstract_batch()), "activations_estimate": acts}, chosen
+            "batch_bytes": leaf_bytes_per_device(strategy.abstract_batch()), "activations_estimate": acts}, chosen
 
 
-def _collectives(config, model_cfg, sizes, trainer, hlo_text, machine) -> dict:
+def _collectives(config, model_cfg, sizes, strategy, hlo_text, machine) -> dict:
     """The compiled collectives per mesh axis, each axis' link and time, beside the strategy's prediction."""
     from jaxpar.measure import hlo
     from jaxpar.measure.executed import step_collectives
     from jaxpar.parallel.registry import predicted_collective_bytes
-    found = step_collectives(trainer, hlo_text)   # a pipeline stage runs each tick's branches on some ticks only
+    found = step_collectives(strategy, hlo_text)   # a pipeline stage runs each tick's branches on some ticks only
     predicted = predicted_collective_bytes(config, model_cfg, sizes, machine["platform"])
-    links = _links(found, trainer.mesh, machine)
+    links = _links(found, strategy.mesh, machine)
     axes = {}
     for c in found:
         link, bw = links[c.axis_label]

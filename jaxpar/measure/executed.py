@@ -28,11 +28,11 @@ def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
     return out
 
 
-def step_collectives(trainer, hlo_text: str) -> list:
-    """The compiled step's collectives: a pipeline trainer's as its busiest stage executes them, any other's as
+def step_collectives(strategy, hlo_text: str) -> list:
+    """The compiled step's collectives: a pipeline strategy's as its busiest stage executes them, any other's as
     `hlo.collectives` counts them."""
-    program = getattr(trainer, "program", None)
+    program = getattr(strategy, "program", None)
     if program is None:
-        return hlo.collectives(hlo_text, trainer.mesh)
-    per_stage = [executed_collectives(hlo_text, trainer.mesh, program, s) for s in range(program.schedule.stages)]
+        return hlo.collectives(hlo_text, strategy.mesh)
+    per_stage = [executed_collectives(hlo_text, strategy.mesh, program, s) for s in range(program.schedule.stages)]
     return max(per_stage, key=lambda found: sum(c.bytes_per_step for c in found))

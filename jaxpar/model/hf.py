@@ -200,7 +200,7 @@ def load_hf_llama(path) -> tuple[ModelConfig, dict]:
     """Load a HF LlamaForCausalLM (or MixtralForCausalLM) directory as (ModelConfig, fp32 jax params).
 
     The checkpoint's dtype does not matter: everything becomes fp32 master
-    weights, as the trainer expects. Tensors the model does not use are an
+    weights, as the strategy expects. Tensors the model does not use are an
     error (they would mean a different architecture), except RoPE's cached
     `inv_freq` buffers that old checkpoints carry.
     """

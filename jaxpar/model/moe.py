@@ -13,7 +13,7 @@ Routers (`route`):
            noise seeds (transformer.loss), never in evaluation or decoding.
   sigmoid  DeepSeek-V3: scores s = sigmoid(x·W_g); the k largest s + b are chosen and the gates are
            the scores s themselves. b, a per-expert bias, is moved after every step from the
-           observed load (`bias_update`, applied by every trainer outside the gradient): it steers
+           observed load (`bias_update`, applied by every strategy outside the gradient): it steers
            which experts are chosen and never enters a gate, so no gradient reaches it.
 
 Dispatch (`routed_experts`; expert parallelism swaps it through `MoEOps`):
@@ -37,7 +37,7 @@ Auxiliary outputs, per layer (keys ending `_loss` are added to the objective):
   moe_dropped [E]   fraction of the layer's assignments dropped at each expert (sums to the dropped fraction)
   moe_entropy       mean entropy of the router distribution, nats (log E: uniform)
   moe_balance, moe_z  the two losses unweighted
-Fractions rather than counts: a data-parallel trainer averages them over devices to the global value.
+Fractions rather than counts: a data-parallel strategy averages them over devices to the global value.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def noise_seeds(tokens):
     """One uint32 per sequence, hashed from its tokens [B, S]: the noisy router's randomness.
 
     Keyed by content, a sequence draws the same noise on whatever device and in whatever batch
-    split it lands, so every strategy reproduces the single device, and no trainer has to thread
+    split it lands, so every strategy reproduces the single device, and no strategy has to thread
     a random key through its step; a new batch gives new noise.
     """
     weights = (jnp.arange(tokens.shape[1], dtype=jnp.uint32) * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
@@ -153,7 +153,7 @@ def router_outputs(logits, probs, ids, kept, cfg: MoEConfig, batch_mean=None) ->
     `batch_mean`: for a manual strategy whose devices each hold a shard of the batch (the pipelines),
     the mean over those shards; f_i and P_i of the balance loss are then the whole batch's, as one
     device sees them, while P_i's gradient stays this shard's own (the shards' gradients, averaged
-    by the trainer, are the single device's). The other statistics are means the trainer averages.
+    by the strategy, are the single device's). The other statistics are means the strategy averages.
     """
     E, k = cfg.experts, cfg.top_k
     assigned = jax.nn.one_hot(ids, E, dtype=jnp.float32)                      # [B, S, k, E]
@@ -175,7 +175,7 @@ def bias_update(routed, rate: float):
     """DeepSeek-V3's aux-free balancing step: b_i += rate · sign(mean load - load_i), per layer.
 
     `routed` [layers, E] is the observed load of the step; overloaded experts become less
-    likely to be chosen, underloaded ones more. The trainers add this after their optimizer
+    likely to be chosen, underloaded ones more. The strategies add this after their optimizer
     update (parallel/step.py `apply_outside_gradient`): the bias never sees a gradient.
     """
     return rate * jnp.sign(jnp.mean(routed, axis=-1, keepdims=True) - routed)

@@ -144,7 +144,7 @@ class Transformer(nnx.Module):
 
 
 def init_params(cfg: ModelConfig, seed: int) -> dict:
-    """Fresh fp32 parameters as a pure dict (the pytree the trainer, Optax and Orbax see)."""
+    """Fresh fp32 parameters as a pure dict (the pytree the strategy, Optax and Orbax see)."""
     return nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(params=seed)), nnx.Param))
 
 
@@ -298,7 +298,7 @@ def loss(params, tokens, cfg: ModelConfig, ops: Ops = REFERENCE_OPS, remat_polic
 
     loss = mean next-token cross-entropy + the blocks' weighted auxiliary losses.
     metrics: `loss`, and when auxiliary outputs exist `ce_loss`, each auxiliary loss and
-    each statistic (trainers pass them through to metrics.jsonl without naming them).
+    each statistic (strategies pass them through to metrics.jsonl without naming them).
     """
     ce, aux = cross_entropy_and_aux(params, tokens, cfg, ops, remat_policy, training=True)
     losses, stats = split_aux(aux)
@@ -311,7 +311,7 @@ def outside_gradient(metrics: dict, cfg: ModelConfig) -> dict:
 
     {stack: {name: delta}} with full-shape deltas; {} for most models. Today: the MoE router's
     aux-free bias (router=sigmoid), moved against each expert's observed load (moe.bias_update).
-    Trainers apply it after the optimizer (parallel/step.py `apply_outside_gradient`).
+    Strategies apply it after the optimizer (parallel/step.py `apply_outside_gradient`).
     """
     if not cfg.moe or cfg.moe.router != "sigmoid" or not cfg.moe.bias_rate:
         return {}

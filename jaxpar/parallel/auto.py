@@ -1,6 +1,6 @@
 """The automatic strategies: say where arrays live, and XLA's SPMD partitioner writes the collectives.
 
-Data parallel, FSDP, Megatron tensor parallelism and their products are one trainer:
+Data parallel, FSDP, Megatron tensor parallelism and their products are one strategy:
 the logical-axis rules (`parallel/rules.py`) turn the mesh sizes into shardings of the
 params, the Adam state and the batch, and the step is the plain single-device step,
 jitted with those shardings. `predict` (end of file) is what XLA's partitioner sends for it,
@@ -75,7 +75,7 @@ def embed_lookup_gathers(rules, live_axes) -> bool:
     return bool(embed) and bool(axes("vocab") or axes("batch") - embed)
 
 
-class AutoTrainer(Strategy):
+class AutoStrategy(Strategy):
     """Every `parallel.<axis>` is `auto`: shardings from the rules, collectives from the compiler."""
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):

@@ -12,14 +12,14 @@ the interleaved assignment. v*m + p - 1 iterations in all.
 `jax.grad` differentiates through the scan: every forward iteration, then every
 backward iteration in reverse, which is GPipe's order with GPipe's memory (every
 iteration's activations are kept). The rest of the model (embedding, head, data /
-fsdp / tensor splits) is the automatic trainer's: the logical-axis rules place it.
+fsdp / tensor splits) is the automatic strategy's: the logical-axis rules place it.
 
 MoE models pipeline their `moe_blocks` (the dense leading layers run before, with the
 embedding). Each iteration's per-layer auxiliary outputs of the stages that hold a real
 microbatch are summed into a [v, p, Lc] buffer (/ m); the weighted losses in it join the
 objective, so jax.grad carries them too: one device accumulating over the same m strided
 microbatches, to rounding. Gradient accumulation (train.microbatches) wraps the whole
-pipelined step, as in the automatic trainer.
+pipelined step, as in the automatic strategy.
 `predict` (end of file): the pipe axis's rolls; the rest is not predicted.
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def circular_loss(params, tokens, *, cfg, ops, outer_ops, policy, p, v, m, train
     return loss, {"loss": loss, "ce_loss": ce, **losses, **stats}
 
 
-class CircularTrainer(Strategy):
+class CircularStrategy(Strategy):
     """parallel.pipe=circular: the pipelined scan, differentiated by JAX; everything else automatic."""
 
     RUNS = {"pipe": ("circular",)}

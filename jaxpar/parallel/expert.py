@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.moe import MoEConfig, capacity_experts, grouped_swiglu, inverse_permutation, with_routed_experts
-from jaxpar.parallel.auto import AutoTrainer
+from jaxpar.parallel.auto import AutoStrategy
 from jaxpar.parallel.rules import AxisRules
 
 AXIS = "expert"
@@ -135,11 +135,11 @@ def manual_routed_experts(x, ids, gates, w, cfg: MoEConfig, ops, *, mesh, batch_
                          axis_names=set(mesh.axis_names))(x, ids, gates, w)
 
 
-class ExpertTrainer(AutoTrainer):
-    """The automatic trainer with the MoE layers' token exchange written by hand (`parallel.expert=manual`)."""
+class ExpertStrategy(AutoStrategy):
+    """The automatic strategy with the MoE layers' token exchange written by hand (`parallel.expert=manual`)."""
 
     RUNS = {"expert": ("manual",)}
-    PLANNED: dict = {}   # the planner ranks expert=auto: the prediction (AutoTrainer's) is the same
+    PLANNED: dict = {}   # the planner ranks expert=auto: the prediction (AutoStrategy's) is the same
 
     @classmethod
     def check(cls, config, sizes):

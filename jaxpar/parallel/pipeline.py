@@ -117,7 +117,7 @@ def pipelined_stack(model) -> tuple[str, int]:
 
 
 def check_pipeline(config, sizes: dict[str, int], name: str, virtual_ok: bool, min_microbatches: int) -> None:
-    """What every pipeline trainer needs of a config (ConfigError, one line, before anything is built)."""
+    """What every pipeline strategy needs of a config (ConfigError, one line, before anything is built)."""
     p, v, a = sizes["pipe"], pipe_virtual(config), config.train.microbatches
     stack, layers = pipelined_stack(config.model)
     field = "model.layers" if stack == "blocks" else "model.moe.dense_layers"
@@ -160,13 +160,13 @@ def check_manual_placement(config, sizes: dict[str, int]) -> None:
                               "or to nothing (replicated)")
 
 
-# ============================================================================ the trainer
+# ============================================================================ the strategy
 
 def _dim_of(spec: P, axis: str):
     return next((d for d, entry in enumerate(spec) if entry == axis), None)
 
 
-class PipelineTrainer(Strategy):
+class PipelineStrategy(Strategy):
     """GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV and PipeDream-2BW over `pipe`, with data / fsdp / tensor
     around them, and for MoE models the experts split over `expert` inside the stages (parallel.expert=manual)."""
 
@@ -185,7 +185,7 @@ class PipelineTrainer(Strategy):
         check_manual_placement(config, sizes)
         m, p = pipe_microbatches(config, sizes["pipe"]), sizes["pipe"]
         if config.parallel.sequence:
-            raise ConfigError("parallel.sequence", "the pipeline trainers run Megatron's TP inside each stage "
+            raise ConfigError("parallel.sequence", "the pipeline strategies run Megatron's TP inside each stage "
                               "without sequence parallelism; set parallel.sequence=false")
         if name == "dualpipev":
             if pipe_virtual(config) != 2:

@@ -3,7 +3,7 @@ device of the `pipe` axis, as a `lax.scan` over ticks (how a tick works: pipelin
 
 `StageFunctions` is one chunk of layers as a stage runs it (F keeps jax.vjp's residuals, B applies them, W
 takes the deferred weight gradients); `run_program` is the tick loop; `_TickLoop` holds what one device's
-loop needs (its branches, buffers and sends). Split out of pipeline.py, which builds the trainer around it.
+loop needs (its branches, buffers and sends). Split out of pipeline.py, which builds the strategy around it.
 """
 from __future__ import annotations
 

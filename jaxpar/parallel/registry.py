@@ -1,8 +1,8 @@
-"""Which trainer runs a config: `parallel.<axis>` names the implementation of each mesh axis.
+"""Which strategy runs a config: `parallel.<axis>` names the implementation of each mesh axis.
 
-`auto` everywhere is the compiler-driven trainer. Anything else is looked up in
-STRATEGIES: each line names a trainer and the axis implementations it runs (the
-trainer's `RUNS`); the first line whose trainer runs every non-auto axis of the config
+`auto` everywhere is the compiler-driven strategy. Anything else is looked up in
+STRATEGIES: each line names a strategy and the axis implementations it runs (the
+strategy's `RUNS`); the first line whose strategy runs every non-auto axis of the config
 wins. A combination no line covers is refused with one line, before anything is built.
 Adding a strategy = a new file with a `Strategy` subclass and its `predict` + one line here:
 `predict` then answers for it in the dry run, and the planner enumerates its `PLANNED` values.
@@ -17,14 +17,14 @@ from jaxpar.model.counting import ModelShape
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.theory import Candidate, Prediction, candidate_from_config
 
-AUTO = "jaxpar.parallel.auto:AutoTrainer"
+AUTO = "jaxpar.parallel.auto:AutoStrategy"
 STRATEGIES = (
-    "jaxpar.parallel.zero:ZeroTrainer",        # data: ddp | zero1 | zero2 | zero3
-    "jaxpar.parallel.tensor:TensorTrainer",    # tensor: manual (+ parallel.sequence), data: ddp
-    "jaxpar.parallel.expert:ExpertTrainer",    # expert: manual (all_to_all in shard_map)
-    "jaxpar.parallel.pipeline:PipelineTrainer",  # pipe: gpipe | 1f1b | interleaved | zb-h1 | dualpipev | pipedream-2bw
+    "jaxpar.parallel.zero:ZeroStrategy",        # data: ddp | zero1 | zero2 | zero3
+    "jaxpar.parallel.tensor:TensorStrategy",    # tensor: manual (+ parallel.sequence), data: ddp
+    "jaxpar.parallel.expert:ExpertStrategy",    # expert: manual (all_to_all in shard_map)
+    "jaxpar.parallel.pipeline:PipelineStrategy",  # pipe: gpipe | 1f1b | interleaved | zb-h1 | dualpipev | pipedream-2bw
                                                  # (+ tensor: manual, expert: manual)
-    "jaxpar.parallel.circular:CircularTrainer",  # pipe: circular (the compiler-driven pipeline)
+    "jaxpar.parallel.circular:CircularStrategy",  # pipe: circular (the compiler-driven pipeline)
 )
 
 
@@ -37,7 +37,7 @@ def _load(target):
 
 
 def implementations() -> dict[str, tuple[str, ...]]:
-    """Valid values of each `parallel.<axis>`: auto, plus what the registered trainers run."""
+    """Valid values of each `parallel.<axis>`: auto, plus what the registered strategies run."""
     valid = {axis: ["auto"] for axis in MESH_AXES}
     for target in STRATEGIES:
         for axis, names in _load(target).RUNS.items():
@@ -46,7 +46,7 @@ def implementations() -> dict[str, tuple[str, ...]]:
 
 
 def planned() -> dict[str, tuple[str, ...]]:
-    """The `parallel.<axis>` values the planner's space enumerates: auto, plus each trainer's PLANNED."""
+    """The `parallel.<axis>` values the planner's space enumerates: auto, plus each strategy's PLANNED."""
     valid = {axis: ["auto"] for axis in MESH_AXES}
     for cls in map(_load, STRATEGIES):
         for axis, names in (cls.RUNS if cls.PLANNED is None else cls.PLANNED).items():
@@ -55,7 +55,7 @@ def planned() -> dict[str, tuple[str, ...]]:
 
 
 def strategy_for(impls: dict[str, str]):
-    """The trainer class that runs these `parallel.<axis>` values (ConfigError naming the axis if none)."""
+    """The strategy class that runs these `parallel.<axis>` values (ConfigError naming the axis if none)."""
     chosen = {axis: value for axis, value in impls.items() if value != "auto"}
     if not chosen:
         return _load(AUTO)
@@ -63,7 +63,7 @@ def strategy_for(impls: dict[str, str]):
             if all(value in cls.RUNS.get(axis, ()) for axis, value in chosen.items())]
     if not fits:
         asked = " with ".join(f"parallel.{a}={v}" for a, v in chosen.items())
-        raise ConfigError(f"parallel.{next(iter(chosen))}", f"{asked} is not built (no trainer runs that "
+        raise ConfigError(f"parallel.{next(iter(chosen))}", f"{asked} is not built (no strategy runs that "
                           "combination); set the other axes to auto")
     return fits[0]
 
@@ -91,7 +91,7 @@ def predicted_collective_bytes(config, model_cfg, sizes: dict[str, int], platfor
 
 
 def select(config, sizes: dict[str, int]):
-    """The trainer class for `config` on a mesh of `sizes`, checked (ConfigError if none fits)."""
+    """The strategy class for `config` on a mesh of `sizes`, checked (ConfigError if none fits)."""
     valid = implementations()
     for axis in MESH_AXES:
         value = config.parallel[axis]
@@ -103,15 +103,16 @@ def select(config, sizes: dict[str, int]):
     return cls
 
 
-def build_trainer(config, devices=None, vocab: int | None = None, donate: bool | None = None):
+def build_strategy(config, devices=None, vocab: int | None = None, donate: bool | None = None):
     """The run chain in one call: the mesh over `devices` (default: every device), the model with vocabulary
-    `vocab` (default: the config's), and the trainer `select` picks."""
+    `vocab` (default: the config's), and the strategy `select` picks."""
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
-    return make_trainer(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices), donate=donate)
+    model_cfg = ModelConfig.from_config(config.model, vocab)
+    return make_strategy(config, model_cfg, make_mesh(config, devices), donate=donate)
 
 
-def make_trainer(config, model_cfg, mesh, donate: bool | None = None):
-    """Build the trainer `select` picks for `config` on `mesh`."""
+def make_strategy(config, model_cfg, mesh, donate: bool | None = None):
+    """Build the strategy `select` picks for `config` on `mesh`."""
     sizes = {axis: int(size) for axis, size in mesh.shape.items()}
     return select(config, sizes)(config, model_cfg, mesh, donate=donate)

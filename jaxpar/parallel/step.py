@@ -116,12 +116,12 @@ def accumulate(value_and_grad, params, tokens, microbatches: int, *, split=micro
 
 
 def apply_outside_gradient(before, after, metrics, model_cfg, stored_part=None):
-    """Every trainer calls this after its optimizer update, with the step's (device-averaged) metrics.
+    """Every strategy calls this after its optimizer update, with the step's (device-averaged) metrics.
 
     Parameters the model updates from observed statistics rather than the gradient (the MoE
     router's aux-free bias, `transformer.outside_gradient`) become `before + delta`: whatever the
     optimizer did to them (weight decay) is dropped. `stored_part(stack, name, delta)`: the part of
-    a full-shape delta this device stores, for trainers that slice parameters (ZeRO-3).
+    a full-shape delta this device stores, for strategies that slice parameters (ZeRO-3).
     """
     deltas = outside_gradient(metrics, model_cfg)
     if not deltas:

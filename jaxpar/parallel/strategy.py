@@ -1,4 +1,4 @@
-"""The strategy contract: what every trainer provides, so the loop, dry runs, labs and tests never
+"""The strategy contract: what every strategy provides, so the loop, dry runs, labs and tests never
 need to know which strategy runs.
 
 A strategy is a subclass of `Strategy` in one file under jaxpar/parallel/ plus one
@@ -34,9 +34,9 @@ from jaxpar.parallel.step import donate_state, make_optimizer, remat_policy
 
 
 class Strategy:
-    """Base of every trainer: shared construction, initial state, and running under the mesh."""
+    """Base of every strategy: shared construction, initial state, and running under the mesh."""
 
-    #: mesh axis -> the `parallel.<axis>` implementations this trainer runs (the registry matches on it)
+    #: mesh axis -> the `parallel.<axis>` implementations this strategy runs (the registry matches on it)
     RUNS: dict[str, tuple[str, ...]] = {}
     #: the part of RUNS the planner ranks (None: all of it)
     PLANNED: dict[str, tuple[str, ...]] | None = None

@@ -1,7 +1,7 @@
 """Course module 3 by hand: Megatron tensor parallelism over `tensor` (optionally with sequence
 parallelism), composed with data parallelism over `data`, as one `shard_map` program.
 
-The automatic trainer (`parallel/auto.py`) states where the weights live and XLA writes the
+The automatic strategy (`parallel/auto.py`) states where the weights live and XLA writes the
 collectives. Here every collective is one of Megatron's operators (`parallel/megatron.py`),
 injected into the unchanged model through `Ops`:
 
@@ -35,7 +35,7 @@ runs replicated on every tensor rank, so routing needs no all_to_all and any exp
 works; the gates enter the parallel region through f (model/moe.py).
 What the registry runs here: parallel.tensor=manual with parallel.data=auto or ddp (both
 mean this DDP), mesh.pipe = expert = 1, no parallel.rules overrides. Anything else is
-refused with one line. The state is every trainer's (same pytree, same global shapes):
+refused with one line. The state is every strategy's (same pytree, same global shapes):
 params and Adam moments split over `tensor` (and `fsdp`) as the default rules say, replicated over `data`.
 Under `train.compute_dtype=float8` each device scales its own shards (per-shard amax), so the
 losses are close to, not equal to, one device's. `predict` (end of file): these collectives' bytes.
@@ -84,9 +84,9 @@ def _fsdp_dim(spec: P, stacked: bool) -> int:
     return dim - 1 if stacked and dim > 0 else dim
 
 
-class TensorTrainer(Strategy):
+class TensorStrategy(Strategy):
     """Manual Megatron TP (+ SP) over `tensor`, FSDP over `fsdp`, DDP over `data`; checkpoints interchange
-    with every trainer."""
+    with every strategy."""
 
     RUNS = {"tensor": ("manual",), "data": ("ddp",)}
     PLANNED: dict = {}   # the planner ranks the automatic tensor axis (same bytes without sequence parallelism)
@@ -128,7 +128,7 @@ class TensorTrainer(Strategy):
         else:
             self.ops = tensor_parallel_ops(self.ops, AXIS)
 
-        abstract = jax.eval_shape(self.make_state)       # the same pytree as every trainer's
+        abstract = jax.eval_shape(self.make_state)       # the same pytree as every strategy's
         self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), (AXIS, FSDP) if self.f > 1 else (AXIS,))
         if self.f > 1:   # FSDP: every layer gathers its weights where it runs, and again in the backward pass
             self.fsdp_dims = {name: jax.tree.map(lambda s, stacked=name in STACKS: _fsdp_dim(s, stacked), specs,

@@ -147,7 +147,7 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
     microbatches = config.train.microbatches
     accumulate = 1
     if pipe > 1:
-        microbatches = parallel.get("pipe_microbatches", 0) or 2 * pipe   # the pipeline trainers' default
+        microbatches = parallel.get("pipe_microbatches", 0) or 2 * pipe   # the pipeline strategies' default
         accumulate = config.train.microbatches
     return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES}, microbatches=microbatches, accumulate=accumulate,
                      schedule=parallel.pipe if pipe > 1 else "", remat=config.train.remat,

@@ -61,7 +61,7 @@ STAGE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeR
 # Each runs on one device inside shard_map: `params`/`opt_state` are what this device
 # stores, `tokens` its batch shard. Returns (metrics, params, opt_state, grad norm).
 
-def ddp_step(t: ZeroTrainer, params, opt_state, tokens):
+def ddp_step(t: ZeroStrategy, params, opt_state, tokens):
     """DDP: everything replicated; the gradient is all-reduced."""
     metrics, grads = t.local_grads(params, tokens)         # gradient of this device's batch shard
     grads = jax.lax.pmean(grads, AXIS)                     # ALL-REDUCE: every device holds the mean gradient
@@ -70,7 +70,7 @@ def ddp_step(t: ZeroTrainer, params, opt_state, tokens):
     return metrics, params, opt_state, norm
 
 
-def zero1_step(t: ZeroTrainer, params, opt_state, tokens):
+def zero1_step(t: ZeroStrategy, params, opt_state, tokens):
     """ZeRO-1: Adam m, v sliced; the finished gradient is reduce-scattered, each device updates its slice."""
     metrics, grads = t.local_grads(params, tokens)         # the full local gradient exists here
     my_grads = t.reduce_scatter(grads)                     # REDUCE-SCATTER: my 1/N of the mean gradient
@@ -79,7 +79,7 @@ def zero1_step(t: ZeroTrainer, params, opt_state, tokens):
     return metrics, t.all_gather(my_params), opt_state, norm   # ALL-GATHER the updated slices
 
 
-def zero2_step(t: ZeroTrainer, params, opt_state, tokens):
+def zero2_step(t: ZeroStrategy, params, opt_state, tokens):
     """ZeRO-2: as ZeRO-1, but each layer's gradient is reduce-scattered inside the backward pass."""
     metrics, my_grads = t.sliced_grads(params, tokens, fetch=t.local_copy)   # REDUCE-SCATTER per layer
     norm = t.sharded_norm(my_grads)
@@ -87,7 +87,7 @@ def zero2_step(t: ZeroTrainer, params, opt_state, tokens):
     return metrics, t.all_gather(my_params), opt_state, norm   # ALL-GATHER the updated slices
 
 
-def zero3_step(t: ZeroTrainer, params, opt_state, tokens):
+def zero3_step(t: ZeroStrategy, params, opt_state, tokens):
     """ZeRO-3: params stored sliced too; each layer all-gathered in forward and again in backward."""
     metrics, my_grads = t.sliced_grads(params, tokens, fetch=t.gather)   # ALL-GATHER, REDUCE-SCATTER per layer
     norm = t.sharded_norm(my_grads)
@@ -175,10 +175,10 @@ def split_dims(abstract_params, n: int, stage: str) -> dict:
     return dims
 
 
-# ============================================================================ the trainer
+# ============================================================================ the strategy
 
-class ZeroTrainer(Strategy):
-    """DDP and ZeRO-1/2/3 over `data`, with the automatic trainer's state layout (checkpoints interchange)."""
+class ZeroStrategy(Strategy):
+    """DDP and ZeRO-1/2/3 over `data`, with the automatic strategy's state layout (checkpoints interchange)."""
 
     RUNS = {"data": tuple(STAGES)}
     PLANNED = {"data": ("zero1", "zero3")}   # ddp and zero2 send what zero1 sends and store more
@@ -201,7 +201,7 @@ class ZeroTrainer(Strategy):
         super().__init__(config, model_cfg, mesh, donate)
         self.stage = config.parallel.data
         self.n = int(mesh.shape[AXIS])
-        abstract = jax.eval_shape(self.make_state)       # the same pytree as every trainer's
+        abstract = jax.eval_shape(self.make_state)       # the same pytree as every strategy's
         self.dims = split_dims(abstract["params"], self.n, self.stage) if self.stage != "ddp" else None
         self.state_specs = self._state_specs(abstract)
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs)

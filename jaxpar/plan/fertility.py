@@ -2,7 +2,7 @@
 
 A plan's budget may be given in Arabic words; the model trains on tokens. The factor is the
 fertility of the tokenizer the config uses, measured, not assumed: the BPE is trained
-(jaxpar.data.tokenizer, the trainer and cache every run uses) on nine tenths of the corpus's
+(jaxpar.data.tokenizer, the strategy and cache every run uses) on nine tenths of the corpus's
 documents and measured on the held-out tenth (every tenth document), so words the tokenizer
 never saw count too. Words are whitespace-separated strings, as `corpus_stats` counts them.
 """
@@ -20,7 +20,7 @@ def split_documents(docs: list[str]) -> tuple[list[str], list[str]]:
 
 def fertility(corpus: str, vocab_size: int, normalize: bool) -> dict:
     """Tokens per word on held-out documents of `corpus` for a BPE of `vocab_size` (diacritics stripped if
-    `normalize`); also the vocabulary the trainer reached (a small corpus runs out of merges)."""
+    `normalize`); also the vocabulary the strategy reached (a small corpus runs out of merges)."""
     from jaxpar.data.corpus import load_documents
     from jaxpar.data.tokenizer import get_tokenizer
     docs = load_documents(corpus, normalize=normalize)

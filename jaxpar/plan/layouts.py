@@ -1,6 +1,6 @@
 """Which model-state layout a candidate's memory assumes: jaxpar's own, or a distributed optimizer's.
 
-  jaxpar                  what jaxpar's trainers store (plan/memory.py): fp32 parameters sharded as
+  jaxpar                  what jaxpar's strategies store (plan/memory.py): fp32 parameters sharded as
                           the strategy shards them (whole on every device of `data`), fp32 gradients,
                           a second fp32 buffer when microbatches accumulate, AdamW μ, ν in fp32.
                           16-20 bytes per stored parameter. jaxpar builds this layout.

@@ -80,7 +80,7 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
 
     from jaxpar.measure import hlo
     from jaxpar.measure.memory import compiled_memory
-    from jaxpar.parallel.registry import build_trainer
+    from jaxpar.parallel.registry import build_strategy
     from jaxpar.plan.verify import candidate_config
 
     built = []
@@ -91,19 +91,19 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
         if config is None:
             log(f"  {cand.label()}: {reason}")
             continue
-        trainer = build_trainer(config, jax.devices()[:cand.devices])
-        mesh = trainer.mesh
+        strategy = build_strategy(config, jax.devices()[:cand.devices])
+        mesh = strategy.mesh
         start = time.perf_counter()
         with jax.set_mesh(mesh):
-            compiled = trainer.lower_step().compile()
+            compiled = strategy.lower_step().compile()
         compile_s = time.perf_counter() - start
         peak = compiled_memory(compiled, jax.devices()[0].platform).peak
         found = hlo.collectives(compiled.as_text(), mesh)
         by_axis: dict[str, float] = {}
         for c in found:
             by_axis[c.axis_label] = by_axis.get(c.axis_label, 0.0) + c.bytes_per_step
-        state = trainer.init_state()
-        batch = jax.device_put(tokens, trainer.batch_sharding)
+        state = strategy.init_state()
+        batch = jax.device_put(tokens, strategy.batch_sharding)
         with jax.set_mesh(mesh):
             for _ in range(warmup):
                 state, metrics = compiled(state, batch)

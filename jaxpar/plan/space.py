@@ -5,7 +5,7 @@ is implemented, microbatches, pipeline schedule, remat policy, compute precision
 attention kernel). `enumerate_candidates` lists every one a model and a cluster allow:
 each axis size divides what it splits (heads, kv_heads, the MLP, the vocabulary for
 `tensor`; d_model for `fsdp`; layers for `pipe`; experts for `expert`; the global batch
-for data x fsdp x expert x microbatches). Whether jaxpar has a trainer that runs a
+for data x fsdp x expert x microbatches). Whether jaxpar has a strategy that runs a
 candidate is the registry's: each axis' implementations are those its strategies offer the planner.
 """
 from __future__ import annotations

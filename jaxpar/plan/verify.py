@@ -2,7 +2,7 @@
 
 `candidate_config` writes a candidate as `--set` overrides of a base config and asks the
 checkout whether it can build it: `jaxpar.config.validate` must accept the mesh, and the registry
-(`jaxpar.parallel.registry.select`) must find a trainer. Whatever refuses, its one-line
+(`jaxpar.parallel.registry.select`) must find a strategy. Whatever refuses, its one-line
 ConfigError becomes the reason the candidate stays "formula only". Nothing here names the
 strategies the checkout has: after a merge the same code builds what the merge added.
 

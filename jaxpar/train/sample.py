@@ -111,7 +111,7 @@ def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=
 
     from jaxpar.checks import sample_arguments
     from jaxpar.config import MESH_AXES, ConfigError, model_vocab_size
-    from jaxpar.parallel.registry import build_trainer
+    from jaxpar.parallel.registry import build_strategy
     from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.train.rundir import resume_config
 
@@ -133,10 +133,10 @@ def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=
         config.mesh[axis] = 1          # decode on one device, whatever mesh trained the run
         config.parallel[axis] = "auto"  # checkpoints of every strategy share one layout
     config.parallel.sequence = False   # a one-device decode has no sequence to split
-    trainer = build_trainer(config, jax.devices()[:1], model_vocab_size(config, tokenizer.get_vocab_size(), 1))
-    step, state = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints).restore(trainer.abstract_state)
+    strategy = build_strategy(config, jax.devices()[:1], model_vocab_size(config, tokenizer.get_vocab_size(), 1))
+    step, state = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints).restore(strategy.abstract_state)
     if step is None:
         raise ConfigError("--run-dir", f"no readable checkpoint in '{run_dir / 'checkpoints'}'")
-    text = complete(state["params"], trainer.model_cfg, tokenizer, prompt, max_tokens, context,
+    text = complete(state["params"], strategy.model_cfg, tokenizer, prompt, max_tokens, context,
                     temperature=temperature, top_k=top_k, seed=seed)
     return step, text
