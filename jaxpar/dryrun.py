@@ -110,7 +110,8 @@ def _memory_lines(r: dict) -> list[str]:
     ]
     if mem["device_hbm_bytes"]:
         fits = "fits" if cm["peak"] <= mem["device_hbm_bytes"] else "does NOT fit"
-        lines.append(f"Peak {fmt_bytes(cm['peak'])} vs {mem['device_hbm_bytes'] / 1e9:.0f} GB of device memory: {fits}.")
+        hbm_gb = mem["device_hbm_bytes"] / 1e9
+        lines.append(f"Peak {fmt_bytes(cm['peak'])} vs {hbm_gb:.0f} GB of device memory: {fits}.")
     return lines
 
 
@@ -173,7 +174,8 @@ def _flops_and_time_lines(r: dict) -> list[str]:
         f"| cost_analysis (loop bodies once) | "
         f"{'-' if fl['cost_analysis'] is None else format(fl['cost_analysis'], '.4g')} | "
         f"{ratio(fl['cost_analysis'], fl['model_per_device'])} |",
-        f"| fused kernels (their cost estimates; {'added: custom calls' if fl['kernels_added'] else 'in the HLO count: interpreted'}) | "
+        f"| fused kernels (their cost estimates; "
+        f"{'added: custom calls' if fl['kernels_added'] else 'in the HLO count: interpreted'}) | "
         f"{fl['kernels']:.4g} | {ratio(fl['kernels'], fl['model_per_device'])} |",
         f"| compiled, loop-corrected ({fl['method']}) | {fl['corrected']:.4g} | "
         f"{ratio(fl['corrected'], fl['model_per_device'])} |",

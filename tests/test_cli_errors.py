@@ -91,7 +91,8 @@ def test_argparse_errors_are_one_line(capsys):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cli") / "run"
-    assert main(["train", *TINY, "--run-dir", str(run_dir), "--set", "train.steps=4", "--set", "train.sample_tokens=0"]) == 0
+    short = ["--set", "train.steps=4", "--set", "train.sample_tokens=0"]
+    assert main(["train", *TINY, "--run-dir", str(run_dir), *short]) == 0
     return run_dir
 
 

@@ -59,7 +59,8 @@ def test_validation_names_the_field(overrides, field):
     assert err.value.field == field
 
 
-@pytest.mark.parametrize("path", ["configs/default.py", "configs/test.py", "configs/llama_1b.py", "configs/arabic_7b.py"])
+@pytest.mark.parametrize("path", ["configs/default.py", "configs/test.py", "configs/llama_1b.py",
+                                  "configs/arabic_7b.py"])
 def test_shipped_configs_validate(path):
     c = load_config(path)
     validate(c, 64 if "7b" in path or "1b" in path else 8)

@@ -49,7 +49,8 @@ def tensor_result(scale: float) -> dict:
     u = 0.75 * MIB * scale
     rows = {"auto": {"label": "auto TP", "layer_by_op": {"all-reduce": 14 * u}, "layer_bytes": 14 * u,
                      "layer_predicted": 14 * u},
-            "auto-sp": {"label": "auto TP, rules length=tensor", "layer_by_op": {"all-gather": 6 * u, "all-reduce": 14 * u},
+            "auto-sp": {"label": "auto TP, rules length=tensor",
+                        "layer_by_op": {"all-gather": 6 * u, "all-reduce": 14 * u},
                         "layer_bytes": 20 * u, "layer_predicted": None},
             "tp": {"label": "manual TP", "layer_by_op": {"all-reduce": 8 * u}, "layer_bytes": 8 * u,
                    "layer_predicted": 8 * u}}

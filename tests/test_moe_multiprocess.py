@@ -39,7 +39,8 @@ def train(overrides, devices=None) -> list[list[float]]:
     strategy = make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
     state, losses = strategy.init_state(), []
     for batch in counting_batches(config, STEPS, VOCAB):
-        tokens = jax.make_array_from_callback(batch.shape, strategy.batch_sharding, lambda index, batch=batch: batch[index])
+        tokens = jax.make_array_from_callback(batch.shape, strategy.batch_sharding,
+                                              lambda index, batch=batch: batch[index])
         state, metrics = strategy.step(state, tokens)
         losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
     return losses

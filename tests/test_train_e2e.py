@@ -82,7 +82,8 @@ def test_resume_after_kill_reproduces_the_uninterrupted_losses(reference_run, tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["--set", "mesh.data=2", "--set", "mesh.fsdp=2", "--set", "mesh.tensor=2"]],
-                         ids=["data2-fsdp2-tensor2"])   # data=8 on 2 processes: test_slurm, test_multiprocess_strategies
+                         ids=["data2-fsdp2-tensor2"])
+# (data=8 on 2 processes: test_slurm, test_multiprocess_strategies)
 def test_two_processes_match_one(mesh, reference_run, tmp_path):
     run_dir = tmp_path / "two-process"
     if mesh:

@@ -125,8 +125,9 @@ def memory(lab: Lab) -> dict:
                            fmt_bytes(f["params"]), fmt_bytes(c["params"]), ratio(c["params"], f["params"]),
                            fmt_bytes(f["optimizer"]), fmt_bytes(c["optimizer"]), ratio(c["optimizer"], f["optimizer"]),
                            fmt_bytes(m["argument"]), "yes" if r["arguments_check"] else "**no**"])
-        temp_rows.append([r["label"], fmt_bytes(f["grads"]), fmt_bytes(r["activations_estimate"]), fmt_bytes(r["temp_predicted"]),
-                          fmt_bytes(m["temp"]), ratio(m["temp"], r["temp_predicted"]), fmt_bytes(m["peak"])])
+        temp_rows.append([r["label"], fmt_bytes(f["grads"]), fmt_bytes(r["activations_estimate"]),
+                          fmt_bytes(r["temp_predicted"]), fmt_bytes(m["temp"]), ratio(m["temp"], r["temp_predicted"]),
+                          fmt_bytes(m["peak"])])
     md = "\n".join([
         "## b. Memory per device",
         "",
@@ -163,8 +164,8 @@ def gradient_term(lab: Lab, gradient_held) -> dict:
     mem = {stage: compiled_memory(b.compiled, lab.platform) for stage, b in built.items()}
     held = {stage: gradient_held(stage, psi, psi_layers, layers, n) for stage in built}
     measured, predicted, full = mem["zero1"].temp - mem["zero2"].temp, held["zero1"] - held["zero2"], 4 * psi
-    rows = [[f"manual {STAGE_NAMES[s]}", fmt_bytes(mem[s].argument), fmt_bytes(mem[s].output), fmt_bytes(mem[s].temp), fmt_bytes(mem[s].peak),
-             fmt_bytes(held[s])] for s in built]
+    rows = [[f"manual {STAGE_NAMES[s]}", *(fmt_bytes(b) for b in (mem[s].argument, mem[s].output, mem[s].temp,
+                                                                 mem[s].peak, held[s]))] for s in built]
     md = "\n".join([
         f"### The gradient term: ZeRO-1 vs ZeRO-2 at {layers} layers (Ψ = {psi:,}, Ψ_L = {psi_layers:,}, N = {n})",
         "",

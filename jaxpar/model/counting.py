@@ -56,7 +56,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     if cfg.moe:
         m = cfg.moe
         router = D * m.experts * (2 if m.router == "noisy" else 1)
-        moe = cfg.moe_layers * (attention_params(cfg) + router + 3 * D * m.expert_mlp_dim * (m.top_k + m.shared_experts))
+        active_experts = m.top_k + m.shared_experts
+        moe = cfg.moe_layers * (attention_params(cfg) + router + 3 * D * m.expert_mlp_dim * active_experts)
     return dense + moe + D * cfg.vocab_size
 
 
