@@ -6,7 +6,9 @@ A training step pays neither: its collectives run back to back inside one progra
 `REPEATS` times in a loop inside one program, at two sizes; the process CPU time of the loop minus that of
 a one-collective program, over the repeats, is one collective's cost, divided by the host's cores (the
 virtual devices run on all of them at once): the same load-free unit as the CPU check's step time
-(reality.py). α and β come from the two sizes (β in nccl-tests' bus bytes, like the bench's).
+(reality.py). α and β come from the two sizes (β in nccl-tests' bus bytes, like the bench's). Each repeat
+also makes one elementwise pass over the result (and the slice or tile that keeps the loop's shape), so
+these are upper bounds; they do not include a step's waits for devices that arrive late.
 """
 from __future__ import annotations
 
