@@ -17,6 +17,10 @@ def reduced(monkeypatch):
     monkeypatch.setattr(reality, "default_strategies", lambda: [Candidate(data=8, **plain), Candidate(fsdp=8, **plain)])
     monkeypatch.setattr(reality, "BENCH_SIZES", ("16K", "32K"))
     monkeypatch.setattr(reality, "BENCH_OPS", ("all-reduce", "all-gather"))
+    import jaxpar.plan.cpu_links as links
+    monkeypatch.setattr(links, "OPS", ("all-reduce", "all-gather"))
+    monkeypatch.setattr(links, "SIZES", (4096, 256 * 1024))
+    monkeypatch.setattr(links, "REPEATS", 4)
     monkeypatch.setattr(lab, "VOCABS", (1024,))
 
 
@@ -36,9 +40,12 @@ def test_capstone_report(capsys, tmp_path, reduced):
     rows = results["reality"]["rows"]
     assert [r["calibration"] for r in rows] == [True, False]
     assert rows[0]["ratio"] == pytest.approx(1.0, rel=1e-6)                # η is fitted on the first strategy
+    cores = results["reality"]["cores"]
     for r in rows:
         assert r["measured_s"] == sorted(r["times_s"])[1] and len(r["times_s"]) == 3   # median of 3 rounds
-        assert f"| {r['strategy']} | {r['measured_s']:.3f} (" in report and f"| {r['predicted_s']:.3f} |" in report
+        assert r["cpu_s"] == pytest.approx(sorted(r["cpu_times_s"])[1] / cores)        # CPU seconds per core
+        assert f"| {r['strategy']} | {r['cpu_s']:.3f} (" in report and f"| {r['predicted_s']:.3f} |" in report
+        assert f"| {r['measured_s']:.3f} (" in report and f"| {r['predicted_wall_s']:.3f} |" in report
     fert = results["fertility"]["rows"]
     assert [f["normalize"] for f in fert] == [False, True]
     assert fert[0]["tokens_per_word"] == fert[0]["held_out_tokens"] / fert[0]["held_out_words"]

@@ -10,7 +10,8 @@ b. calibration   every efficiency the step-time model divides by, and whether it
 c. compiler      the best buildable candidates compiled deviceless for the GPU (needs the CUDA
                  plugin wheels; skipped with the install line otherwise): memory and bytes per axis.
 d. reality       the same planner on N virtual CPU devices vs measured step times (interleaved
-                 rounds, medians), with η calibrated on one strategy; ratios and rankings.
+                 rounds, medians; CPU seconds per core, the check, and wall clock), with η and a
+                 fixed overhead calibrated on one strategy per basis; ratios and rankings.
 e. fertility     BPE 8k/32k/64k, with and without diacritics: tokens per Arabic word, FLOPs per
                  word, GPU-hours and cost per billion words at the chosen strategy.
 f. risks         failures per day, the Young/Daly checkpoint interval, expected goodput.
@@ -112,16 +113,17 @@ def part_compiler(args, p, config, log) -> dict:
 
 
 def part_reality(args, out: Path, log) -> dict:
-    """The planner on the CPU devices vs measured steps of the default config."""
+    """The planner on the CPU devices vs measured steps of the default config, on two timing bases: CPU seconds per
+    core (the check: other jobs' load does not enter it) and wall clock (plan/reality.py)."""
     import jax
 
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.model.counting import ModelShape
-    from jaxpar.plan.planner import evaluate
-    from jaxpar.plan.reality import calibrate, default_strategies, measure_cluster, measure_steps
+    from jaxpar.plan.reality import default_strategies, measure_cluster, measure_steps
+    from jaxpar.plan.sweep import spearman
     n = len(jax.devices("cpu"))
     log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
-    cluster, info = measure_cluster(n, out / "bench", log=log)
+    clusters, info = measure_cluster(n, out / "bench", log=log)
     base = load_config(None)
     apply_overrides(base, ["model.vocab_size=1024"])     # the default BPE's vocabulary, so no tokenizer is needed
     shape = ModelShape.from_config(base)
@@ -131,28 +133,43 @@ def part_reality(args, out: Path, log) -> dict:
         f"fixed per-step overhead), {args.rounds} interleaved rounds")
     measured = measure_steps(base, [*strategies, (strategies[0], batch // 2)], batch, seq, args.rounds, log=log)
     half = measured.pop() if len(measured) > 1 and measured[-1].global_batch != batch else None
-    calibration = calibrate(cluster, shape, measured[0], half, seq)
+    bases = {basis: predictions(measured, half, shape, clusters[basis], batch, seq, basis) for basis in ("cpu", "wall")}
+    rows = []
+    for i, m in enumerate(measured):
+        cpu, wall = bases["cpu"]["rows"][i], bases["wall"]["rows"][i]
+        rows.append({"strategy": m.cand.label(), "measured_s": m.median_s, "times_s": m.times,
+                     "cpu_times_s": m.cpu_times, "cpu_s": m.cpu_step_s, "predicted_s": cpu["predicted_s"],
+                     "ratio": m.cpu_step_s / cpu["predicted_s"], "predicted_wall_s": wall["predicted_s"],
+                     "ratio_wall": m.median_s / wall["predicted_s"], "terms": cpu["terms"],
+                     "compile_s": m.compile_s, "bytes_predicted": cpu["bytes"], "bytes_compiled": m.compiled_bytes,
+                     "calibration": m is measured[0]})
+    for key in ("predicted_s", "cpu_s", "predicted_wall_s", "measured_s"):
+        for i, r in enumerate(sorted(rows, key=lambda r: r[key]), 1):
+            r[key.removesuffix("_s") + "_rank"] = i
+    checked = [r for r in rows if not r["calibration"]]
+    fastest = min(rows, key=lambda r: r["cpu_s"])
+    return {"cluster": clusters["cpu"].describe(), "host": info["host"]["source"], "fits": info["fits"],
+            "cpu_fits": info["cpu_fits"], "cores": info["cores"], "rounds": args.rounds,
+            "calibration": bases["cpu"]["calibration"].source, "eta": bases["cpu"]["calibration"].compute,
+            "step_overhead_s": bases["cpu"]["calibration"].step_overhead_s,
+            "calibration_wall": bases["wall"]["calibration"].source,
+            "half_batch_s": half.median_s if half else None, "half_batch_cpu_s": half.cpu_step_s if half else None,
+            "rows": rows, "within": sum(abs(r["ratio"] - 1) <= WITHIN for r in checked), "checked": len(checked),
+            "fastest": fastest["strategy"], "fastest_predicted_rank": fastest["predicted_rank"],
+            "spearman": spearman([r["predicted_s"] for r in rows], [r["cpu_s"] for r in rows]),
+            "spearman_wall": spearman([r["predicted_wall_s"] for r in rows], [r["measured_s"] for r in rows])}
+
+
+def predictions(measured, half, shape, cluster, batch: int, seq: int, basis: str) -> dict:
+    """η and O calibrated on the first strategy on one timing basis, then every strategy's prediction."""
+    from jaxpar.plan.planner import evaluate
+    from jaxpar.plan.reality import calibrate
+    calibration = calibrate(cluster, shape, measured[0], half, seq, basis)
     rows = []
     for m in measured:
         r = evaluate(shape, m.cand, cluster, batch, seq, 1e9, headroom=0.0, calibration=calibration)
-        rows.append({"strategy": m.cand.label(), "measured_s": m.median_s, "times_s": m.times,
-                     "cpu_times_s": m.cpu_times, "predicted_s": r.time.total_s,
-                     "ratio": m.median_s / r.time.total_s, "terms": r.time.terms(), "compile_s": m.compile_s,
-                     "bytes_predicted": r.comm_bytes, "bytes_compiled": m.compiled_bytes,
-                     "calibration": m is measured[0]})
-    for key in ("predicted", "measured"):
-        for i, r in enumerate(sorted(rows, key=lambda r: r[f"{key}_s"]), 1):
-            r[f"{key}_rank"] = i
-    checked = [r for r in rows if not r["calibration"]]
-    fastest = min(rows, key=lambda r: r["measured_s"])
-    from jaxpar.plan.sweep import spearman
-    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    return {"cluster": cluster.describe(), "host": info["host"]["source"], "fits": info["fits"],
-            "rounds": args.rounds, "calibration": calibration.source, "eta": calibration.compute,
-            "step_overhead_s": calibration.step_overhead_s, "half_batch_s": half.median_s if half else None,
-            "rows": rows,
-            "within": sum(abs(r["ratio"] - 1) <= WITHIN for r in checked), "checked": len(checked),
-            "fastest": fastest["strategy"], "fastest_predicted_rank": fastest["predicted_rank"], "spearman": rho}
+        rows.append({"predicted_s": r.time.total_s, "terms": r.time.terms(), "bytes": r.comm_bytes})
+    return {"calibration": calibration, "rows": rows}
 
 
 def part_fertility(config, p, log) -> dict:

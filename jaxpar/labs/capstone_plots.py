@@ -64,7 +64,7 @@ def plot_cpu_check(reality: dict, path: Path):
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["predicted_s"] for r in rows], 0.4, color="0.6", hatch="..", edgecolor="0.3",
            label="predicted")
-    ax.bar([i + 0.2 for i in x], [r["measured_s"] for r in rows], 0.4, label="measured (median of the rounds)")
+    ax.bar([i + 0.2 for i in x], [r["cpu_s"] for r in rows], 0.4, label="measured (median CPU seconds per core)")
     ax.set_xticks(list(x), [r["strategy"].replace(" ", "\n") + ("\n(calibration)" if r["calibration"] else "")
                             for r in rows], fontsize=10)
     ax.set_ylabel("seconds per step")

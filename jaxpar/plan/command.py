@@ -124,9 +124,10 @@ def host_cluster(devices: int):
     from jaxpar.mesh import set_cpu_devices
     set_cpu_devices(devices)
     from jaxpar.measure.hardware import probe_host
+    from jaxpar.plan.cpu_links import host_cores
     from jaxpar.plan.fleet import cpu_cluster
     host = probe_host(1.0)
-    return cpu_cluster(devices, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
+    return cpu_cluster(devices, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9, cores=host_cores())
 
 
 def run(args) -> int:

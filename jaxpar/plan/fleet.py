@@ -135,11 +135,15 @@ def gpu_cluster(gpu: str, nodes: int, per_node: int, *, nvlink_gbps: float | Non
                    source=f"{acc.source}; links x {LINK_EFFICIENCY} achieved (assumption)")
 
 
-def cpu_cluster(devices: int, fits: dict, host_flops: float, host_copy_bw: float, host_memory: float) -> Cluster:
+def cpu_cluster(devices: int, fits: dict, host_flops: float, host_copy_bw: float, host_memory: float,
+                cores: int = 1) -> Cluster:
     """The CPU "cluster": `devices` virtual devices of one process sharing the host's cores and memory.
 
-    `fits`: `jaxpar bench collectives`' α-β fit per op ({op: {"alpha_us", "beta_bus_GBps"}}); the peak and
-    memory bandwidth are the host probe's, divided among the devices (they run at once on shared cores).
+    `fits`: α-β per op ({op: {"alpha_us", "beta_bus_GBps"}}: `jaxpar bench collectives`' or plan/cpu_links.py's);
+    the peak and memory bandwidth are the host probe's, divided among the devices (they run at once on shared
+    cores). The probe's matmul uses every core, its copy one (numpy): the devices' memory-bound passes run on all
+    `cores` at once, so they get `cores` x the copy rate (an AdamW update of 8 x 3.4M replicated fp32 parameters,
+    877 MB, took 70-80 ms of process CPU time here: ~12 GB/s per core, the probe's single-thread copy rate).
     """
     per_op = tuple((op, fit["alpha_us"] * 1e-6, fit["beta_bus_GBps"] * GB) for op, fit in fits.items()
                    if fit.get("beta_bus_GBps"))
@@ -148,7 +152,7 @@ def cpu_cluster(devices: int, fits: dict, host_flops: float, host_copy_bw: float
     peak = host_flops / devices
     return Cluster(name="virtual CPU device", platform="cpu", nodes=1, per_node=devices,
                    peaks=(("float32", peak), ("bfloat16", peak), ("float8", peak)),
-                   hbm_bytes=host_memory / devices, mem_bw=host_copy_bw / devices,
+                   hbm_bytes=host_memory / devices, mem_bw=host_copy_bw * cores / devices,
                    scaleup=Link("host memory", default[0], default[1], per_op), scaleout=None,
                    source=f"host probe {host_flops / 1e9:.1f} GFLOP/s f32, copy {host_copy_bw / GB:.1f} GB/s, "
-                          f"shared by {devices} devices; collectives α-β from jaxpar bench collectives")
+                          f"x {cores} cores, shared by {devices} devices; collectives α-β measured")

@@ -120,6 +120,23 @@ def tap_elements(shape: ModelShape, tensor: int) -> float:
     return inputs + grads
 
 
+def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int) -> float:
+    """Bytes one layer keeps for the backward pass, per microbatch on one device (the module doc's activations)."""
+    e = 4 if cand.precision == "float32" else 2
+    T, h, s = cand.tensor, shape.d_model, seq_len
+    b = global_batch / cand.batch_shards / cand.microbatches
+    widths = (shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
+              + 2 * (shape.expert_mlp_dim * shape.top_k if shape.experts else shape.mlp_dim)) / T
+    if cand.remat == "none":
+        scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * s * s
+        per_layer = b * (scores + NONE_TOKEN_BYTES * e / 2 * s * h + s * h * e)
+    else:
+        per_layer = b * s * h * e + (b * s * widths * e if cand.remat == "dots" else 0)
+    if cand.precision == "float8" and cand.remat != "full" and cand.pipe == 1:
+        per_layer += fp8_residuals(shape, cand, b, s)
+    return per_layer
+
+
 def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, hbm_bytes: float,
            headroom: float = 0.1, prediction: Prediction | None = None) -> Memory:
     """Per-device bytes of one step of `cand`; `fits` when the total is within (1 - headroom) of `hbm_bytes`.
@@ -133,16 +150,8 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     grads = 4 * stored["grads"] * (1 + (ACCUMULATOR if cand.microbatches > 1 and cand.pipe == 1 else 0))
 
     heads = shape.heads / T
-    widths = (shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
-              + 2 * (shape.expert_mlp_dim * shape.top_k if shape.experts else shape.mlp_dim)) / T
     flash = cand.attention == "flash"
-    if cand.remat == "none":
-        scores = 4 * heads * s if flash else NONE_SCORE_BYTES * heads * s * s
-        per_layer = b * (scores + NONE_TOKEN_BYTES * scale * s * h + s * h * e)
-    else:
-        per_layer = b * s * h * e + (b * s * widths * e if cand.remat == "dots" else 0)
-    if cand.precision == "float8" and cand.remat != "full" and cand.pipe == 1:
-        per_layer += fp8_residuals(shape, cand, b, s)
+    per_layer = kept_per_layer(shape, cand, global_batch, seq_len)
     count, layers_each = prediction.stash, 1 / (cand.pipe * cand.virtual)   # stash: the schedule table's
     stage_weights = taps = 0.0
     if cand.pipe > 1:

@@ -10,6 +10,10 @@ measured = compute/η + the rest. Every other strategy's time is then a predicti
 Measurement: every strategy is compiled once, given the same random token batch, warmed
 up, and then timed in interleaved rounds (one step of each strategy per round) so that a
 load spike from other jobs hits all strategies alike; the median of the rounds is reported.
+Each step is timed twice: wall clock, and this process's CPU seconds over the host's cores
+(`Measured.cpu_step_s`), which other processes' load does not enter: the step's time on an
+idle host if it keeps every core busy. Each basis has its own calibration and links (wall:
+`jaxpar bench collectives`; CPU: plan/cpu_links.py, the collectives inside one program).
 """
 from __future__ import annotations
 
@@ -43,17 +47,28 @@ def default_strategies() -> list[Candidate]:
     ]
 
 
-def measure_cluster(devices: int, out_dir, budget_s: float = 0.05, log=print) -> tuple[Cluster, dict]:
-    """The CPU cluster of `devices` virtual devices: α-β per collective (a short bench sweep) and the host probe."""
+def measure_cluster(devices: int, out_dir, budget_s: float = 0.05, log=print) -> tuple[dict, dict]:
+    """The CPU cluster of `devices` virtual devices per timing basis ({"wall": ..., "cpu": ...}): the host probe,
+    and α-β per collective from a short bench sweep (wall) or from collectives inside one program (CPU)."""
+    import jax
+
     from jaxpar.bench.collectives import run_collectives_bench
     from jaxpar.measure.hardware import probe_host
+    from jaxpar.plan.cpu_links import host_cores, measure_links
     host = probe_host(PROBE_SECONDS)
     log(f"  host probe: {host.source}")
     bench = run_collectives_bench(list(BENCH_OPS), *BENCH_SIZES, budget_s, out_dir)
+    inside = measure_links(jax.devices()[:devices])
     for op, fit in bench["fits"].items():
-        log(f"  {op}: α {fit['alpha_us']:.0f} µs, β_bus {fit['beta_bus_GBps'] or float('nan'):.2f} GB/s")
-    cluster = cpu_cluster(devices, bench["fits"], host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
-    return cluster, {"host": dataclasses.asdict(host), "fits": bench["fits"]}
+        log(f"  {op}: α {fit['alpha_us']:.0f} µs, β_bus {fit['beta_bus_GBps'] or float('nan'):.2f} GB/s (one call, "
+            "wall)")
+    for op, fit in inside.items():
+        log(f"  {op}: α {fit['alpha_us']:.0f} µs, β_bus {fit['beta_bus_GBps'] or float('nan'):.2f} GB/s (inside a "
+            "program, CPU per core)")
+    cores = host_cores()
+    clusters = {basis: cpu_cluster(devices, fits, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9, cores=cores)
+                for basis, fits in (("wall", bench["fits"]), ("cpu", inside))}
+    return clusters, {"host": dataclasses.asdict(host), "fits": bench["fits"], "cpu_fits": inside, "cores": cores}
 
 
 @dataclasses.dataclass
@@ -65,10 +80,19 @@ class Measured:
     cpu_times: list[float] = dataclasses.field(default_factory=list)   # this process's CPU seconds per step
     memory_bytes: float = 0.0  # the compiled step's per-device peak (measure.memory.compiled_memory)
     global_batch: int = 0
+    cores: int = 1            # the host's cores: CPU seconds over them are the load-free step time
 
     @property
     def median_s(self) -> float:
         return statistics.median(self.times)
+
+    @property
+    def cpu_step_s(self) -> float:
+        """The median step's process CPU seconds over the host's cores (module docstring)."""
+        return statistics.median(self.cpu_times) / self.cores
+
+    def step_s(self, basis: str) -> float:
+        return self.cpu_step_s if basis == "cpu" else self.median_s
 
 
 
@@ -81,6 +105,7 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
     from jaxpar.measure import hlo
     from jaxpar.measure.memory import compiled_memory
     from jaxpar.parallel.registry import build_strategy
+    from jaxpar.plan.cpu_links import host_cores
     from jaxpar.plan.verify import candidate_config
 
     built = []
@@ -110,7 +135,7 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
             jax.block_until_ready(metrics)
         log(f"  compiled {cand.label()} in {compile_s:.1f} s")
         built.append([cand, compiled, state, batch, mesh, Measured(cand, [], compile_s, by_axis, memory_bytes=peak,
-                                                                global_batch=batch_size)])
+                                                                global_batch=batch_size, cores=host_cores())])
     for _ in range(rounds):
         for item in built:
             cand, compiled, state, batch, mesh, measured = item
@@ -124,8 +149,10 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
     return [item[-1] for item in built]
 
 
-def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, seq_len: int) -> Calibration:
-    """η and the fixed per-step overhead O of the CPU step, from ONE strategy measured at two global batches.
+def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, seq_len: int,
+              basis: str = "wall") -> Calibration:
+    """η and the fixed per-step overhead O of the CPU step, from ONE strategy measured at two global batches
+    (`basis`: its wall-clock medians or its CPU seconds per core, Measured.step_s).
 
     The model's time at η = 1 without overhead splits each step into compute C (proportional to the batch) and
     the rest R (memory passes, collectives); measured t = O + C/η + R at batch B and at B/2 gives
@@ -136,7 +163,7 @@ def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, se
 
     def split(m: Measured) -> tuple[float, float]:
         t = step_time(shape, m.cand, cluster, m.global_batch, seq_len, at_peak)
-        return t.compute_s, m.median_s - (t.total_s - t.compute_s)
+        return t.compute_s, m.step_s(basis) - (t.total_s - t.compute_s)
     compute, busy = split(full)
     overhead, eta = 0.0, compute / max(busy, 1e-9)
     if half is not None:
@@ -148,4 +175,4 @@ def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, se
              + (f" and {half.global_batch}" if half is not None else ""))
     return Calibration(compute=eta, overlap=0.0, memory=1.0, step_overhead_s=overhead, layer_overhead_s=0.0,
                        source=f"η = {eta:.3f} of the host probe's matmul rate and a fixed {overhead * 1e3:.0f} ms "
-                              f"per step, {where}")
+                              f"per step, {where} ({'CPU seconds per core' if basis == 'cpu' else 'wall clock'})")

@@ -16,7 +16,8 @@ communication per axis + the pipeline bubble.
             param, μ, ν; the norm for clipping reads the grad again: 32 bytes per parameter a
             device updates), the residual stream's norms and adds (`RESIDUAL_PASSES`; replicated
             over `tensor`), ZeRO-1/2's extra copies (`ZERO_COPIES`), and, for jaxpar's einsum
-            attention, the S x S scores and probabilities (bytes per element in `SCORE_BYTES`), at
+            attention, the S x S scores and probabilities (bytes per element in `SCORE_BYTES`), and
+            the activations kept for the backward (`KEPT_PASSES`: what remat saves besides memory), at
             `MEMORY_EFFICIENCY` x bandwidth.
   comm      α-β per flow of the strategy's prediction (`Strategy.predict`) on the link its group spans;
             hideable flows are hidden behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
@@ -51,6 +52,7 @@ from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
 from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.gemm import gemm_efficiency
+from jaxpar.plan.memory import kept_per_layer
 from jaxpar.plan.overlap import hidden_fraction
 from jaxpar.plan.overlap import measured as measured_overlap
 
@@ -75,6 +77,13 @@ RESIDUAL_PASSES = {"forward": 10, "backward": 20}
 # and written: the default model's XLA:CPU program has 82 MB of copy ops per device against DDP's 41 MB (4Ψ = 13.7
 # MB). Assumed the same on GPU.
 ZERO_COPIES = {"zero1": 3, "zero2": 3}
+# Passes over the activations a layer keeps for the backward (memory.kept_per_layer), per microbatch: the forward copies
+# each into the layer scan's stacked buffer (a dynamic-update-slice) and the backward reads it back. This is what remat
+# saves against its recomputation: the default model's compiled XLA:CPU data=8 step stacks 34.8 MB per device per step
+# without remat and 1.0 MB with remat full (memory.py predicts 42.3 / 1.0), while executing 24% more matmul FLOPs.
+# Charged on XLA:CPU only, where the copies were read: the GPU anchors (plan/anchors.py) are fitted without it, and
+# whether XLA:GPU's fusions write the stack in place has not been measured here.
+KEPT_PASSES = {"cpu": 2, "gpu": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +195,8 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     memory += residual_tokens * shape.d_model * e * passes / mem_rate
     if cand.data > 1:
         memory += ZERO_COPIES.get(cand.data_impl, 0) * 2 * 4 * shape.params / (cand.fsdp * cand.tensor) / mem_rate
+    kept = kept_per_layer(shape, cand, global_batch, seq_len) * shape.layers / cand.pipe * cand.microbatches
+    memory += KEPT_PASSES[cluster.platform] * kept / mem_rate
     if cand.attention == "dot":
         b = rows_per_microbatch(cand, global_batch)
         elements = b * (shape.heads / cand.tensor) * seq_len**2 * shape.layers / cand.pipe * cand.microbatches
