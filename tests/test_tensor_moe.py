@@ -17,7 +17,7 @@ from jaxpar.config import apply_overrides, load_config
 from jaxpar.measure.hlo import collectives
 from jaxpar.model.moe import moe_feed_forward
 from jaxpar.model.ops import Ops
-from jaxpar.model.transformer import ModelConfig, init_params
+from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.megatron import sequence_parallel_ops
 from jaxpar.parallel.registry import build_strategy, predicted_collective_bytes
 from jaxpar.parallel.tensor import TensorStrategy
@@ -95,8 +95,11 @@ def test_sp_router_sees_its_part_of_the_sequence():
     apply_overrides(config, ["model.moe.experts=4", "model.moe.router=noisy", "model.moe.dispatch=capacity",
                              "model.moe.capacity_factor=1.0", "model.moe.expert_mlp_dim=64"])
     cfg = ModelConfig.from_config(config.model, VOCAB)
-    w = jax.tree.map(lambda a: a[0], init_params(cfg, 0)["moe_blocks"])
-    x = jax.random.normal(jax.random.key(0), (2, 32, cfg.d_model))
+    D, E, F = cfg.d_model, cfg.moe.experts, cfg.moe.expert_mlp_dim
+    shapes = {"router": (D, E), "router_noise": (D, E), "expert_gate": (E, D, F), "expert_up": (E, D, F),
+              "expert_down": (E, F, D)}
+    w = {name: 0.1 * jax.random.normal(jax.random.key(i), shape) for i, (name, shape) in enumerate(shapes.items())}
+    x = jax.random.normal(jax.random.key(9), (2, 32, D))
     noise = (jnp.arange(2, dtype=jnp.uint32), 0)
     want_y, want = jax.jit(lambda x, w: moe_feed_forward(x, w, cfg.moe, Ops(), noise))(x, w)
     assert float(want["moe_dropped"].sum()) > 0

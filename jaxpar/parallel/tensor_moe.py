@@ -15,7 +15,7 @@ sequence         Under SP the router sees this rank's s/t tokens (Megatron-Core'
                  and the router's losses and statistics are averaged over the s/t parts (`SequenceShards.mean`:
                  all-reduce forward, identity backward, /t; the router's gradient, a replicated weight's, is
                  then summed over `tensor` as tensor.py does for the norms), so they equal one device's.
-`moe_flows` predicts the bytes these add (tensor.py's `predict` calls it).
+`moe_tensor_bytes`: the bytes these add on `tensor` (tensor.py's `predict` calls it).
 """
 from __future__ import annotations
 
