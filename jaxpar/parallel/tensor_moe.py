@@ -70,8 +70,9 @@ def moe_tensor_bytes(shape, cand, b: int, s: int, e: int) -> float:
       shared    the shared experts' own f and g: 4u as a dense MLP's under TP; 2u under SP, where XLA merges
                 their input's all-gathers with the routed experts' (the same tokens, the same gradient).
       SP        the expert ids' all-gather (T-1)/T·4·b·s·k and the router statistics' all-reduce (3 vectors of E,
-                2 scalars) 2(T-1)/T·4·(3E+2).
-    Measured with remat none (tests/test_tensor_moe.py)."""
+                2 scalars) 2(T-1)/T·4·(3E+2). With remat (any policy but none) the backward's recomputed forward
+                gathers the gates and the ids again and all-reduces one E vector again.
+    Measured with remat none, full and dots (tests/test_tensor_moe.py checks none)."""
     moe, T = shape.moe, cand.tensor
     u, ring = (T - 1) / T * e * b * s * shape.d_model, 2 * (T - 1) / T
     per_layer = ring * 4 * b * s * moe.top_k
@@ -79,4 +80,6 @@ def moe_tensor_bytes(shape, cand, b: int, s: int, e: int) -> float:
         per_layer += (2 if cand.sequence else 4) * u
     if cand.sequence:
         per_layer += (T - 1) / T * 4 * b * s * moe.top_k + ring * 4 * (3 * moe.experts + 2)
+        if cand.remat != "none":
+            per_layer += 2 * (T - 1) / T * 4 * b * s * moe.top_k + ring * 4 * moe.experts
     return shape.moe_layers * per_layer
