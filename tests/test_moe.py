@@ -262,8 +262,8 @@ def test_moe_presets_validate(path):
     (["--set", "model.moe.experts=0", "--set", "parallel.expert=manual"], "parallel.expert"),
     (["--set", "mesh.pipe=2", "--set", "mesh.tensor=2", "--set", "mesh.data=2", "--set", "parallel.pipe=1f1b"],
      "mesh.tensor"),
-    (["--set", "mesh.tensor=2", "--set", "mesh.data=4", "--set", "parallel.tensor=manual",
-      "--set", "parallel.sequence=true"], "parallel.sequence"),                   # manual TP runs MoE, not with SP
+    (["--set", "mesh.tensor=2", "--set", "mesh.expert=2", "--set", "mesh.data=2", "--set", "parallel.tensor=manual"],
+     "parallel.expert"),                                           # manual TP exchanges over expert by hand only
 ])
 def test_bad_moe_input_is_one_line_exit_2(capsys, tmp_path, extra, field):
     argv = ["train", "--config", "configs/test.py", "--run-dir", str(tmp_path / "run"), *(f for o in MOE for f in

@@ -237,8 +237,10 @@ def test_registry_choices():
     (["parallel.tensor=manual", "mesh.tensor=4", "model.kv_heads=2"], "model.kv_heads"),
     (["parallel.tensor=manual", "mesh.tensor=4", "model.mlp_dim=130"], "model.mlp_dim"),
     (["parallel.tensor=manual", "mesh.tensor=4", "model.vocab_size=1030"], "model.vocab_size"),
-    (["parallel.tensor=manual", "mesh.tensor=2", "parallel.sequence=true", "model.moe.experts=4"],
-     "parallel.sequence"),                                                                  # SP with MoE
+    (["parallel.tensor=manual", "mesh.tensor=2", "mesh.expert=2", "model.moe.experts=4"],
+     "parallel.expert"),                                                   # the experts' exchange left to XLA
+    (["parallel.expert=manual", "parallel.data=ddp", "model.moe.experts=4"],
+     "parallel.tensor"),                                                   # manual expert + DDP only under manual TP
     (["parallel.tensor=manual", "mesh.tensor=4", "parallel.data=zero1"], "parallel.data"),
     (["parallel.tensor=manual", "mesh.tensor=4", "parallel.rules=length=tensor"], "parallel.rules"),
     (["parallel.tensor=megatron"], "parallel.tensor"),

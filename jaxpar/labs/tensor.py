@@ -13,7 +13,7 @@ c. memory        activation bytes per layer: the compiled gradient program's tem
                  sequence region (norms, residual stream) and the tensor region (attention, MLP);
                  Korthikanti's formula (bf16, GPT) and jaxpar's own count (`measure.memory`).
 d. layouts       manual TP x FSDP (torchtitan's 2D) and an MoE model under it (experts' hidden over tensor,
-                 Megatron-Core's default): losses and gradient norms against one device, bytes per axis
+                 Megatron-Core's default; with an expert axis; with SP): losses and gradient norms against one device, bytes per axis
                  of the compiled step against the strategy's prediction (`parallel/tensor.predict`).
 
 The mesh is data x tensor (tensor 4 by default, data = devices / tensor). Every part runs in float32.
@@ -332,10 +332,9 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
 
 # ============================================================================ d. layouts
 
-# the MoE of part d: fine-grained experts, a shared one, the sigmoid router and its bias; no Switch balance loss,
-# which each batch shard computes from its own batch means (as every data-parallel strategy does): not one device's
-LAYOUT_MOE = ["model.moe.experts=4", "model.moe.router=sigmoid", "model.moe.balance_loss=0",
-              "model.moe.shared_experts=1"]
+# the MoE of part d: fine-grained experts, a shared one, the sigmoid router and its bias, the Switch balance loss
+# (over the whole batch: `MoEOps.batch_mean`)
+LAYOUT_MOE = ["model.moe.experts=4", "model.moe.router=sigmoid", "model.moe.shared_experts=1"]
 
 
 def layouts(lab: Lab, steps: int) -> dict:
@@ -349,8 +348,14 @@ def layouts(lab: Lab, steps: int) -> dict:
     cases = [(f"TP x FSDP: fsdp={n // t} x tensor={t}", [f"mesh.fsdp={n // t}", f"mesh.tensor={t}"], []),
              ("TP x FSDP x DDP: data=2 x fsdp=2 x tensor=2", ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], []),
              (f"MoE, TP x FSDP: fsdp={n // t} x tensor={t}", [f"mesh.fsdp={n // t}", f"mesh.tensor={t}"],
-              LAYOUT_MOE + half)]
-    batches, rows, out = lab.batches(steps), [], {}
+              LAYOUT_MOE + half),
+             (f"MoE, expert x TP: expert=2 x data={n // (2 * t)} x tensor={t}",
+              ["mesh.expert=2", f"mesh.data={n // (2 * t)}", f"mesh.tensor={t}", "parallel.expert=manual"],
+              LAYOUT_MOE + half),
+             (f"MoE, SP x expert: expert=2 x fsdp={n // (2 * t)} x tensor={t}",
+              ["mesh.expert=2", f"mesh.fsdp={n // (2 * t)}", f"mesh.tensor={t}", "parallel.expert=manual",
+               "parallel.sequence=true"], LAYOUT_MOE + half)]
+    batches, rows, out, oracles = lab.batches(steps), [], {}, {}
 
     def build(overrides, devices):
         config = copy.deepcopy(lab.base)
@@ -370,17 +375,17 @@ def layouts(lab: Lab, steps: int) -> dict:
         return config, strategy, compiled, losses, norms
 
     for label, mesh, model in cases:
-        if n % (2 * t) and label.startswith("TP x FSDP x DDP"):
+        if n % (2 * t) and ("DDP" in label or "expert=2" in label):
             continue
-        _, _, _, want, want_norms = build(["parallel.tensor=auto", *model], 1)
+        if tuple(model) not in oracles:          # one single-device run per model
+            oracles[tuple(model)] = build(["parallel.tensor=auto", *model], 1)[3:]
+        want, want_norms = oracles[tuple(model)]
         config, strategy, compiled, losses, norms = build(["parallel.tensor=manual", *mesh, *model], n)
         measured = defaultdict(float)
         for c in collectives(compiled.as_text(), strategy.mesh):
             measured[c.axis_label] += c.bytes_per_step
         predicted = predicted_collective_bytes(config, strategy.model_cfg, dict(strategy.mesh.shape),
                                                lab.devices[0].platform)
-        if model:                    # the experts' f/g are not in the dense formula: fsdp and data only
-            predicted.pop("tensor", None)
         out[label] = {"losses": losses, "oracle": want, "max_rel_loss": max_rel_dev(losses, want),
                       "max_rel_grad_norm": max_rel_dev(norms, want_norms), "measured_bytes": dict(measured),
                       "predicted_bytes": predicted}
@@ -396,8 +401,9 @@ def layouts(lab: Lab, steps: int) -> dict:
         "weights are all-gathered over fsdp inside the layer loop, again in the backward pass, and their "
         "gradients reduce-scattered there (3 x (F-1)/F of a layer's tensor shard per step; the embedding and head "
         "2x). MoE: every expert's hidden dimension split over tensor (Megatron-Core's default expert tensor "
-        "parallelism), the router replicated; the MoE row's tensor bytes are not predicted. Its Switch balance "
-        "loss is off: each batch shard's is a product of its own means, not one device's."])
+        "parallelism), the router replicated; with mesh.expert the experts exchange tokens by all_to_all over "
+        "expert (parallel/expert.py); under SP the router sees s/t tokens and its statistics are averaged over "
+        "tensor (parallel/tensor_moe.py)."])
     return {"steps": steps, "cases": out, "markdown": md}
 
 

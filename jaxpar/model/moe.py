@@ -46,6 +46,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,10 +120,12 @@ def top_k(values, k: int):
     return jnp.take_along_axis(values, ids, axis=-1), ids
 
 
-def route(x, w, cfg: MoEConfig, noise=None):
+def route(x, w, cfg: MoEConfig, noise=None, sequence=None):
     """x [B, S, D] -> (logits, probs [B, S, E], ids [B, S, k], gates [B, S, k]), all fp32 but ids.
 
     `noise`: (seeds [B], layer index) in training with router=noisy, else None.
+    `sequence`: under sequence parallelism (`MoEOps.sequence`) x is this device's part of the sequence, and
+    the noise is its part of the whole sequence's.
     `probs` are what the balance loss and the entropy see: the softmax (of the noisy logits for
     router=noisy), or for router=sigmoid the scores normalised per token.
     """
@@ -139,7 +142,11 @@ def route(x, w, cfg: MoEConfig, noise=None):
         if cfg.router == "noisy" and noise is not None:
             seeds, layer = noise
             scale = jax.nn.softplus(jnp.einsum("bsd,de->bse", x32, w["router_noise"].astype(jnp.float32)))
-            chosen_from = logits + _noise(seeds, layer, logits.shape[1:]) * scale
+            if sequence is None:
+                eps = _noise(seeds, layer, logits.shape[1:])
+            else:
+                eps = sequence.local(_noise(seeds, layer, (logits.shape[1] * sequence.size, logits.shape[2])))
+            chosen_from = logits + eps * scale
         probs = jax.nn.softmax(chosen_from, axis=-1)
         gates, ids = top_k(probs, cfg.top_k)
     if cfg.normalize_top_k:
@@ -147,9 +154,12 @@ def route(x, w, cfg: MoEConfig, noise=None):
     return logits, probs, ids, gates
 
 
-def router_outputs(logits, probs, ids, kept, cfg: MoEConfig, batch_mean=None) -> dict:
+def router_outputs(logits, probs, ids, kept, cfg: MoEConfig, batch_mean=None, sequence=None) -> dict:
     """The layer's weighted losses and statistics (see the module docstring).
 
+    `sequence` (sequence parallelism, `MoEOps.sequence`): this device routed only its part of each sequence;
+    every per-token mean is first averaged over those parts (`sequence.mean`, whose gradient is each part's
+    own share), so the losses and statistics are the whole sequences', equal on every part.
     `batch_mean`: for a manual strategy whose devices each hold a shard of the batch (the pipelines),
     the mean over those shards; f_i and P_i of the balance loss are then the whole batch's, as one
     device sees them, while P_i's gradient stays this shard's own (the shards' gradients, averaged
@@ -160,12 +170,14 @@ def router_outputs(logits, probs, ids, kept, cfg: MoEConfig, batch_mean=None) ->
     routed = jnp.mean(jnp.sum(assigned, axis=2), axis=(0, 1)) / k             # f_i: no gradient (from ids)
     dropped = jnp.mean(jnp.sum(assigned * (~kept)[..., None], axis=2), axis=(0, 1)) / k
     importance = jnp.mean(probs, axis=(0, 1))                                 # P_i: the gradient's path
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    entropy = jnp.mean(-jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1))
+    if sequence is not None:
+        routed, dropped, importance, z, entropy = map(sequence.mean, (routed, dropped, importance, z, entropy))
     if batch_mean is not None:
         routed = batch_mean(routed)
         importance = importance + jax.lax.stop_gradient(batch_mean(importance) - importance)
     balance = E * jnp.sum(routed * importance)
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    entropy = jnp.mean(-jnp.sum(jax.scipy.special.xlogy(probs, probs), axis=-1))
     return {"moe_balance_loss": cfg.balance_loss * balance, "moe_z_loss": cfg.z_loss * z,
             "moe_routed": routed, "moe_dropped": dropped, "moe_entropy": entropy,
             "moe_balance": balance, "moe_z": z}
@@ -307,10 +319,13 @@ def routed_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops, length=None):
 @dataclasses.dataclass(frozen=True)
 class MoEOps(Ops):
     """`Ops` plus the MoE pieces a strategy swaps: `routed_experts` (dispatch, experts, combine) and
-    `batch_mean` (the balance loss's statistics over a manual strategy's batch shards, `router_outputs`)."""
+    `batch_mean` (the balance loss's statistics over a manual strategy's batch shards, `router_outputs`) and
+    `sequence` (the router's view under sequence parallelism)."""
 
     routed_experts: Callable = routed_experts
     batch_mean: Callable | None = None
+    sequence: Any = None    # sequence parallelism: the sequence's parts on the tensor ranks (.size, .gather,
+                            # .local, .mean; parallel/tensor_moe.py); None: each device routes whole sequences
 
 
 def with_moe_ops(ops: Ops, **changes) -> MoEOps:
@@ -337,9 +352,14 @@ def moe_feed_forward(x, w, cfg: MoEConfig, ops: Ops, noise=None):
     through ops.row_out, like the dense MLP's column- and row-parallel matmuls. The gates enter
     that parallel region too (through column_in: Megatron's f): under manual TP each device
     combines its partial expert outputs with them, so their gradient is summed over `tensor`.
+    Under sequence parallelism x is this device's s/t tokens: the router sees those, column_in
+    gathers x and the gates, `sequence.gather` the expert ids, and `kept` comes back to this part.
     """
     w = weights_in_use(w, ops)
-    logits, probs, ids, gates = route(x, w, cfg, noise)
-    dispatch, mean = (ops.routed_experts, ops.batch_mean) if isinstance(ops, MoEOps) else (routed_experts, None)
-    y, kept = dispatch(ops.column_in(x), ids, ops.column_in(gates), expert_weights(w), cfg, ops)
-    return ops.row_out(y), router_outputs(logits, probs, ids, kept, cfg, mean)
+    moe_ops = ops if isinstance(ops, MoEOps) else MoEOps()
+    sequence = moe_ops.sequence
+    logits, probs, ids, gates = route(x, w, cfg, noise, sequence)
+    y, kept = moe_ops.routed_experts(ops.column_in(x), ids if sequence is None else sequence.gather(ids),
+                                     ops.column_in(gates), expert_weights(w), cfg, ops)
+    kept = kept if sequence is None else sequence.local(kept)
+    return ops.row_out(y), router_outputs(logits, probs, ids, kept, cfg, moe_ops.batch_mean, sequence)

@@ -121,14 +121,25 @@ def capacity_exchange(x, ids, gates, w, cfg: MoEConfig, ops, *, n: int, tensor_s
 
 # ============================================================================ the shard_map
 
+def _unsummed(out):
+    return out
+
+
+def exchange_for(cfg: MoEConfig, n: int, tensor_sum=_unsummed):
+    """The routed experts of a per-device program over `expert` (n devices), `routed_experts`' signature: the
+    dropless or capacity exchange. `tensor_sum` adds the experts' partial outputs over `tensor` where the
+    program does not (identity: Megatron's g after the layer adds them, parallel/tensor_moe.py)."""
+    exchange = dropless_exchange if cfg.dispatch == "dropless" else capacity_exchange
+    return partial(exchange, n=n, tensor_sum=tensor_sum)
+
+
 def manual_routed_experts(x, ids, gates, w, cfg: MoEConfig, ops, *, mesh, batch_axes: tuple[str, ...]):
     """`routed_experts` (model/moe.py) over the mesh: a shard_map around the exchange, manual over every
     mesh axis. Tokens are split as the batch is (`expert` among its axes), experts over `expert`, each
     expert's hidden dimension over `tensor`."""
     n, tp = int(mesh.shape[AXIS]), "tensor" if mesh.shape["tensor"] > 1 else None
-    tensor_sum = (lambda out: jax.lax.psum(out, tp)) if tp else (lambda out: out)
-    exchange = dropless_exchange if cfg.dispatch == "dropless" else capacity_exchange
-    local = partial(exchange, cfg=cfg, ops=ops, n=n, tensor_sum=tensor_sum)
+    tensor_sum = (lambda out: jax.lax.psum(out, tp)) if tp else _unsummed
+    local = partial(exchange_for(cfg, n, tensor_sum), cfg=cfg, ops=ops)
     tokens = P(batch_axes)
     experts = {name: P(AXIS, None, tp) if name != "expert_down" else P(AXIS, tp, None) for name in w}
     return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts), out_specs=(tokens, tokens),

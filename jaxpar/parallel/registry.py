@@ -20,8 +20,8 @@ from jaxpar.parallel.theory import Candidate, Prediction, candidate_from_config
 AUTO = "jaxpar.parallel.auto:AutoStrategy"
 STRATEGIES = (
     "jaxpar.parallel.zero:ZeroStrategy",        # data: ddp | zero1 | zero2 | zero3
-    "jaxpar.parallel.tensor:TensorStrategy",    # tensor: manual (+ parallel.sequence), data: ddp
     "jaxpar.parallel.expert:ExpertStrategy",    # expert: manual (all_to_all in shard_map)
+    "jaxpar.parallel.tensor:TensorStrategy",    # tensor: manual (+ parallel.sequence, expert: manual), data: ddp
     "jaxpar.parallel.pipeline:PipelineStrategy",  # pipe: gpipe | 1f1b | interleaved | zb-h1 | dualpipev | pipedream-2bw
                                                  # (+ tensor: manual, expert: manual)
     "jaxpar.parallel.circular:CircularStrategy",  # pipe: circular (the compiler-driven pipeline)

@@ -32,10 +32,13 @@ MoE layers (model.moe.experts > 0) keep Megatron-Core's default expert tensor pa
 (expert_tensor_parallel_size = tensor size): every expert's hidden dimension is split over
 `tensor` (gate/up column-parallel, down row-parallel, the dense MLP's f and g), the router
 runs replicated on every tensor rank, so routing needs no all_to_all and any expert count
-works; the gates enter the parallel region through f (model/moe.py).
+works; the gates enter the parallel region through f (model/moe.py). With mesh.expert > 1
+(parallel.expert=manual) the batch is split over `expert` too and each device's E/N experts
+exchange tokens with parallel/expert.py's all_to_alls; under SP the router sees s/t tokens and
+its statistics are averaged over `tensor` (parallel/tensor_moe.py says how).
 What the registry runs here: parallel.tensor=manual with parallel.data=auto or ddp (both
-mean this DDP), mesh.pipe = expert = 1, no parallel.rules overrides. Anything else is
-refused with one line. The state is every strategy's (same pytree, same global shapes):
+mean this DDP), parallel.expert=auto or manual, mesh.pipe = 1, no parallel.rules overrides.
+Anything else is refused with one line. The state is every strategy's (same pytree, same global shapes):
 params and Adam moments split over `tensor` (and `fsdp`) as the default rules say, replicated over `data`.
 Under `train.compute_dtype=float8` each device scales its own shards (per-shard amax), so the
 losses are close to, not equal to, one device's. `predict` (end of file): these collectives' bytes.
@@ -54,15 +57,18 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
 from jaxpar.parallel.collective_matmul import collective_matmul_ops, ring_policy
+from jaxpar.parallel.expert import ExpertStrategy
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
 from jaxpar.parallel.step import accumulate, apply_outside_gradient, clip_to_norm
 from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.tensor_moe import moe_tensor_bytes, tensor_moe_ops
 from jaxpar.parallel.theory import (
     OTHER_WEIGHTS,
     WEIGHTS_PER_LAYER,
     Candidate,
     Flow,
     Prediction,
+    moe_all_to_all_bytes,
     stored_params,
     wire_bytes,
 )
@@ -71,7 +77,8 @@ from jaxpar.parallel.zero import STACKS, all_gather_weight, refetch_policy
 AXIS = "tensor"
 DATA = "data"
 FSDP = "fsdp"
-BATCH = (DATA, FSDP)
+EXPERT = "expert"
+BATCH = (DATA, FSDP)    # (EXPERT, DATA, FSDP) for an MoE model on mesh.expert > 1
 
 
 def _is_split(spec: P, axis: str = AXIS) -> bool:
@@ -88,7 +95,7 @@ class TensorStrategy(Strategy):
     """Manual Megatron TP (+ SP) over `tensor`, FSDP over `fsdp`, DDP over `data`; checkpoints interchange
     with every strategy."""
 
-    RUNS = {"tensor": ("manual",), "data": ("ddp",)}
+    RUNS = {"tensor": ("manual",), "data": ("ddp",), "expert": ("manual",)}
     PLANNED: dict = {}   # the planner ranks the automatic tensor axis (same bytes without sequence parallelism)
 
     @staticmethod
@@ -97,13 +104,19 @@ class TensorStrategy(Strategy):
 
     @classmethod
     def check(cls, config, sizes):
-        others = [f"mesh.{axis}={size}" for axis, size in sizes.items() if axis not in (AXIS, DATA, FSDP) and size > 1]
+        others = [f"mesh.{a}={size}" for a, size in sizes.items() if a not in (AXIS, DATA, FSDP, EXPERT) and size > 1]
         if others:
-            raise ConfigError("parallel.tensor", f"manual runs over mesh.tensor, mesh.fsdp and mesh.data only, but "
-                              f"{', '.join(others)}; set those axes to 1 or use parallel.tensor=auto")
-        if config.parallel.sequence and config.model.moe.experts:
-            raise ConfigError("parallel.sequence", "sequence parallelism does not split an MoE layer's routing "
-                              "(the router runs replicated over tensor); set parallel.sequence=false")
+            raise ConfigError("parallel.tensor", f"manual runs over mesh.tensor, mesh.fsdp, mesh.data and mesh.expert "
+                              f"only, but {', '.join(others)}; set those axes to 1 or use parallel.tensor=auto")
+        if config.parallel.tensor != "manual":
+            raise ConfigError("parallel.tensor", f"is '{config.parallel.tensor}' with parallel.expert=manual and "
+                              "parallel.data=ddp, which run only under manual TP: set parallel.tensor=manual")
+        if config.parallel.expert == "manual":
+            ExpertStrategy.check(config, sizes)
+        elif sizes.get(EXPERT, 1) > 1:
+            raise ConfigError("parallel.expert", f"is '{config.parallel.expert}' with mesh.expert={sizes[EXPERT]}; "
+                              "under parallel.tensor=manual the experts' exchange is written by hand: set "
+                              "parallel.expert=manual")
         if config.parallel.rules.strip():
             raise ConfigError("parallel.rules", "parallel.tensor=manual places every array itself (Megatron's "
                               "layout); leave parallel.rules empty or use parallel.tensor=auto")
@@ -113,6 +126,8 @@ class TensorStrategy(Strategy):
         the backward pass instead of gathering it again: exactly TP's bytes, less memory saved."""
         super().__init__(config, model_cfg, mesh, donate)
         self.t, self.d, self.f = int(mesh.shape[AXIS]), int(mesh.shape[DATA]), int(mesh.shape[FSDP])
+        self.x = int(mesh.shape[EXPERT])
+        self.batch = (EXPERT, *BATCH) if self.x > 1 else BATCH
         if model_cfg.vocab_size % self.t:
             raise ConfigError("model.vocab_size", f"{model_cfg.vocab_size} is not divisible by mesh.tensor={self.t} "
                               "(the vocabulary-parallel embedding and head split it)")
@@ -127,9 +142,13 @@ class TensorStrategy(Strategy):
                 self.policy = ring_policy(self.policy) if regather else self.policy
         else:
             self.ops = tensor_parallel_ops(self.ops, AXIS)
+        if model_cfg.moe:    # the balance statistics over the batch, the exchange over `expert`, SP's router
+            self.ops = tensor_moe_ops(self.ops, model_cfg.moe, dict(mesh.shape),
+                                      tuple(a for a in self.batch if mesh.shape[a] > 1), self.sequence)
 
         abstract = jax.eval_shape(self.make_state)       # the same pytree as every strategy's
-        self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), (AXIS, FSDP) if self.f > 1 else (AXIS,))
+        live = tuple(a for a in (AXIS, FSDP, EXPERT) if a == AXIS or mesh.shape[a] > 1)
+        self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), live)
         if self.f > 1:   # FSDP: every layer gathers its weights where it runs, and again in the backward pass
             self.fsdp_dims = {name: jax.tree.map(lambda s, stacked=name in STACKS: _fsdp_dim(s, stacked), specs,
                                                  is_leaf=lambda x: isinstance(x, P))
@@ -139,19 +158,21 @@ class TensorStrategy(Strategy):
         self.state_specs = self._state_layout(abstract, self.param_specs, replicated=P())
         self.state_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self.state_specs)
         self.param_shardings = self.state_shardings["params"]
-        self.batch_sharding = NamedSharding(mesh, P(BATCH, None))
+        self.batch_sharding = NamedSharding(mesh, P(self.batch, None))
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
 
         replicated = NamedSharding(mesh, P())
         shard = partial(jax.shard_map, mesh=mesh, check_vma=False)   # every collective is written out
-        step = shard(self._local_step, in_specs=(self.state_specs, P(BATCH, None)), out_specs=(self.state_specs, P()))
+        step = shard(self._local_step, in_specs=(self.state_specs, P(self.batch, None)),
+                     out_specs=(self.state_specs, P()))
         self.step_fn = jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                                out_shardings=(self.state_shardings, replicated), donate_argnums=self.donate_argnums)
-        evaluate = shard(self._local_eval, in_specs=(self.param_specs, P(BATCH, None)), out_specs=P())
+        evaluate = shard(self._local_eval, in_specs=(self.param_specs, P(self.batch, None)), out_specs=P())
         self.eval_fn = jax.jit(evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
                                out_shardings=replicated)
         # (loss, mean gradient) of a batch in the state's layout: for tests and the lab, not the loop
-        grads = shard(self._local_grads, in_specs=(self.param_specs, P(BATCH, None)), out_specs=(P(), self.param_specs))
+        grads = shard(self._local_grads, in_specs=(self.param_specs, P(self.batch, None)),
+                      out_specs=(P(), self.param_specs))
         self.grad_fn = jax.jit(grads)
 
     # ---------------------------------------------------------------- per-device program
@@ -163,7 +184,8 @@ class TensorStrategy(Strategy):
     def _local_grads(self, params, tokens):
         """Loss and gradient of the whole batch on this device's shards: Megatron's collectives inside the
         forward and backward pass (FSDP's reduce-scatters too), then SP's norm-weight sums over `tensor`, the
-        unsplit weights' sums over `fsdp` and DDP's mean over `data`."""
+        unsplit weights' sums over `fsdp`, the mean over `expert` (the experts' own gradients already hold every
+        shard's tokens: the exchange's transpose) and DDP's mean over `data`."""
         objective = partial(loss, cfg=self.model_cfg, ops=self.ops, remat_policy=self.policy)
         (_, metrics), grads = accumulate(jax.value_and_grad(objective, has_aux=True), params, tokens,
                                          self.microbatches)
@@ -173,15 +195,18 @@ class TensorStrategy(Strategy):
         if self.f > 1:      # split leaves were reduce-scattered in the backward pass; the others are summed here
             grads = jax.tree.map(lambda g, spec: (g if _is_split(spec, FSDP) else jax.lax.psum(g, FSDP)) / self.f,
                                  grads, self.param_specs)
-        return jax.lax.pmean(metrics, BATCH), jax.lax.pmean(grads, DATA)   # ALL-REDUCE over data (DDP)
+        if self.x > 1:
+            grads = jax.tree.map(lambda g, spec: (g if _is_split(spec, EXPERT) else jax.lax.psum(g, EXPERT)) / self.x,
+                                 grads, self.param_specs)
+        return jax.lax.pmean(metrics, self.batch), jax.lax.pmean(grads, DATA)   # ALL-REDUCE over data (DDP)
 
     def _global_norm(self, grads):
         """L2 norm of the whole gradient: each leaf's square summed over the axes it is split on (tensor,
-        fsdp), replicated ones counted once."""
+        fsdp, expert), replicated ones counted once."""
         groups = {}
         flat, specs = jax.tree.leaves(grads), jax.tree.leaves(self.param_specs, is_leaf=lambda x: isinstance(x, P))
         for g, spec in zip(flat, specs):
-            axes = tuple(a for a in (AXIS, FSDP) if _is_split(spec, a))
+            axes = tuple(a for a in (AXIS, FSDP, EXPERT) if _is_split(spec, a))
             groups[axes] = groups.get(axes, jnp.float32(0)) + jnp.sum(jnp.square(g.astype(jnp.float32)))
         return jnp.sqrt(sum(jax.lax.psum(total, axes) if axes else total for axes, total in groups.items()))
 
@@ -197,7 +222,7 @@ class TensorStrategy(Strategy):
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def _local_eval(self, params, tokens):
-        return jax.lax.pmean(cross_entropy_and_aux(params, tokens, self.model_cfg, self.ops)[0], BATCH)
+        return jax.lax.pmean(cross_entropy_and_aux(params, tokens, self.model_cfg, self.ops)[0], self.batch)
 
 
 # ============================================================================ prediction
@@ -214,69 +239,86 @@ def layer_units(remat: str, sequence: bool, regather: bool = True) -> int:
 def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str,
             regather: bool = True) -> Prediction:
     """Bytes each device sends per step, by mesh axis (u = (T-1)/T·e·b·s·h, e = `wire_bytes`, b rows per batch
-    shard (data x fsdp) per microbatch, m microbatches).
+    shard (data x fsdp, x expert for MoE) per microbatch, m microbatches).
 
     tensor, TP  per layer 4 all-reduces of b·s·h = 8u (g after wo and w_down forward, f before q/k/v and
                 gate/up backward), +2u with remat full/dots (the attention g is recomputed). Outside the
                 layers 4u: the embedding's g forward, the head's f backward.
             SP  the same 8u as 4 all-gathers + 4 reduce-scatters, +2u for gathering each column-parallel input
                 again in the backward (`regather`, also whenever remat does not save it), +1u with remat
-                full/dots. Outside 4u. Once per step: the norm weights' gradient sum 2(T-1)/T·4·(2L+1)·h.
+                full/dots. Outside 4u. Once per step: the replicated weights' gradient sum (norms, router),
+                2(T-1)/T·4 per element.
           both  per microbatch the cross-entropy's three fp32 reductions 3·2(T-1)/T·4·b·s; once per step the
-                grad-norm scalar 2(T-1)/T·4.
-    data        DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(Ψ_split/T + Ψ_norms), + the loss
-                (with fsdp: this device's share of each parameter).
+                grad-norm scalar 2(T-1)/T·4. MoE layers add `moe_tensor_bytes` (gates, shared experts, SP's router).
+    data        DDP: one all-reduce of this device's fp32 gradient, 2(D-1)/D·4·(its elements + the loss).
     fsdp        `fsdp_bytes`: each parameter split over fsdp gathered where it runs and its gradient
                 reduce-scattered; the ones fsdp does not split all-reduce their gradient.
+    expert      MoE: the exchange's all_to_alls (`moe_all_to_all_bytes`) and the all-reduce of every gradient
+                but the routed experts', 2(X-1)/X·4 per element. The router bias has no gradient: not sent.
     """
     T, D, F = cand.tensor, cand.data, cand.fsdp
+    X = cand.expert if shape.moe else 1
     m, L, h, s = cand.microbatches, shape.layers, shape.d_model, seq_len
-    b = global_batch // m // (D * F)
+    b = global_batch // m // (D * F * X)
     e = wire_bytes(cand.precision, platform)
-    norms = (2 * L + 1) * h
+    every = leaf_sizes(shape.model, T, F, X)
+    leaves = [leaf for leaf in every if leaf[0] != "router_bias"]   # the ones with a gradient
+    kept = sum(size / (F if "fsdp" in axes else 1) for _, size, axes in leaves)
     out, stored = [], stored_params(shape, cand)
     if T > 1:
         u = (T - 1) / T * e * b * s * h
         ring = 2 * (T - 1) / T
         units = layer_units(cand.remat, cand.sequence, regather) * L + 4
-        total = m * (units * u + ring * 4 * 3 * b * s) + ring * 4 + (ring * 4 * norms if cand.sequence else 0)
+        replicated = sum(size / (F if "fsdp" in axes else 1) for _, size, axes in leaves if "tensor" not in axes)
+        total = m * (units * u + ring * 4 * 3 * b * s) + ring * 4 + (ring * 4 * replicated if cand.sequence else 0)
+        if shape.moe:
+            total += m * moe_tensor_bytes(shape, cand, b, s, e)
         count = m * (units // 2 + 3) + 1
         out.append(Flow("tensor", "reduce-scatter" if cand.sequence else "all-reduce", total, count, False))
     arrays = WEIGHTS_PER_LAYER + OTHER_WEIGHTS
     if F > 1:
-        sent, kept = fsdp_bytes(shape.model, T, F)
-        stored = dict.fromkeys(stored, kept)
+        sent = fsdp_bytes(shape.model, T, F, X)
+        stored = dict.fromkeys(stored, sum(size / (F if "fsdp" in axes else 1) for _, size, axes in every))
         out.append(Flow("fsdp", "all-gather", sent, 3 * L * WEIGHTS_PER_LAYER + 2 * OTHER_WEIGHTS, False))
-        if D > 1:
-            out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * 4 * (kept + 1), arrays, False))
-    elif D > 1:
-        psi = shape.counts()["total"]
-        out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * 4 * ((psi - norms) / T + norms + 1), arrays, False))
+    if D > 1:
+        out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * 4 * (kept + 1), arrays, False))
+    if X > 1:
+        exchange = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform)
+        out.append(Flow("expert", "all-to-all", exchange["predicted"], exchange["runs"], False))
+        shared = sum(size / (F if "fsdp" in axes else 1) for _, size, axes in leaves if "expert" not in axes)
+        out.append(Flow("expert", "all-reduce", 2 * (X - 1) / X * 4 * shared, arrays, False))
     return Prediction(out, stored)
 
 
-def fsdp_bytes(model_cfg, T: int, F: int) -> tuple[float, float]:
-    """(fsdp bytes per device per step, elements this device stores) of manual TP x FSDP (default rules): per
-    parameter split over fsdp, fp32, g = its size / T if split over tensor, (F-1)/F·4·g per all-gather, 3 per layer
-    weight (forward, the backward's re-gather, the gradient's reduce-scatter), 2 for the embedding and head (a tied
-    one 4); the parameters fsdp does not split (norms, the router bias) all-reduce their gradient, 2(F-1)/F·4·size.
-    The scalars (loss, norm) that reduce over data x fsdp together are left out."""
+def leaf_sizes(model_cfg, T: int, F: int, X: int) -> list[tuple[str, float, tuple[str, ...]]]:
+    """(name, elements a layer uses on one device, mesh axes it rests split on) of every parameter under manual
+    TP (default rules): split over tensor and expert as stored; over fsdp too at rest (size / F) when F > 1."""
     from jaxpar.model.transformer import init_params
     from jaxpar.parallel.rules import DEFAULT
 
     shapes = jax.eval_shape(lambda: init_params(model_cfg, 0))
-    specs = DEFAULT.tree_specs(model_cfg.param_axes(), ("tensor", "fsdp"))
-    sent = stored = 0.0
+    live = ("tensor",) + (("fsdp",) if F > 1 else ()) + (("expert",) if X > 1 else ())
+    specs = DEFAULT.tree_specs(model_cfg.param_axes(), live)
+    out = []
     for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(shapes),
                                   jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-        axes = jax.tree.leaves(tuple(spec))
-        size = float(np.prod(leaf.shape)) / (T if "tensor" in axes else 1)
-        name = jax.tree_util.keystr(path[:1], simple=True)
-        gathers = 3 if name in ("blocks", "moe_blocks") else 4 if name == "embed" and model_cfg.tie_embeddings else 2
+        axes = tuple(jax.tree.leaves(tuple(spec)))
+        size = float(np.prod(leaf.shape)) / (T if "tensor" in axes else 1) / (X if "expert" in axes else 1)
+        out.append((jax.tree_util.keystr(path[-1:], simple=True), size, axes))
+    return out
+
+
+def fsdp_bytes(model_cfg, T: int, F: int, X: int = 1) -> float:
+    """fsdp bytes per device per step of manual TP x FSDP (default rules): per parameter split over fsdp, fp32,
+    g = its `leaf_sizes` size, (F-1)/F·4·g per all-gather, 3 per layer weight (forward, the backward's re-gather,
+    the gradient's reduce-scatter), 2 for the embedding and head (a tied one 4); the learned parameters fsdp does
+    not split (norms) all-reduce their gradient, 2(F-1)/F·4·size. The scalars (loss, norm) that reduce over data x
+    fsdp together are left out."""
+    sent = 0.0
+    for name, size, axes in leaf_sizes(model_cfg, T, F, X):
+        gathers = 4 if name == "embed" and model_cfg.tie_embeddings else 2 if name in ("embed", "lm_head") else 3
         if "fsdp" in axes:
             sent += (F - 1) / F * 4 * size * gathers
-            stored += size / F
-        else:
+        elif name != "router_bias":     # no gradient
             sent += 2 * (F - 1) / F * 4 * size
-            stored += size
-    return sent, stored
+    return sent
