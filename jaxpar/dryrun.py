@@ -82,31 +82,36 @@ def markdown_report(r: dict) -> str:
 
 def _memory_lines(r: dict) -> list[str]:
     mem = r["memory"]
-    cm, st, fz, act = mem["compiled"], mem["state_from_shardings"], mem["zero_formula"], mem["activations_estimate"]
+    cm, st, fz, pr = mem["compiled"], mem["state_from_shardings"], mem["zero_formula"], mem["predicted"]
+    extra = [(label, pr[key]) for label, key in (("stage weights, gathered and cast", "stage_weights"),
+                                                  ("ZB-H1 taps (x, dy)", "taps")) if pr[key]]
     lines = [
         "## Memory per device",
         "",
-        "| part | analytic: shardings | analytic: ZeRO formula | compiled | compiled / analytic |",
-        "|---|---:|---:|---:|---:|",
-        f"| params (fp32) | {fmt_bytes(st['params'])} | {fmt_bytes(fz['params'])} | | |",
-        f"| Adam mu + nu | {fmt_bytes(st['optimizer'])} | {fmt_bytes(fz['optimizer'])} | | |",
-        f"| counters | {st['counters']} B | | | |",
-        f"| batch (tokens) | {mem['batch_bytes']} B | | | |",
+        "| part | analytic: shardings | analytic: ZeRO formula | predicted: strategy | compiled | "
+        "compiled / predicted |",
+        "|---|---:|---:|---:|---:|---:|",
+        f"| params (fp32) | {fmt_bytes(st['params'])} | {fmt_bytes(fz['params'])} | {fmt_bytes(pr['params'])} | | |",
+        f"| Adam mu + nu | {fmt_bytes(st['optimizer'])} | {fmt_bytes(fz['optimizer'])} | "
+        f"{fmt_bytes(pr['optimizer'])} | | |",
+        f"| counters | {st['counters']} B | | | | |",
+        f"| batch (tokens) | {mem['batch_bytes']} B | | | | |",
         f"| **arguments** | {fmt_bytes(st['state_total'] + mem['batch_bytes'])} | {fmt_bytes(fz['state'])} | "
-        f"{fmt_bytes(cm['argument'])} | {ratio(cm['argument'], st['state_total'] + mem['batch_bytes'])} |",
-        f"| outputs (aliased) | | | {fmt_bytes(cm['output'])} ({fmt_bytes(cm['alias'])}) | |",
-        f"| grads (in temp) | {fmt_bytes(st['grads'])} | {fmt_bytes(fz['grads'])} | | |",
-        f"| activations (estimate, in temp) | {fmt_bytes(act['total'])} | | | |",
-        f"| **temp** | {fmt_bytes(st['grads'] + act['total'])} | | {fmt_bytes(cm['temp'])} | "
-        f"{ratio(cm['temp'], st['grads'] + act['total'])} |",
-        f"| **peak** | {fmt_bytes(st['state_total'] + mem['batch_bytes'] + st['grads'] + act['total'])} | "
-        f"{fmt_bytes(fz['total'] + act['total'])} | {fmt_bytes(cm['peak'])} | "
-        f"{ratio(cm['peak'], st['state_total'] + mem['batch_bytes'] + st['grads'] + act['total'])} |",
+        f"{fmt_bytes(pr['state'])} | {fmt_bytes(cm['argument'])} | {ratio(cm['argument'], pr['state'])} |",
+        f"| outputs (aliased) | | | | {fmt_bytes(cm['output'])} ({fmt_bytes(cm['alias'])}) | |",
+        f"| grads (in temp) | {fmt_bytes(st['grads'])} | {fmt_bytes(fz['grads'])} | {fmt_bytes(pr['gradients'])} | | |",
+        f"| activations kept (in temp) | | | {fmt_bytes(pr['activations'])} | | |",
+        f"| working set (in temp) | | | {fmt_bytes(pr['working'])} | | |",
+        *(f"| {label} (in temp) | | | {fmt_bytes(value)} | | |" for label, value in extra),
+        f"| **temp** | | | {fmt_bytes(pr['temp'])} | {fmt_bytes(cm['temp'])} | {ratio(cm['temp'], pr['temp'])} |",
+        f"| **peak** | | | {fmt_bytes(pr['total'])} | {fmt_bytes(cm['peak'])} | {ratio(cm['peak'], pr['total'])} |",
         "",
         f"Shards per part {mem['shard_counts']}; formula: 4Ψ/N params, 4Ψ/N grads, 8Ψ/N Adam. "
-        f"Activations: {act['note']}; per layer {fmt_bytes(act['per_layer'])}, logits {fmt_bytes(act['logits'])} "
-        "(Korthikanti et al., adapted: an estimate). "
-        f"Compiled peak: {cm['peak_method']}.",
+        "Predicted: the strategy's memory model (jaxpar.parallel.memory, the one the planner ranks with), "
+        + ("fitted on XLA:GPU bf16/fp8 compiles." if pr["calibrated"] else
+           f"fitted on XLA:GPU bf16/fp8 compiles and **not calibrated for {' and '.join(pr['uncalibrated'])}**: "
+           f"the compiled peak is {pr['peak_ratio']:.3g}x the prediction here, reported as is.")
+        + f" Compiled peak: {cm['peak_method']}.",
     ]
     if mem["device_hbm_bytes"]:
         fits = "fits" if cm["peak"] <= mem["device_hbm_bytes"] else "does NOT fit"

@@ -23,6 +23,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.model.counting import param_count
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_strategy
+from jaxpar.units import fmt_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = str(ROOT / "configs" / "test.py")
@@ -70,6 +71,24 @@ def test_fsdp_collective_bytes_match_theory(fsdp8):
     F = 8
     without_embedding = (F - 1) / F * 4 * (counts["total"] - counts["embedding"])
     assert 3 * without_embedding < col["total_bytes"] < 4 * without_embedding
+
+
+def test_the_dry_run_reports_the_planners_memory_prediction(fsdp8):
+    """The dry run's predicted memory is the planner's, part by part (one model: jaxpar.parallel.memory), beside
+    the compiled figures with their ratio; on CPU the report says the model is not calibrated there."""
+    from jaxpar.parallel.registry import workload
+    from jaxpar.plan.fleet import cpu_cluster
+    from jaxpar.plan.planner import evaluate
+    config = tiny("mesh.data=1", "mesh.fsdp=8")
+    shape, cand, batch, seq_len, _ = workload(config, ModelConfig.from_config(config.model), fsdp8["mesh"], "cpu")
+    planned = evaluate(shape, cand, cpu_cluster(8, {}, 1e11, 1e10, 16e9), batch, seq_len, 1e6).memory
+    pred, compiled = fsdp8["memory"]["predicted"], fsdp8["memory"]["compiled"]
+    for part in ("params", "optimizer", "gradients", "activations", "working", "total"):
+        assert pred[part] == planned.total if part == "total" else pred[part] == getattr(planned, part), part
+    assert pred["peak_ratio"] == compiled["peak"] / planned.total
+    assert pred["calibrated"] is False and pred["uncalibrated"] == ["XLA:CPU", "float32"]
+    text = markdown_report(fsdp8)
+    assert "| **peak** | | | " + fmt_bytes(planned.total) in text and "not calibrated for XLA:CPU" in text
 
 
 def test_ddp_reduces_gradients_once_per_microbatch():

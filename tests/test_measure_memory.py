@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.measure.memory import (
-    activation_estimate,
     compiled_memory,
+    korthikanti_activations,
     leaf_bytes_per_device,
     shard_counts,
     state_bytes,
@@ -91,15 +91,15 @@ def test_zero_stages_match_the_paper(stage, expected):
     assert formula["total"] == pytest.approx(expected * 1000)
 
 
-def test_activation_estimate_is_korthikanti_at_bf16():
+def test_the_papers_activations_are_korthikanti_at_bf16():
     s, b, h, a = 2048, 4, 1024, 16
     args = dict(layers=8, seq_len=s, micro_batch=b, d_model=h, heads=a, vocab_size=1000)
-    bf16 = activation_estimate(**args, compute_bytes=2, remat="none")
+    bf16 = korthikanti_activations(**args, compute_bytes=2, remat="none")
     assert bf16["per_layer"] == pytest.approx(s * b * h * (34 + 5 * a * s / h))
     assert bf16["layers"] == pytest.approx(8 * bf16["per_layer"])
-    fp32 = activation_estimate(**args, compute_bytes=4, remat="none")
+    fp32 = korthikanti_activations(**args, compute_bytes=4, remat="none")
     assert fp32["per_layer"] == pytest.approx(2 * bf16["per_layer"])
-    full = activation_estimate(**args, compute_bytes=2, remat="full")
+    full = korthikanti_activations(**args, compute_bytes=2, remat="full")
     assert full["layers"] == pytest.approx(8 * s * b * h * 2 + bf16["per_layer"])
-    tp = activation_estimate(**args, compute_bytes=2, remat="none", tensor=4)
+    tp = korthikanti_activations(**args, compute_bytes=2, remat="none", tensor=4)
     assert tp["per_layer"] == pytest.approx(s * b * h * (10 + 24 / 4 + 5 * a * s / (h * 4)))

@@ -14,12 +14,12 @@ from jaxpar.model.counting import ModelShape, param_count, train_flops_per_token
 from jaxpar.model.moe import MoEConfig
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel import registry
+from jaxpar.parallel.memory import PIPELINE_EXTRA_SLOTS, config_memory, memory
 from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan import risks
 from jaxpar.plan.fleet import cpu_cluster, gpu_cluster
-from jaxpar.plan.memory import PIPELINE_EXTRA_SLOTS, memory
-from jaxpar.plan.planner import defence, plan, smallest_cluster
+from jaxpar.plan.planner import defence, evaluate, plan, smallest_cluster
 from jaxpar.plan.space import enumerate_candidates
 from jaxpar.plan.steptime import executed_flops_per_token, step_time
 from jaxpar.plan.verify import candidate_config, verify
@@ -131,23 +131,41 @@ def test_memory_responds_to_each_setting():
     assert zb.taps > 0 and memory(s, p1, 256, 4096, hbm).taps == 0             # only ZB-H1 keeps (x, dy) taps
 
 
-def test_memory_reproduces_recorded_h100_compiles():
-    """The memory model against 37 recorded deviceless H100 compiles of the 7B (tests/data; re-checked live by
-    `jaxpar plan --verify` where the CUDA plugin is installed). fp32 is not calibrated: that compile is reported."""
+def recorded_h100_compiles() -> dict:
+    """The recorded deviceless H100 compiles of the 7B (tests/data), by their overrides: (config, mesh sizes, peak)."""
     from jaxpar.config import mesh_shape
     recorded = json.loads((ROOT / "tests" / "data" / "h100_7b_compiles.json").read_text())["compiles"]
-    ratios = {}
+    out = {}
     for rec in recorded:
         c = config("arabic_7b", *rec["overrides"])
-        cand = candidate_from_config(c, mesh_shape(c, 64))
-        predicted = memory(ModelShape.from_config(c), cand, c.train.batch_size, c.data.seq_len, 80e9).total
-        ratios[" ".join(rec["overrides"])] = rec["compiled_peak_bytes"] / predicted
+        out[" ".join(rec["overrides"])] = (c, mesh_shape(c, 64), rec["compiled_peak_bytes"])
+    return out
+
+
+def test_memory_reproduces_recorded_h100_compiles():
+    """The memory model, asked as the dry run asks it (`config_memory`), against 37 recorded deviceless H100
+    compiles of the 7B (tests/data; re-checked live by `jaxpar plan --verify` where the CUDA plugin is
+    installed). fp32 is not calibrated: that compile is reported."""
+    ratios = {key: peak / config_memory(c, ModelConfig.from_config(c.model), sizes, "gpu", 80e9).total
+              for key, (c, sizes, peak) in recorded_h100_compiles().items()}
     fp32 = {k: v for k, v in ratios.items() if "float32" in k}
     assert len(ratios) == 37 and len(fp32) == 1
     rest = [v for k, v in ratios.items() if k not in fp32]
     assert all(abs(v - 1) < 0.12 for v in rest), ratios
     assert sum(abs(v - 1) < 0.05 for v in rest) >= 0.85 * len(rest), ratios
     assert all(v > 1.2 for v in fp32.values())          # what the docstring says: fp32 is under-predicted
+
+
+def test_the_dry_run_and_the_planner_predict_the_same_memory():
+    """One memory model: for every recorded 7B layout (pipelines, tensor, ZeRO, fp8, flash...), what the dry run
+    reports (`config_memory`) is, part by part, what the planner ranks with (`evaluate`)."""
+    cluster = gpu_cluster("h100", 8, 8)
+    for key, (c, sizes, _) in recorded_h100_compiles().items():
+        model_cfg = ModelConfig.from_config(c.model)
+        shape, cand, batch, seq_len, _ = registry.workload(c, model_cfg, sizes, "gpu")
+        planned = evaluate(shape, cand, cluster, batch, seq_len, 1e9).memory
+        dry = config_memory(c, model_cfg, sizes, "gpu", cluster.hbm_bytes)
+        assert dry.parts() == planned.parts() and dry.total == planned.total, key
 
 
 def test_step_time_terms():

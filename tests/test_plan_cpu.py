@@ -4,10 +4,10 @@ import pytest
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.memory import kept_per_layer
 from jaxpar.parallel.theory import Candidate
 from jaxpar.plan import cpu_links
 from jaxpar.plan.fleet import cpu_cluster
-from jaxpar.plan.memory import kept_per_layer
 from jaxpar.plan.reality import Measured, calibrate
 from jaxpar.plan.steptime import KEPT_PASSES, RESIDUAL_PASSES, SCORE_BYTES, Calibration, step_time
 

@@ -25,8 +25,8 @@ def _pct(x: float) -> str:
 
 
 def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str:
+    from jaxpar.parallel import memory as mem
     from jaxpar.plan import fleet as cl
-    from jaxpar.plan import memory as mem
     from jaxpar.plan import steptime as st
     from jaxpar.plan.planner import defence, summary_line, table
     from jaxpar.plan.verify import annotate, buildable_sentence, verification_table
@@ -70,7 +70,7 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
               "a group across nodes gets its GPUs per node x the per-GPU NIC, capped by NVLink (NCCL issue 812) |",
               f"| α NVLink / InfiniBand | {cl.ALPHA_NVLINK_S * 1e6:.0f} / {cl.ALPHA_INFINIBAND_S * 1e6:.0f} µs | "
               "assumption | |",
-              f"| memory constants (score bytes {mem.SCORE_BYTES}, ...) | see jaxpar/plan/memory.py | fitted | "
+              f"| memory constants (score bytes {mem.SCORE_BYTES}, ...) | see jaxpar/parallel/memory.py | fitted | "
               f"the {recorded_compiles()} deviceless H100 compiles of the 7B recorded in "
               "tests/data/h100_7b_compiles.json "
               "(none of them a candidate ranked here unless part c says so) |",

@@ -25,7 +25,7 @@ def plot_memory(result: dict, path: Path):
     """Per strategy, the prediction (solid) beside the compiled step (hatched): state and temporaries."""
     rows = list(result["rows"].values())
     state = np.array([r["formula"]["params"] + r["formula"]["optimizer"] for r in rows])
-    temp = np.array([r["temp_predicted"] for r in rows])
+    temp = np.array([r["temp_paper"] for r in rows])
     args = np.array([r["compiled"]["argument"] for r in rows])
     ctemp = np.array([r["compiled"]["temp"] for r in rows])
     unit, scale = byte_unit([*(state + temp), *(args + ctemp)])
@@ -34,7 +34,7 @@ def plot_memory(result: dict, path: Path):
     x, w = np.arange(len(rows)), 0.38
     ax.bar(x - w / 2, state / scale, w, color="#4c72b0", label="predicted state: params + Adam (ZeRO formula)")
     ax.bar(x - w / 2, temp / scale, w, bottom=state / scale, color="#dd8452",
-           label="predicted temp: grads (formula) + activations (estimate)")
+           label="predicted temp: grads (formula) + activations (paper: Korthikanti)")
     ax.bar(x + w / 2, args / scale, w, color="#4c72b0", hatch="//", edgecolor="k", alpha=0.6,
            label="compiled arguments: params + Adam + batch")
     ax.bar(x + w / 2, ctemp / scale, w, bottom=args / scale, color="#dd8452", hatch="//", edgecolor="k", alpha=0.6,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import resource
 import time
 
-from jaxpar.config import ConfigError, fused_attention
+from jaxpar.config import ConfigError
 from jaxpar.measure.targets import target_devices
 
 
@@ -142,34 +142,37 @@ def _compile(strategy):
 
 
 def _memory(config, model_cfg, sizes, strategy, compiled, machine) -> tuple[dict, dict]:
-    """The compiler's memory beside the shardings' and the ZeRO formula's, and the kernels the config resolved to."""
-    import jax.numpy as jnp
-
+    """The compiler's memory beside the shardings', the ZeRO formula's and the strategy's predicted (the planner's
+    memory model, jaxpar.parallel.memory), and the kernels the config resolved to."""
     from jaxpar.kernels.kernel_ops import resolve
-    from jaxpar.measure.memory import (
-        activation_estimate,
-        compiled_memory,
-        leaf_bytes_per_device,
-        shard_counts,
-        state_bytes,
-        zero_formula,
-    )
+    from jaxpar.measure import hardware
+    from jaxpar.measure.memory import compiled_memory, leaf_bytes_per_device, shard_counts, state_bytes, zero_formula
     from jaxpar.model.counting import param_count
     from jaxpar.parallel.step import activation_dtype
-    compute_bytes = jnp.dtype(activation_dtype(config.train.compute_dtype)).itemsize
-    micro = config.train.batch_size // config.train.microbatches // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
     chosen = resolve(config, machine["platform"], activation_dtype(config.train.compute_dtype))
-    acts = activation_estimate(layers=model_cfg.layers, seq_len=config.data.seq_len, micro_batch=micro,
-                               d_model=model_cfg.d_model, heads=model_cfg.heads, vocab_size=model_cfg.vocab_size,
-                               tensor=sizes["tensor"], compute_bytes=compute_bytes, remat=config.train.remat,
-                               flash=fused_attention(chosen["attention"], machine["platform"]),
-                               loss_chunk=config.model.loss_chunk if chosen["loss"] == "chunked" else None,
-                               sequence_parallel=config.parallel.sequence)
     counts = shard_counts(config, sizes)
-    return {"compiled": compiled_memory(compiled, machine["platform"]).as_dict(),
-            "state_from_shardings": state_bytes(strategy.abstract_state),
+    compiled_mem = compiled_memory(compiled, machine["platform"]).as_dict()
+    hbm = hardware.ACCELERATORS[machine["accelerator"]].hbm_bytes if machine["accelerator"] else None
+    return {"compiled": compiled_mem, "state_from_shardings": state_bytes(strategy.abstract_state),
             "zero_formula": zero_formula(param_count(model_cfg)["total"], counts), "shard_counts": counts,
-            "batch_bytes": leaf_bytes_per_device(strategy.abstract_batch()), "activations_estimate": acts}, chosen
+            "batch_bytes": leaf_bytes_per_device(strategy.abstract_batch()),
+            "predicted": predicted_memory(config, model_cfg, sizes, machine["platform"], hbm, compiled_mem)}, chosen
+
+
+def predicted_memory(config, model_cfg, sizes, platform: str, hbm_bytes, compiled_mem: dict) -> dict:
+    """The strategy's predicted per-device memory (`config_memory`, the planner's model) by part, with the
+    compiled/predicted ratios and whether the model is calibrated for this platform and precision."""
+    from jaxpar.parallel.memory import config_memory
+    mem = config_memory(config, model_cfg, sizes, platform, hbm_bytes)
+    transient = mem.total - mem.state
+    uncalibrated = [why for why, off in (("XLA:CPU", platform == "cpu"),
+                                         ("float32", config.train.compute_dtype == "float32")) if off]
+    return {"params": mem.params, "optimizer": mem.optimizer, "gradients": mem.gradients,
+            "activations": mem.activations, "working": mem.working, "stage_weights": mem.stage_weights,
+            "taps": mem.taps, "state": mem.state, "temp": transient, "total": mem.total,
+            "fits": mem.fits if hbm_bytes else None, "limit": mem.limit if hbm_bytes else None,
+            "peak_ratio": compiled_mem["peak"] / mem.total, "temp_ratio": compiled_mem["temp"] / transient,
+            "calibrated": not uncalibrated, "uncalibrated": uncalibrated}
 
 
 def _collectives(config, model_cfg, sizes, strategy, hlo_text, machine) -> dict:

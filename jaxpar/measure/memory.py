@@ -11,9 +11,10 @@ Three views of the same bytes, so a lab can put them side by side:
 3. formula    the ZeRO paper's closed form: fp32 params 4Ψ, fp32 grads 4Ψ, Adam mu+nu
               8Ψ, each divided by the number of devices that part is split over.
 
-Plus a rough activation estimate (Korthikanti et al. 2022) for the temp buffers, and
-(`model_state_table`, behind `jaxpar memory`) the ZeRO table for any model size and
-device count, in the paper's accounting and in jaxpar's own.
+Plus the Korthikanti et al. 2022 activation formula, the paper's (not jaxpar's prediction, which is
+the strategy's: jaxpar.parallel.memory), for the labs that compare the paper with the compiled program,
+and (`model_state_table`, behind `jaxpar memory`) the ZeRO table for any model size and device count,
+in the paper's accounting and in jaxpar's own.
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def gradient_held(stage: str, psi: int, psi_layers: int, layers: int, n: int, gr
     return grad_bytes * (psi_layers / n + psi_layers / layers + (psi - psi_layers))
 
 
-# ----------------------------------------------------------------------------- activations
+# ----------------------------------------------------------------------------- the paper's activations
 
 def korthikanti_layer_bytes(*, seq_len: int, micro_batch: int, d_model: int, heads: int, tensor: int = 1,
                             sequence_parallel: bool = False) -> dict:
@@ -208,12 +209,13 @@ def jaxpar_layer_bytes(*, seq_len: int, micro_batch: int, d_model: int, heads: i
             "per_layer": sequence_region + tensor_region}
 
 
-def activation_estimate(*, layers: int, seq_len: int, micro_batch: int, d_model: int, heads: int,
+def korthikanti_activations(*, layers: int, seq_len: int, micro_batch: int, d_model: int, heads: int,
                         vocab_size: int, tensor: int = 1, compute_bytes: int = 2, remat: str = "none",
                         flash: bool = False, loss_chunk: int | None = None,
                         sequence_parallel: bool = False) -> dict:
-    """Rough activation bytes per device for one microbatch (Korthikanti et al. 2022, "Reducing
-    Activation Recomputation in Large Transformer Models"), adapted. Assumptions, stated:
+    """The paper's activation bytes per device for one microbatch (Korthikanti et al. 2022, "Reducing
+    Activation Recomputation in Large Transformer Models"), adapted, for a lab to set beside the compiled
+    program and jaxpar's own prediction (jaxpar.parallel.memory). Assumptions, stated:
 
     - Per layer, bf16, tensor parallel t without sequence parallelism:
       s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes (= s·b·h·(34 + 5·a·s/h) at t=1); with sequence

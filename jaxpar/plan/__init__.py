@@ -2,7 +2,6 @@
 
 fleet.py     the machine: devices per node, peak FLOP/s, memory, α-β links (NVLink, InfiniBand, host memory)
 space.py     the space of candidates the registered strategies offer (a candidate: parallel/theory.py)
-memory.py    per-device memory of one step (what a device stores: its strategy's prediction)
 steptime.py  per-step time: compute at a calibrated efficiency, the strategy's predicted collectives and bubble,
              fixed overheads
 gemm.py      the size efficiency of a step's weight matmuls (additive roofline)
@@ -16,5 +15,6 @@ risks.py     failures, checkpoint interval (Young/Daly) and goodput of a months-
 fertility.py tokens per Arabic word of trained BPE tokenizers
 
 The model is `jaxpar.model.counting.ModelShape`; each strategy's bytes per mesh axis, stored parameters and
-bubble are its own `predict` (jaxpar/parallel/), the same the dry run checks against compiled programs.
+bubble are its own `predict` (jaxpar/parallel/), and its per-device memory jaxpar/parallel/memory.py: the same
+the dry run checks against compiled programs.
 """

@@ -1,31 +1,9 @@
 """Published H100 runs the planner's compute efficiency η is fitted on, one η per framework.
 
-No GPU was used to build jaxpar's planner, so η cannot be measured here. Each anchor is a
-published run evaluated with ITS OWN strategy (not the planner's choice, which would let η
-absorb the planner's errors elsewhere, e.g. in bandwidth), model, cluster, batch, precision
-and memory layout; η of each framework is the value at which the planner predicts the run's
-published tokens/s per GPU. Frameworks differ (kernels, fusion, overlap), so each has its own
-η; an anchor whose role is "check" is predicted with its framework's fitted values.
-
-  framework           fitted on                                   checked on
-  jaxpar (XLA)        MaxText Llama-2-70B (~51% MFU, stand-in run)  -
-  NeMo (Megatron/TE)  Llama-3.1-8B bf16 (η); the same in fp8 (fp8)   Llama-2-7B fp8
-  torchtitan eager    Llama-3.1-8B FSDP                              -
-  torchtitan compile  Llama-3.1-8B FSDP + torch.compile              -
-
-Sources (published tokens/s per GPU, H100 SXM):
-  NVIDIA dgxc-benchmarking, llama3.1 README_8b.md (NeMo 24.09): 8 GPUs, seq 8192, global batch 128,
-      10,153 bf16 (59.4% MFU), 13,555 fp8.
-  NVIDIA NeMo docs/source/performance/performance_summary.md (NeMo 24.07): Llama-2-7B fp8, 8 GPUs,
-      seq 4096, global batch 128, micro batch 1, TP 1, PP 1, CP 1: 16,847 (another revision of the table:
-      16,634).
-  pytorch/torchtitan docs/performance.md: Llama-3.1-8B, 8 GPUs FSDP, seq 8192, local batch 2, selective
-      activation checkpointing: 5,762 eager, 6,667 with torch.compile (H100s capped at 500 W).
-  MaxText's Llama-2-70B H100 figure (~51% MFU) as the course quotes it: its cluster (8 x 8), batch
-      (4 sequences per GPU) and strategy (fsdp over all 64 GPUs, full remat) here are stand-ins.
-
-MFU here counts attention without a causal discount (PaLM's convention, jaxpar's
-`train_flops_per_token`); NeMo's 59.4% for 10,153 tokens/s is the same convention.
+Each anchor is a published run evaluated with ITS OWN strategy, model, cluster, batch, precision and
+memory layout; η is the value at which the planner predicts its published tokens/s per GPU, and a
+"check" anchor is predicted with its framework's fitted values. Sources and roles:
+experiments/07_capstone/README.md, "How the model is built".
 """
 from __future__ import annotations
 

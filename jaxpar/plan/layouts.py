@@ -1,6 +1,6 @@
 """Which model-state layout a candidate's memory assumes: jaxpar's own, or a distributed optimizer's.
 
-  jaxpar                  what jaxpar's strategies store (plan/memory.py): fp32 parameters sharded as
+  jaxpar                  what jaxpar's strategies store (parallel/memory.py): fp32 parameters sharded as
                           the strategy shards them (whole on every device of `data`), fp32 gradients,
                           a second fp32 buffer when microbatches accumulate, AdamW μ, ν in fp32.
                           16-20 bytes per stored parameter. jaxpar builds this layout.
@@ -32,10 +32,10 @@ def check_layout(layout: str, field: str = "--layout") -> str:
 
 
 def apply_layout(mem, cand, layout: str):
-    """`mem` (jaxpar's layout, plan/memory.py) with its model state replaced by `layout`'s."""
+    """`mem` (jaxpar's layout, parallel/memory.py) with its model state replaced by `layout`'s."""
     if layout == "jaxpar":
         return mem
-    from jaxpar.plan.memory import ACCUMULATOR
+    from jaxpar.parallel.memory import ACCUMULATOR
     params = mem.params / 4                                    # parameters this device stores
     accumulates = cand.microbatches > 1 and cand.pipe == 1
     grads = mem.gradients / (1 + ACCUMULATOR) if accumulates else mem.gradients

@@ -1,6 +1,6 @@
 """The planner: evaluate every candidate of the space, rank the ones that fit, and defend the choice.
 
-`plan(...)` predicts, for each candidate, per-device memory (memory.py) and step time
+`plan(...)` predicts, for each candidate, per-device memory (jaxpar/parallel/memory.py) and step time
 (steptime.py), then tokens/s, MFU, days, GPU-hours and cost for the token budget, and
 ranks the candidates that fit by step time (every candidate trains the same global
 batch, so the fastest step is the shortest run). `defence(plan)` is the paragraph that
@@ -14,11 +14,11 @@ import dataclasses
 
 from jaxpar.config import ConfigError
 from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.memory import Memory, memory
 from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.layouts import apply_layout, layout_flows
-from jaxpar.plan.memory import Memory, memory
 from jaxpar.plan.space import enumerate_candidates
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, StepTime, step_time
 from jaxpar.units import GB

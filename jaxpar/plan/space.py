@@ -21,7 +21,7 @@ PRECISIONS = ("bfloat16", "float8", "float32")
 ATTENTIONS = ("dot", "flash")      # dot: jaxpar's einsum attention (S x S scores); flash: a fused kernel
 # Left out of the space, because the planner cannot predict it (deviceless H100 compiles of the 7B): jaxpar's fp8
 # matmuls (per-tensor current scaling, model/fp8.py) under tensor parallelism compiled to 3.5x the tensor-axis
-# bytes of bf16 and 14-32% more memory than plan/memory.py's fp8 terms; inside a pipeline stage they keep less than
+# bytes of bf16 and 14-32% more memory than parallel/memory.py's fp8 terms; inside a pipeline stage they keep less than
 # those terms say (remat dots kept what remat full keeps: 40.7 GiB where the model said 70).
 FP8_NOT_MODELLED = "fp8 with tensor > 1 or pipe > 1: not modelled, not ranked"
 

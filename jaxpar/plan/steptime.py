@@ -1,58 +1,20 @@
 """Per-step time of one candidate: compute at a calibrated efficiency + memory-bound passes + exposed
-communication per axis + the pipeline bubble.
+communication per axis (the strategy's predicted flows) + the pipeline bubble + fixed overheads.
 
-  compute   FLOPs each device executes / (η · g · peak), g the size efficiency of the step's
-            weight matmuls (plan/gemm.py: small GEMMs and short microbatches run below a large
-            GEMM's rate; attention kernels at η). Executed FLOPs are the model's (6 x active
-            matmul params + attention) plus what the strategy adds: remat `full` recomputes each
-            layer's forward except the two output projections (wo, w_down: their outputs are not
-            needed by the backward pass) and both attention einsums; `dots` recomputes the
-            attention scores (a batched dot, which the policy does not save); a fused (flash)
-            attention kernel skips the masked half of a causal mask and recomputes the scores
-            in its backward (FlashAttention-2: 2.5x the forward instead of 2x). Within 2-3% of the
-            compiled FLOPs of the 7B's deviceless H100 compiles (the rest is elementwise work).
-            float8: the weight matmuls run at the fp8 peak; attention stays bf16.
-  memory    passes bound by memory bandwidth: the AdamW update (read param, grad, μ, ν, write
-            param, μ, ν; the norm for clipping reads the grad again: 32 bytes per parameter a
-            device updates), the residual stream's norms and adds (`RESIDUAL_PASSES`; replicated
-            over `tensor`), ZeRO-1/2's extra copies (`ZERO_COPIES`), and, for jaxpar's einsum
-            attention, the S x S scores and probabilities (bytes per element in `SCORE_BYTES`), and
-            the activations kept for the backward (`KEPT_PASSES`: what remat saves besides memory), at
-            `MEMORY_EFFICIENCY` x bandwidth.
-  comm      α-β per flow of the strategy's prediction (`Strategy.predict`) on the link its group spans;
-            hideable flows are hidden behind the layers' compute up to a fraction `OVERLAP` (GPU); the rest, and every
-            non-hideable flow, is exposed.
-  overhead  a fixed cost per step (`STEP_OVERHEAD_S`: launching the optimizer, host dispatch, the
-            loss's trip to the host) and per microbatch per layer (`LAYER_OVERHEAD_S`: kernel launch
-            and tail gaps between the layer's kernels), so that microbatches are not free and a tiny
-            model's step is not 0 s.
-  bubble    pipelines: the schedule's fraction β (the prediction's, parallel/schedules.bubble_fraction)
-            idles every stage: the busy time is stretched by 1/(1-β).
-
-Calibration (ASSUMPTIONS unless said otherwise; the lab prints them with the anchors):
-  COMPUTE_EFFICIENCY  η of an ideal large GEMM on GPU (the size factor g lowers it for real ones),
-                      fitted on a published run's OWN strategy, not on the planner's choice (plan/anchors.py:
-                      MaxText's Llama-2-70B for jaxpar/XLA; NeMo and torchtitan have their own η there).
-                      On CPU η is measured (labs/capstone.py).
-  FP8_EFFICIENCY      η of fp8 matmuls relative to the fp8 peak, as a fraction of η: fitted on NeMo's
-                      Llama-3.1-8B fp8 run (fp8 GEMMs reach a lower share of their doubled peak; casts
-                      and scaling cost extra). MFU is always against the bf16 peak (planner.evaluate).
-  OVERLAP             fraction of the hideable communication XLA overlaps with the layers' compute on
-                      GPU, where no measurement exists: `GPU_CALIBRATION.measured` holds the fraction of
-                      each (strategy, axis) replayed from compiled H100 schedules (plan/overlap.py, lab 09).
-                      (lab 02: the compiled 7B ZeRO-3 step overlaps 5 of 8 forward and 4 of 8 backward
-                      gathers per layer with matmuls of the same layer).
+`step_time` returns the terms (`StepTime`); the constants below are assumptions unless said otherwise
+(`Calibration`, fitted η: plan/anchors.py). Each term's derivation and the calibration:
+experiments/07_capstone/README.md, "How the model is built".
 """
 from __future__ import annotations
 
 import dataclasses
 
 from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.memory import kept_per_layer
 from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
 from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.gemm import gemm_efficiency
-from jaxpar.plan.memory import kept_per_layer
 from jaxpar.plan.overlap import hidden_fraction
 from jaxpar.plan.overlap import measured as measured_overlap
 

@@ -1,46 +1,18 @@
-"""Per-device memory of one training step: model state, gradients, activations, working buffers.
+"""Per-device memory of one training step as its strategy predicts it: the one memory model of jaxpar.
 
-  state        fp32 params 4Ψ_d and AdamW μ, ν 8Ψ_d, Ψ_d = the parameters this device stores, as its
-               strategy predicts (`Prediction.stored`: e.g. ZeRO stage s over `data` splits the optimizer
-               (s >= 1), gradients (s >= 2) and params (s = 3)).
-  gradients    fp32, sharded like the params (4Ψ_d); a second fp32 buffer when microbatches
-               accumulate (`ACCUMULATOR`).
-  activations  per microbatch of b sequences per device, s tokens, h = d_model, e = activation bytes:
-               remat full: every layer's input, L·b·s·h·e (the scan carry);
-               remat dots: + the saved matmul outputs q, k, v, gate, up: L·b·s·(a·d_h + 2·kv·d_h + 2F)·e/T;
-               remat none: + everything else autodiff keeps per layer, `NONE_SCORE_BYTES` per S x S element
-               (fp32 scores and probabilities and the bf16 copy) + `NONE_TOKEN_BYTES` per token x h.
-               float8 (remat none or dots): + what fp8.py's matmul keeps, `fp8_residuals`.
-               Pipelines keep the stage's L/p layers for every microbatch in flight (GPipe m, 1F1B and
-               ZB-H1 p, interleaved v·p + p - 1 chunks of L/(v·p) layers), + `PIPELINE_EXTRA_SLOTS`
-               (the executor's scan carries its buffers); ZB-H1 also keeps each matmul's (x, dy) taps
-               for those microbatches (`tap_elements`). A pipeline stage's weights are all-gathered
-               (fp32, fsdp > 1) and cast once per step and its gradient is whole until the step's
-               reduce-scatter (parallel/pipeline.py): 4 + 2 + 4 bytes per stage parameter.
-  working set  the largest transient: one layer's backward (recomputed forward + gradients):
-               `SCORE_BYTES` per S x S element of the einsum attention, or a flash kernel's fp32
-               log-sum-exp per query and head, + `WORKING_TOKEN_BYTES` per token x h; or the head's
-               logits and their gradient, `LOGIT_BYTES` per token x vocab / T, whichever is larger;
-               + `LAYER_WEIGHT_BYTES` per parameter of one layer (gathered copies, its fp32 gradient)
-               + `CONSTANT_BYTES`.
-
-Where the constants come from: a least-squares fit (non-negative) to XLA:GPU's buffer assignment
-of 17 deviceless H100 compiles of configs/arabic_7b.py (64 GPUs; fsdp, data x fsdp, fsdp x tensor
-with T = 2, 4, 8; microbatches 1-8; remat none, dots, full; bf16 and fp8; seq 2048 and 4096; vocab
-32000 and 64000; 16 and 32 layers; recorded in tests/data/h100_7b_compiles.json). Each has a
-physical reading (10.7 bytes per score element: fp32 scores + fp32 probabilities + a bf16 copy = 10)
-and the model reproduces every one of those compiles' peaks within 5% (lab 07 re-checks the top
-candidates live). The pipeline terms and LOGIT_BYTES were set the same way from 17 more compiles
-once the pipeline and kernel branches were merged (pipelines with fsdp or data, 1F1B, ZB-H1,
-interleaved, GPipe, remat none/dots/full, jaxpar's Pallas flash attention): all 36 within 11%. NOT calibrated: float32 compute (one compile: 1.35x the
-prediction; the planner leaves fp32 out of the GPU space) and MoE layers (formulas only).
+Model state (fp32 params, AdamW μ, ν, fp32 gradients) of what the device stores (`Prediction.stored`),
+activations kept per the candidate's remat (times the pipeline's stash), and the largest transient
+(`Memory`). The dry run (`config_memory`), the planner and the labs all call `memory`. Its constants
+were fitted to deviceless XLA:GPU compiles (bf16, fp8; tests/data/h100_7b_compiles.json): fp32 and
+XLA:CPU are not calibrated. Terms, fit and provenance: experiments/07_capstone/README.md, "How the
+model is built".
 """
 from __future__ import annotations
 
 import dataclasses
 
 from jaxpar.model.counting import ModelShape
-from jaxpar.parallel.registry import predict
+from jaxpar.parallel.registry import predict, workload
 from jaxpar.parallel.theory import Candidate, Prediction
 
 SCORE_BYTES = 10.7            # per S x S element, one layer's backward working set (einsum attention)
@@ -121,7 +93,8 @@ def tap_elements(shape: ModelShape, tensor: int) -> float:
 
 
 def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int) -> float:
-    """Bytes one layer keeps for the backward pass, per microbatch on one device (the module doc's activations)."""
+    """Bytes one layer keeps for the backward pass, per microbatch on one device (the activations term of
+    experiments/07_capstone/README.md, "How the model is built")."""
     e = 4 if cand.precision == "float32" else 2
     T, h, s = cand.tensor, shape.d_model, seq_len
     b = global_batch / cand.batch_shards / cand.microbatches
@@ -172,3 +145,13 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
                     activations=activations, working=working, fits=True, limit=(1 - headroom) * hbm_bytes,
                     stage_weights=stage_weights, taps=taps)
     return dataclasses.replace(result, fits=result.total <= result.limit)
+
+
+def config_memory(config, model_cfg, sizes: dict[str, int], platform: str, hbm_bytes: float | None = None,
+                  headroom: float = 0.1) -> Memory:
+    """`memory` of the candidate `config` runs on a mesh of `sizes` (the dry run's prediction); `hbm_bytes`
+    None: no device limit (virtual CPU devices), `fits` is then always true."""
+    shape, cand, global_batch, seq_len, platform = workload(config, model_cfg, sizes, platform)
+    prediction = predict(shape, cand, global_batch, seq_len, platform)
+    return memory(shape, cand, global_batch, seq_len, float("inf") if hbm_bytes is None else hbm_bytes,
+                  headroom, prediction)
