@@ -21,7 +21,7 @@ NONE_SCORE_BYTES = 9.6        # per S x S element per layer kept without remat
 NONE_TOKEN_BYTES = 59.4       # per token x d_model per layer kept without remat
 LAYER_WEIGHT_BYTES = 0.37     # per parameter of one layer (/ tensor)
 ACCUMULATOR = 1.15            # x 4Ψ_d: the accumulation buffer when microbatches > 1
-CONSTANT_BYTES = 0.95e9
+CONSTANT_BYTES = 0.95e9        # the fit's intercept: XLA:GPU's fixed buffers; an XLA:CPU step allocates none
 LOGIT_BYTES = 4               # per token x vocab / tensor live at the head's peak (fitted on a flash-attention compile)
 PIPELINE_EXTRA_SLOTS = 2      # a pipeline's stash and taps hold 2 microbatches more than the schedule keeps alive
 
@@ -111,10 +111,10 @@ def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_le
 
 
 def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, hbm_bytes: float,
-           headroom: float = 0.1, prediction: Prediction | None = None) -> Memory:
+           headroom: float = 0.1, prediction: Prediction | None = None, platform: str = "gpu") -> Memory:
     """Per-device bytes of one step of `cand`; `fits` when the total is within (1 - headroom) of `hbm_bytes`.
     What a device stores is its strategy's `prediction` (default: asked of it)."""
-    prediction = prediction or predict(shape, cand, global_batch, seq_len, "gpu")
+    prediction = prediction or predict(shape, cand, global_batch, seq_len, platform)
     stored = prediction.stored
     e = 4 if cand.precision == "float32" else 2
     T, L, h, s = cand.tensor, shape.layers, shape.d_model, seq_len
@@ -140,7 +140,8 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     layer_work = scores + WORKING_TOKEN_BYTES * scale * b * s * h
     head_work = LOGIT_BYTES * b * s * shape.vocab / T
     layer_params = (shape.counts()["blocks"] - shape.counts()["experts"] * (1 - 1 / cand.expert)) / L / T
-    working = max(layer_work, head_work) + LAYER_WEIGHT_BYTES * scale * layer_params + CONSTANT_BYTES
+    working = max(layer_work, head_work) + LAYER_WEIGHT_BYTES * scale * layer_params
+    working += CONSTANT_BYTES if platform == "gpu" else 0.0
     result = Memory(params=4 * stored["params"], optimizer=8 * stored["optimizer"], gradients=grads,
                     activations=activations, working=working, fits=True, limit=(1 - headroom) * hbm_bytes,
                     stage_weights=stage_weights, taps=taps)
@@ -154,4 +155,4 @@ def config_memory(config, model_cfg, sizes: dict[str, int], platform: str, hbm_b
     shape, cand, global_batch, seq_len, platform = workload(config, model_cfg, sizes, platform)
     prediction = predict(shape, cand, global_batch, seq_len, platform)
     return memory(shape, cand, global_batch, seq_len, float("inf") if hbm_bytes is None else hbm_bytes,
-                  headroom, prediction)
+                  headroom, prediction, platform)

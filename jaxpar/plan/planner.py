@@ -82,8 +82,8 @@ def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch:
     MFU is against the dense bf16 peak, also for fp8 candidates (NeMo's convention); `mfu_fp8_peak` beside it."""
     prediction = predict(shape, cand, global_batch, seq_len, cluster.platform)
     prediction = dataclasses.replace(prediction, flows=layout_flows(prediction.flows, shape, cand, layout))
-    mem = apply_layout(memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom, prediction), cand,
-                       layout)
+    mem = apply_layout(memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom, prediction,
+                              cluster.platform), cand, layout)
     t = step_time(shape, cand, cluster, global_batch, seq_len, calibration, prediction)
     step_tokens = global_batch * seq_len
     tokens_per_s = step_tokens / t.total_s
@@ -130,7 +130,7 @@ def smallest_cluster(shape: ModelShape, cluster: Cluster, global_batch: int, seq
     """The fewest whole nodes on which some candidate fits in memory (doubling, then the nodes in between)."""
     def fits(nodes: int) -> bool:
         c = cluster.resized(nodes)
-        return any(memory(shape, cand, global_batch, seq_len, c.hbm_bytes, headroom).fits
+        return any(memory(shape, cand, global_batch, seq_len, c.hbm_bytes, headroom, platform=c.platform).fits
                    for cand in enumerate_candidates(shape, c.devices, global_batch, **space))
     nodes = cluster.nodes
     while nodes <= max_nodes and not fits(nodes):
