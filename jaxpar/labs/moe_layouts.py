@@ -39,13 +39,14 @@ LAYOUTS = [   # label, (overrides, devices, the oracle's microbatches)
 
 
 def axis_bytes(strategy, step) -> dict[str, dict[str, float]]:
-    """Bytes per device per step by mesh axis: compiled (collectives in the HLO) and the strategy's prediction."""
+    """Bytes per device per step by mesh axis: compiled (a pipeline's as its busiest stage executes them, as the
+    dry run counts them) and the strategy's prediction."""
     from jaxpar.kernels.kernel_ops import platform_of
-    from jaxpar.measure import hlo
+    from jaxpar.measure.executed import step_collectives
     from jaxpar.parallel.registry import predicted_collective_bytes
 
     compiled: dict[str, float] = {}
-    for c in hlo.collectives(step.as_text(), strategy.mesh):
+    for c in step_collectives(strategy, step.as_text()):
         compiled[c.axis_label] = compiled.get(c.axis_label, 0.0) + c.bytes_per_step
     sizes = {name: int(size) for name, size in strategy.mesh.shape.items()}
     predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, sizes, platform_of(strategy.mesh))
