@@ -145,3 +145,26 @@ def test_lab_bad_input_exits_2(capsys, tmp_path):
                              "--out", str(tmp_path / "lab")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().startswith("error: --cpu-devices: ")
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "lab").exists()
+
+
+def test_layouts_part_covers_the_hand_written_layouts_and_each_passes_the_checks():
+    """Part f (run by the lab, not here: it compiles 20 programs): every pipeline schedule, expert x pipe x data
+    and x fsdp, manual TP; each layout's config is accepted by the strategy registry (no compile)."""
+    from jaxpar.labs.moe_layouts import LAYOUTS, MODEL
+    from jaxpar.labs.pipeline_moe import MOE_MODEL
+    from jaxpar.parallel.registry import select
+
+    seen = set()
+    for label, (overrides, devices, _) in LAYOUTS:
+        config = load_config(None)
+        apply_overrides(config, [*MODEL, *MOE_MODEL, *overrides])
+        sizes = {axis: int(config.mesh[axis]) for axis in ("data", "fsdp", "pipe", "expert", "tensor")}
+        assert np.prod(list(sizes.values())) == devices, label
+        select(config, sizes)
+        seen.add(config.parallel.pipe)
+        if sizes["expert"] > 1 and sizes["pipe"] > 1:
+            seen.add("expert x pipe x " + ("data" if sizes["data"] > 1 else "fsdp" if sizes["fsdp"] > 1 else "-"))
+        if config.parallel.tensor == "manual":
+            seen.add("manual tp" + (" + fsdp" if sizes["fsdp"] > 1 else ""))
+    assert {"gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "expert x pipe x data", "expert x pipe x fsdp",
+            "manual tp", "manual tp + fsdp"} <= seen

@@ -3,7 +3,9 @@
 Under check_vma JAX tracks over which manual mesh axes each value varies. A `pallas_call`
 cannot infer that for its outputs, so each output's ShapeDtypeStruct must carry it, and all
 inputs must vary over the same axes (an invariant weight is cast to varying first, which
-moves no data). Outside shard_map both are no-ops.
+moves no data). Outside shard_map both are no-ops. This types the traced call; JAX's CPU
+interpreter then re-runs the kernel body with varying blocks, which the check refuses, so the
+manual strategies turn the check off around interpreted kernels (kernel_ops.interpreted_pallas).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from jaxpar.checks import add_config_arguments
 # Lab 04's own settings, applied before --set: configs/mixtral_tiny.py at 2 layers and 64-token sequences
 # keeps the whole lab under 12 minutes on 2 CPU cores (measured: ~0.17 CPU-s per capacity step on one device).
 MOE_SETTINGS = ("model.layers=2", "data.seq_len=64")
-MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense")
+MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense", "layouts")
 TENSOR_PARTS = ("equivalence", "communication", "memory", "layouts")
 PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "dualpipev", "pipedream", "moe")
 

@@ -4,7 +4,8 @@ Four parts, every measured number beside its prediction (experiments/05_kernels/
 
 a. agreement    each kernel against its pure-jnp reference (values and gradients, fp32 and bf16), and
                 the model trained with model.attention=xla/pallas (+ fused norm, chunked loss) against
-                the dot run: one device, fsdp=8, tensor=4 x data=2, 5 steps, fp32.
+                the dot run: one device, fsdp=8, tensor=4 x data=2, 5 steps, fp32; then the kernels inside
+                every hand-written strategy (ZeRO, manual TP, pipelines, manual EP: labs/kernels_strategies.py).
 b. memory       compiled temp bytes of the train step at three sequence lengths, dot vs flash attention,
                 remat none vs full, against Korthikanti's formula with and without the 5·a·s/h term;
                 the chunked cross-entropy's saving against the [B, S, V] fp32 bytes it avoids.
@@ -29,6 +30,7 @@ import numpy as np
 from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs.arguments import kernels as add_arguments
+from jaxpar.labs.kernels_strategies import counting_batches, relative_error, strategy_agreement
 from jaxpar.labs.report import draw_plots, md_table, standalone_main, write_report
 from jaxpar.units import MIB
 
@@ -36,11 +38,6 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 LOSS_TOLERANCE = 1e-4
 KERNELS = ["model.attention=pallas", "model.norm=pallas", "model.loss=chunked"]
 SMALL_BLOCKS = ["model.attention_block_q=16", "model.attention_block_kv=16", "model.loss_chunk=8"]
-
-
-def _rel(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
 def _mib(x) -> str:
@@ -55,16 +52,6 @@ def _grads(fn, args, cotangent):
     out = fn(*args)
     grads = jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cotangent), tuple(range(len(args))))(*args)
     return (out, *grads)
-
-
-def counting_batches(batch: int, seq_len: int, vocab: int, steps: int, seed: int = 0) -> list[np.ndarray]:
-    """Rows that count up by a row-specific stride: learnable, deterministic, no corpus needed."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(steps):
-        start, stride = rng.integers(0, vocab, (batch, 1)), rng.integers(1, 4, (batch, 1))
-        out.append(((start + stride * np.arange(seq_len + 1)) % vocab).astype(np.int32))
-    return out
 
 
 # ============================================================================ a. agreement
@@ -86,7 +73,7 @@ def kernel_agreement() -> dict:
         got = jax.jit(lambda *a: _grads(lambda *x: flash_attention(*x, causal=causal, block_q=16, block_k=32),  # noqa: B023 (called in this iteration)
                                         a, cot))(*args)  # noqa: B023 (called in this iteration)
         want = jax.jit(lambda *a: _grads(lambda *x: attention_reference(*x, causal=causal), a, cot))(*args)  # noqa: B023 (called in this iteration)
-        errors = [_rel(g, w) for g, w in zip(got, want)]
+        errors = [relative_error(g, w) for g, w in zip(got, want)]
         rows.append({"kernel": f"flash attention ({'causal' if causal else 'not causal'})", "dtype": dtype,
                      "shape": f"B{B} S{S} H{H} KV{KV} Dh{Dh}", "parts": "out, dq, dk, dv", "errors": errors})
     for dtype, shape in (("float32", (4, 33, 96)), ("bfloat16", (3, 40, 256))):
@@ -96,13 +83,13 @@ def kernel_agreement() -> dict:
         got = jax.jit(lambda *a: _grads(lambda x, s: rms_norm(x, s, 1e-5), a, cot))(*args)  # noqa: B023 (called in this iteration)
         want = jax.jit(lambda *a: _grads(lambda x, s: rms_norm_reference(x, s, 1e-5), a, cot))(*args)  # noqa: B023 (called in this iteration)
         rows.append({"kernel": "fused RMSNorm", "dtype": dtype, "shape": "x".join(map(str, shape)),
-                     "parts": "y, dx, dscale", "errors": [_rel(g, w) for g, w in zip(got, want)]})
+                     "parts": "y, dx, dscale", "errors": [relative_error(g, w) for g, w in zip(got, want)]})
     x, head = _rand((2, 37, 16), jnp.float32, 0), _rand((16, 64), jnp.float32, 1)
     targets = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 37)), jnp.int32)
     pieces = lambda fn: jax.jit(jax.value_and_grad(lambda x, h: fn(x, h, targets, Ops()), (0, 1)))(x, head)
     (lg, gg), (lw, gw) = pieces(lambda *a: chunked_cross_entropy(*a, chunk=8)), pieces(cross_entropy_reference)
     rows.append({"kernel": "chunked cross-entropy (chunk 8)", "dtype": "float32", "shape": "B2 S37 D16 V64",
-                 "parts": "loss, dx, dhead", "errors": [_rel(lg, lw), *(_rel(g, w) for g, w in zip(gg, gw))]})
+                 "parts": "loss, dx, dhead", "errors": [relative_error(lg, lw), *(relative_error(g, w) for g, w in zip(gg, gw))]})
     for r in rows:
         r["tolerance"] = TOLERANCE[r["dtype"]]
         r["within"] = max(r["errors"]) <= r["tolerance"]
@@ -141,7 +128,7 @@ def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:
         log(f"  {label} on {mesh}: {', '.join(f'{v:.5f}' for v in losses)}")
     oracle = results[0]["losses"]
     for r in results:
-        r["max_rel_dev"] = _rel(r["losses"], oracle) if r is not results[0] else 0.0
+        r["max_rel_dev"] = relative_error(r["losses"], oracle) if r is not results[0] else 0.0
         r["within"] = r["max_rel_dev"] <= LOSS_TOLERANCE
     table = md_table(["ops", "mesh", "loss step 1", f"loss step {steps}", "max rel. deviation vs dot, one device",
                     "tolerance", "within"],
@@ -350,6 +337,8 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
                           "date": time.strftime("%Y-%m-%d")}
     plan = (("agreement: kernels", lambda: kernel_agreement()),
             ("agreement: model", lambda: model_agreement([*tiny, *SMALL_BLOCKS], 512, steps, log)),
+            ("agreement: strategies", lambda: strategy_agreement([*tiny, *SMALL_BLOCKS, "model.layers=4"], 512, steps,
+                                                                 LOSS_TOLERANCE, log)),
             ("memory", lambda: memory([*tiny, "train.batch_size=2"], 512, list(seq_lens), log)),
             ("loss memory", lambda: loss_memory([*tiny, "data.seq_len=128", "model.max_seq_len=128",
                                                  "train.batch_size=8"], 16384, log)),
@@ -368,6 +357,8 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
                  "from the compiled programs and the clock, predictions from the formulas named beside them."),
                 "## a. Numerical agreement: kernels vs pure-jnp references", parts["agreement: kernels"],
                 "## a. Numerical agreement: the model, 5 steps, fp32", parts["agreement: model"],
+                "## a. The kernels inside every hand-written strategy (4 layers), fp32",
+                parts["agreement: strategies"],
                 "## b. Activation memory: dot vs flash attention (train step temp, one device, fp32)", parts["memory"],
                 "## b. Chunked cross-entropy memory", parts["loss memory"],
                 "## c. Compilation: persistent cache and depth", parts["compilation"],

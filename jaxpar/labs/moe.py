@@ -1,6 +1,6 @@
 """Lab 04 (course module 4): sparse Mixture-of-Experts, expert parallelism, load balancing.
 
-One run, five parts, every number beside its prediction (experiments/04_moe/README.md is the lab sheet):
+One run, six parts, every number beside its prediction (experiments/04_moe/README.md is the lab sheet):
 
 a. equivalence    the single-device run (the oracle) against manual EP (expert=N, expert=N/2 x data=2)
                   and automatic EP, dropless and with capacity dropping, fp32, the same batches.
@@ -14,6 +14,9 @@ d. capacity       capacity factor 1.0 / 1.25 / 2.0 (and dropless) under manual E
                   all_to_all bytes, step time.
 e. MoE vs dense   the MoE against a dense model with the same active FLOPs per token: loss curves at
                   equal steps.
+f. layouts        MoE in the hand-written pipeline schedules, manual EP inside pipeline stages, MoE under
+                  manual TP: losses and per-layer router statistics vs one device, bytes per axis vs
+                  predicted (labs/moe_layouts.py, with lab 03's builder).
 
 Every step runs in float32 from one initial state per model (made once, placed in each layout); every
 program is compiled once (`lower().compile()`) and that executable is run, timed and read. Files in
@@ -35,6 +38,7 @@ from jaxpar.labs.arguments import MOE_PARTS as PARTS
 from jaxpar.labs.arguments import MOE_SETTINGS as LAB_SETTINGS
 from jaxpar.labs.arguments import moe as add_arguments
 from jaxpar.labs.moe_build import Lab
+from jaxpar.labs.moe_layouts import moe_layouts
 from jaxpar.labs.moe_plots import PLOTS, plot_balance, plot_heatmaps, plot_moe_vs_dense  # noqa: F401 (old names)
 from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
 from jaxpar.units import fmt_bytes, ratio
@@ -300,7 +304,7 @@ def moe_vs_dense(lab: Lab, steps: int) -> dict:
 def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_steps: int = 150,
             capacity_steps: int = 30, compare_steps: int = 150, bias_rate: float = 0.01, parts=PARTS,
             log=print) -> dict:
-    """Run `parts` (default: a-e) on every local device; write the run directory; return every number."""
+    """Run `parts` (default: a-f) on every local device; write the run directory; return every number."""
     start = time.perf_counter()
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
@@ -341,7 +345,8 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
     log(header + "\n")
     work = {"equivalence": lambda: equivalence(lab, steps), "communication": lambda: communication(lab),
             "balance": lambda: balance(lab, balance_steps, bias_rate),
-            "capacity": lambda: capacity(lab, capacity_steps), "moe_vs_dense": lambda: moe_vs_dense(lab, compare_steps)}
+            "capacity": lambda: capacity(lab, capacity_steps), "moe_vs_dense": lambda: moe_vs_dense(lab, compare_steps),
+            "layouts": lambda: moe_layouts(out / "layouts", steps, n, log)}
     parts_run = [name for name in PARTS if name in parts]
     for name in parts_run:
         t0 = time.perf_counter()

@@ -68,33 +68,45 @@ def _max_dev(got, want) -> float:
     return float(np.max(np.abs(got - want) / np.maximum(np.abs(want), 1e-6)))
 
 
+TELEMETRY = ("moe_routed", "moe_dropped", "moe_entropy", "moe_z", "moe_balance")
+
+
+def compare(lab, overrides, devices: int, micro: int, moe: bool, steps: int, initial: dict) -> dict:
+    """One layout against one device accumulating `micro` microbatches: max relative deviation per metric,
+    the worst per-layer router statistic (telemetry), the router bias after the last step; `initial` caches
+    the host initial state per model (MoE or dense). The oracle takes the layout's own `model.*` settings too.
+    Lab 04 (labs/moe_layouts.py) reuses it."""
+    model = [*(MOE_MODEL if moe else []), *(o for o in overrides if o.startswith("model."))]
+    batch_size = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.batch_size="))
+    oracle_t, oracle_s = lab.compiled([*model, "mesh.data=1", f"train.batch_size={batch_size}",
+                                       f"train.microbatches={micro}"], 1)
+    strategy, step = lab.compiled([*(MOE_MODEL if moe else []), *overrides], devices)
+    if moe not in initial:
+        initial[moe] = jax.device_get(oracle_t.init_state())
+    want, want_params = _run_metrics(lab, oracle_t, oracle_s, steps, initial[moe])
+    got, params = _run_metrics(lab, strategy, step, steps, initial[moe])
+    dev = {k: _max_dev(got[k], want[k]) for k in want}
+    telemetry = max((v for k, v in dev.items() if k in TELEMETRY), default=0.0)
+    bias = (_max_dev(params["moe_blocks"]["router_bias"], want_params["moe_blocks"]["router_bias"])
+            if moe else None)
+    worst = max([dev["loss"], dev["grad_norm"], telemetry])
+    return {"deviation": dev, "telemetry": telemetry, "bias_dev": bias, "losses": got["loss"].tolist(),
+            "oracle": want["loss"].tolist(), "oracle_microbatches": micro, "within_tolerance": worst <= TOLERANCE,
+            "keys_match": set(got) == set(want), "strategy": strategy, "step": step}
+
+
 def moe_pipelines(lab, steps: int) -> dict:
     """Each case against its oracle: max relative deviation per metric group."""
     rows, out = [], {}
     initial = {}
     for label, (overrides, devices, micro), moe in CASES:
-        model = MOE_MODEL if moe else []
-        batch_size = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.batch_size="))
-        oracle_t, oracle_s = lab.compiled([*model, "mesh.data=1", f"train.batch_size={batch_size}",
-                                           f"train.microbatches={micro}"], 1)
-        strategy, step = lab.compiled([*model, *overrides], devices)
-        if moe not in initial:
-            initial[moe] = jax.device_get(oracle_t.init_state())
-        want, want_params = _run_metrics(lab, oracle_t, oracle_s, steps, initial[moe])
-        got, params = _run_metrics(lab, strategy, step, steps, initial[moe])
-        dev = {k: _max_dev(got[k], want[k]) for k in want}
-        telemetry = max((v for k, v in dev.items() if k in ("moe_routed", "moe_dropped", "moe_entropy", "moe_z",
-                                                            "moe_balance")), default=0.0)
-        bias = (_max_dev(params["moe_blocks"]["router_bias"], want_params["moe_blocks"]["router_bias"])
-                if moe else None)
-        worst = max([dev["loss"], dev["grad_norm"], telemetry])
-        out[label] = {"deviation": dev, "losses": got["loss"].tolist(), "oracle": want["loss"].tolist(),
-                      "oracle_microbatches": micro, "bias_dev": bias, "within_tolerance": worst <= TOLERANCE,
-                      "keys_match": set(got) == set(want)}
+        r = compare(lab, overrides, devices, micro, moe, steps, initial)
+        dev, telemetry, bias = r["deviation"], r["telemetry"], r["bias_dev"]
+        out[label] = {k: v for k, v in r.items() if k not in ("strategy", "step", "telemetry")}
         rows.append([label, micro, f"{dev['loss']:.1e}", f"{dev['grad_norm']:.1e}",
                      f"{dev.get('moe_balance_loss', 0):.1e}" if moe else "-", f"{telemetry:.1e}" if moe else "-",
                      f"{bias:.1e}" if moe else "-",
-                     "yes" if worst <= TOLERANCE and set(got) == set(want) else "NO"])
+                     "yes" if r["within_tolerance"] and r["keys_match"] else "NO"])
     md = "\n".join([
         f"## i. MoE in the pipelines, expert parallelism inside stages, accumulation and rules ({steps} steps, fp32)",
         "", "The oracle: one device with train.microbatches = a·m (the same strided microbatches). MoE model: "
