@@ -12,8 +12,8 @@ from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_strategy, predicted_collective_bytes
 
 VOCAB = 512
-N, BUCKETS = 8, 2
-BASE = ["train.warmup_steps=1", "train.grad_clip=0.05", "model.layers=4"]
+N, BUCKETS = 8, 3
+BASE = ["train.warmup_steps=1", "train.grad_clip=0.05", "model.layers=6"]
 REDUCE = {"ddp": "all-reduce", "zero2": "reduce-scatter"}
 
 
@@ -56,12 +56,13 @@ def test_buckets_match_one_device_and_reduce_inside_the_backward(stage, micro, o
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
 
     found = collectives(step.as_text(), strategy.mesh)
-    # the layers' gradient: ONE flat collective per bucket, in the backward loop over the buckets (run once
-    # per bucket and microbatch), carrying a bucket's share of the layer gradients
+    # the layers' gradient: ONE flat collective per bucket, carrying a bucket's share of it; buckets 2..B inside
+    # the backward loop over the buckets (B-1 trips per microbatch). Bucket 1's, last, follows the loop (XLA
+    # may merge it with the embedding's and head's: not counted here)
     blocks = sum(leaf.size * 4 for leaf in jax.tree.leaves(state["params"]["blocks"]))
     kept = blocks / BUCKETS / (N if stage == "zero2" else 1)             # what a device keeps of one bucket
-    in_loop = [c for c in found if c.op == REDUCE[stage] and c.runs_per_step == BUCKETS * micro]
-    assert [c.result_bytes for c in in_loop] == [kept], [(c.op, c.runs_per_step, c.result_bytes) for c in found]
+    in_loop = [c.result_bytes for c in found if c.op == REDUCE[stage] and c.runs_per_step == (BUCKETS - 1) * micro]
+    assert in_loop == [kept], [(c.op, c.runs_per_step, c.result_bytes) for c in found]
     # compiled = predicted (+ the loss and norm scalars): ZeRO-2's bytes without buckets, DDP's once per microbatch
     predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, dict(strategy.mesh.shape), "cpu")
     assert sum(c.bytes_per_step for c in found) == pytest.approx(predicted["data"], abs=64)

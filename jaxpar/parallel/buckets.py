@@ -3,23 +3,23 @@
 Plain DDP (zero.py) all-reduces the whole gradient once, after the backward pass: nothing
 is left to compute beside that collective. PyTorch DDP instead packs the gradients into
 buckets (`bucket_cap_mb`) and all-reduces a bucket as soon as the backward pass has filled
-it, while the layers below are still differentiated. Here the stacked layers are cut into
-B buckets of L/B consecutive layers and the layer loop becomes two nested scans:
+it, while the layers below are still being differentiated. Here the stacked layers are cut
+into B buckets of L/B consecutive layers, and the layer loop has its own backward pass:
 
-  forward    for each bucket b: w = reduce_in_backward(layers of b); for each layer of b: x = block(x, w_l)
-  backward   for b = B-1..0: the bucket's layers' vjps, then ONE collective on the bucket's
-             gradient, packed flat (psum for DDP, psum_scatter for ZeRO-2)
+  forward    for each bucket b, for each of its layers l: x = block_l(x, fetch(w_l)); keep the layer's input
+  backward   dW_{B-1} = bucket B-1's backward
+             for b = B-2..0: reduce(dW_{b+1})  and  dW_b = bucket b's backward      (independent: overlappable)
+             reduce(dW_0)                                                            (exposed, as in PyTorch)
 
-`reduce_in_backward` is an identity (it marks the weights varying over `data`) whose custom vjp
-packs the bucket's gradient into one flat buffer and reduces it: B collectives inside the
-backward loop instead of one after it. The bytes are unchanged (the same gradient is reduced,
-in pieces); only their number and their place in the program move. The embedding, final norm
-and head are reduced one array each where their gradient is complete (JAX's own transpose of
-the varying mark for DDP, zero.py's `use_local_copy` for ZeRO-2).
+`reduce` packs a bucket's gradient into one flat buffer: ONE collective per bucket (psum for
+DDP, psum_scatter for ZeRO-2). Bucket b+1's collective sits in the same loop iteration as
+bucket b's backward compute and shares no data with it, so an async collective (GPU) runs
+beside that compute. The bytes are those of the unbucketed reduction (the same gradient, in
+pieces); only their number and their place move. Like prefetch.py, the loop keeps each
+layer's input and recomputes the layer in the backward pass (remat `full`). The embedding,
+final norm and head are reduced one array each where their gradient is complete (zero.py).
 """
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,8 @@ def _unpack(flat, leaves, dims, n):
     out, start = [], 0
     for g, d in zip(leaves, dims):
         moved = jnp.moveaxis(g, d, 0).shape
-        part_shape = (moved[0] // n, *moved[1:])
         size = g.size // n
-        part = flat[start:start + size].reshape(part_shape).astype(g.dtype)
+        part = flat[start:start + size].reshape(moved[0] // n, *moved[1:])
         out.append(jnp.moveaxis(part, 0, d))
         start += size
     return out
@@ -56,39 +55,53 @@ def reduce_flat(tree, dims: tuple | None, n: int):
     return treedef.unflatten(_unpack(mine, leaves, dims, n))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def reduce_in_backward(target, used, dims, n):
-    """Forward: `used` (full weights) marked varying over `data`. Backward: their gradient reduced in ONE
-    collective into `target`'s cotangent (DDP: target is `used`; ZeRO-2: this device's slices)."""
-    return jax.tree.map(lambda w: jax.lax.pcast(w, AXIS, to="varying"), used)
+def _cut(tree, buckets):
+    return jax.tree.map(lambda a: a.reshape(buckets, a.shape[0] // buckets, *a.shape[1:]), tree)
 
 
-def _reduce_fwd(target, used, dims, n):
-    return reduce_in_backward(target, used, dims, n), None
+def bucketed_layers(buckets: int, split, fetch, reduce):
+    """An `Ops.layers` loop over the stacked layers in `buckets` buckets of consecutive layers.
 
-
-def _reduce_bwd(dims, n, _, grads):
-    zeros = jax.tree.map(lambda g: jnp.zeros(g.shape, g.dtype), grads)   # DDP: added to target's, the same array
-    return reduce_flat(grads, dims, n), zeros
-
-
-reduce_in_backward.defvjp(_reduce_fwd, _reduce_bwd)
-
-
-def bucketed_layers(buckets: int, weights, policy):
-    """An `Ops.layers` loop over the stacked layers in `buckets` groups of consecutive layers.
-
-    `weights(group)`: the stored parameters of one bucket (leading axis: its layers) -> the weights its
-    layers compute with, through `reduce_in_backward`. `policy`: the remat policy of one bucket's body; it
-    must never save the varying mark (the backward recomputes it: it is free)."""
+    split(blocks) -> (targets, used): what receives the reduced gradient (DDP: the params; ZeRO-2: this
+    device's slices) and the stored weights the layers compute with. fetch(used) -> weights (varying over
+    `data`, compute dtype). reduce(bucket's weight gradient) -> its targets' part, in ONE collective."""
     def run(blocks, x, block_fn):
-        layers = jax.tree.leaves(blocks)[0].shape[0]
-        groups = jax.tree.map(lambda a: a.reshape(buckets, layers // buckets, *a.shape[1:]), blocks)
+        apply = lambda x, w: block_fn(x, w)[0]
+        targets, used = split(blocks)
 
-        def bucket(x, group):
-            return jax.lax.scan(block_fn, x, weights(group))   # the bucket's layers, one after the other
+        def bucket_backward(dy, inputs, stored):
+            """One bucket's layers, last first: each recomputed from its input, then its vjp."""
+            def layer(dy, xs):
+                x_in, w = xs
+                return jax.vjp(apply, x_in, w)[1](dy)
+            return jax.lax.scan(layer, dy, (inputs, fetch(stored)), reverse=True)
 
-        x, aux = jax.lax.scan(jax.checkpoint(bucket, policy=policy, prevent_cse=False), x, groups)
-        return x, jax.tree.map(lambda a: a.reshape(layers, *a.shape[2:]), aux)
+        @jax.custom_vjp
+        def loop(targets, used, x):
+            return forward(targets, used, x)[0]
+
+        def forward(targets, used, x):
+            def bucket(x, stored):
+                return jax.lax.scan(lambda x, w: (apply(x, w), x), x, fetch(stored))
+            y, inputs = jax.lax.scan(bucket, x, _cut(used, buckets))   # inputs [B, L/B, ...]
+            return y, (targets, used, inputs)
+
+        def backward(saved, dy):
+            targets, used, inputs = saved
+            stored = _cut(used, buckets)
+            dy, pending = bucket_backward(dy, inputs[-1], jax.tree.map(lambda a: a[-1], stored))
+
+            def step(carry, xs):
+                dy, pending = carry
+                reduced = reduce(pending)                       # bucket b+1's collective, beside bucket b's backward
+                return bucket_backward(dy, *xs), reduced
+            earlier = (inputs[:-1], jax.tree.map(lambda a: a[:-1], stored))
+            (dx, pending), reduced = jax.lax.scan(step, (dy, pending), earlier, reverse=True)
+            grads = jax.tree.map(lambda first, rest, t: jnp.concatenate([first[None], rest]).reshape(t.shape)
+                                 .astype(t.dtype), reduce(pending), reduced, targets)
+            return grads, jax.tree.map(jnp.zeros_like, used), dx
+
+        loop.defvjp(forward, backward)
+        return loop(targets, used, x), {}
 
     return run

@@ -24,7 +24,8 @@ layer loop, so their bytes are 2Ψ_o, not 3Ψ_o. A tied embedding is fetched twi
 Every parameter (and its Adam moments) is split along its first dimension divisible by
 N, never the stacked `layers` axis. Clipping uses the true global norm. Gradients
 are fp32; a bfloat16 run casts weights before the fetch, so ZeRO-3 gathers and
-reduce-scatters bfloat16. Only mesh.data may be > 1. `predict` (end of file): the table's bytes,
+reduce-scatters bfloat16. Only mesh.data may be > 1. `parallel.grad_buckets` (DDP, ZeRO-2; buckets.py) reduces
+the layers' gradients in that many flat collectives inside the backward pass. `predict` (end of file): the table's bytes,
 per stage, as the compiled programs send them.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
-from jaxpar.parallel.buckets import bucketed_layers, reduce_in_backward
+from jaxpar.parallel.buckets import bucketed_layers, reduce_flat
 from jaxpar.parallel.prefetch import prefetching_layers
 from jaxpar.parallel.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
 from jaxpar.parallel.strategy import Strategy
@@ -291,16 +292,17 @@ class ZeroStrategy(Strategy):
         return metrics, jax.tree.map(lambda g: g / self.n, grads)
 
     def _bucket_loop(self):
-        """`Ops.layers` in `self.buckets` buckets. DDP all-reduces the fp32 gradient, as unbucketed DDP does;
-        ZeRO-2 reduce-scatters (slice, full copy) pairs in the compute dtype, as its per-layer fetch does."""
-        cast = lambda tree: jax.tree.map(lambda w: w.astype(self.ops.dtype), tree)
-        def weights(group):
-            leaves, treedef = jax.tree.flatten(group, is_leaf=lambda x: isinstance(x, tuple))
-            if self.stage == "ddp":
-                return treedef.unflatten(cast(reduce_in_backward(leaves, leaves, None, self.n)))
-            pairs, dims = cast(leaves), tuple(jax.tree.leaves(self.dims["blocks"]))
-            return treedef.unflatten(reduce_in_backward([p[0] for p in pairs], [p[1] for p in pairs], dims, self.n))
-        return bucketed_layers(self.buckets, weights, refetch_policy(self.policy))
+        """`Ops.layers` in `self.buckets` buckets (buckets.py). DDP all-reduces the fp32 gradient, as unbucketed
+        DDP does; ZeRO-2 reduce-scatters in the compute dtype, as its per-layer fetch does."""
+        fetch = lambda stored: jax.tree.map(lambda w: jax.lax.pcast(w.astype(self.ops.dtype), AXIS, to="varying"),
+                                            stored)
+        if self.stage == "ddp":
+            reduce = lambda g: reduce_flat(jax.tree.map(lambda x: x.astype(jnp.float32), g), None, self.n)
+            return bucketed_layers(self.buckets, lambda blocks: (blocks, blocks), fetch, reduce)
+        dims = tuple(jax.tree.leaves(self.dims["blocks"]))
+        pick = lambda pairs, i: jax.tree.map(lambda pair: pair[i], pairs, is_leaf=lambda x: isinstance(x, tuple))
+        return bucketed_layers(self.buckets, lambda pairs: (pick(pairs, 0), pick(pairs, 1)), fetch,
+                               lambda g: reduce_flat(g, dims, self.n))
 
     def my_slice(self, tree):
         """This device's 1/N block of replicated arrays (no communication: just an offset)."""
