@@ -74,7 +74,8 @@ def bucketed_layers(buckets: int, split, fetch, reduce):
             def layer(dy, xs):
                 x_in, w = xs
                 return jax.vjp(apply, x_in, w)[1](dy)
-            return jax.lax.scan(layer, dy, (inputs, fetch(stored)), reverse=True)
+            # unrolled: straight-line compute the scheduler can place beside the collective (not a nested loop)
+            return jax.lax.scan(layer, dy, (inputs, fetch(stored)), reverse=True, unroll=True)
 
         @jax.custom_vjp
         def loop(targets, used, x):
@@ -91,12 +92,12 @@ def bucketed_layers(buckets: int, split, fetch, reduce):
             stored = _cut(used, buckets)
             dy, pending = bucket_backward(dy, inputs[-1], jax.tree.map(lambda a: a[-1], stored))
 
-            def step(carry, xs):
+            def step(carry, b):                                 # indexed, not sliced: no copy of the weights
                 dy, pending = carry
                 reduced = reduce(pending)                       # bucket b+1's collective, beside bucket b's backward
-                return bucket_backward(dy, *xs), reduced
-            earlier = (inputs[:-1], jax.tree.map(lambda a: a[:-1], stored))
-            (dx, pending), reduced = jax.lax.scan(step, (dy, pending), earlier, reverse=True)
+                take = lambda a: jax.lax.dynamic_index_in_dim(a, b, keepdims=False)
+                return bucket_backward(dy, take(inputs), jax.tree.map(take, stored)), reduced
+            (dx, pending), reduced = jax.lax.scan(step, (dy, pending), jnp.arange(buckets - 1), reverse=True)
             grads = jax.tree.map(lambda first, rest, t: jnp.concatenate([first[None], rest]).reshape(t.shape)
                                  .astype(t.dtype), reduce(pending), reduced, targets)
             return grads, jax.tree.map(jnp.zeros_like, used), dx
