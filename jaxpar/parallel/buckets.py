@@ -73,6 +73,7 @@ def bucketed_layers(buckets: int, split, fetch, reduce):
             """One bucket's layers, last first: each recomputed from its input, then its vjp."""
             def layer(dy, xs):
                 x_in, w = xs
+                x_in, dy = jax.lax.optimization_barrier((x_in, dy))   # recompute when dy is there, not all early
                 return jax.vjp(apply, x_in, w)[1](dy)
             # unrolled: straight-line compute the scheduler can place beside the collective (not a nested loop)
             return jax.lax.scan(layer, dy, (inputs, fetch(stored)), reverse=True, unroll=True)
@@ -90,17 +91,19 @@ def bucketed_layers(buckets: int, split, fetch, reduce):
         def backward(saved, dy):
             targets, used, inputs = saved
             stored = _cut(used, buckets)
+            grads = _cut(jax.tree.map(jnp.zeros_like, targets), buckets)   # zeros_like: varying like the targets
+            put = lambda grads, b, part: jax.tree.map(   # in place: no concatenated copy of the whole gradient
+                lambda g, p: jax.lax.dynamic_update_index_in_dim(g, p.astype(g.dtype), b, 0), grads, part)
             dy, pending = bucket_backward(dy, inputs[-1], jax.tree.map(lambda a: a[-1], stored))
 
             def step(carry, b):                                 # indexed, not sliced: no copy of the weights
-                dy, pending = carry
-                reduced = reduce(pending)                       # bucket b+1's collective, beside bucket b's backward
+                dy, pending, grads = carry
+                grads = put(grads, b + 1, reduce(pending))      # bucket b+1's collective, beside bucket b's backward
                 take = lambda a: jax.lax.dynamic_index_in_dim(a, b, keepdims=False)
-                return bucket_backward(dy, take(inputs), jax.tree.map(take, stored)), reduced
-            (dx, pending), reduced = jax.lax.scan(step, (dy, pending), jnp.arange(buckets - 1), reverse=True)
-            grads = jax.tree.map(lambda first, rest, t: jnp.concatenate([first[None], rest]).reshape(t.shape)
-                                 .astype(t.dtype), reduce(pending), reduced, targets)
-            return grads, jax.tree.map(jnp.zeros_like, used), dx
+                return (*bucket_backward(dy, take(inputs), jax.tree.map(take, stored)), grads), None
+            (dx, pending, grads), _ = jax.lax.scan(step, (dy, pending, grads), jnp.arange(buckets - 1), reverse=True)
+            grads = put(grads, 0, reduce(pending))
+            return jax.tree.map(lambda g, t: g.reshape(t.shape), grads, targets), jax.tree.map(jnp.zeros_like, used), dx
 
         loop.defvjp(forward, backward)
         return loop(targets, used, x), {}
