@@ -135,9 +135,9 @@ def gpu_table(rows: list[dict]) -> list[str]:
 
 CPU_VARIANTS = {                       # name -> overrides on 8 CPU devices (the one-device oracle: mesh.data=1)
     "ddp": ["mesh.data=8", "parallel.data=ddp"],
-    "ddp + buckets": ["mesh.data=8", "parallel.data=ddp", "parallel.grad_buckets=2"],   # 2 layers per bucket
+    "ddp + buckets": ["mesh.data=8", "parallel.data=ddp", "parallel.grad_buckets=4"],   # 1 layer per bucket
     "zero2": ["mesh.data=8", "parallel.data=zero2"],
-    "zero2 + buckets": ["mesh.data=8", "parallel.data=zero2", "parallel.grad_buckets=2"],
+    "zero2 + buckets": ["mesh.data=8", "parallel.data=zero2", "parallel.grad_buckets=4"],
     "zero3": ["mesh.data=8", "parallel.data=zero3"],
     "zero3, remat full": ["mesh.data=8", "parallel.data=zero3", "train.remat=full"],   # prefetch's recomputation
     "zero3 + prefetch": ["mesh.data=8", "parallel.data=zero3", "parallel.prefetch=true"],
