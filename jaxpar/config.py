@@ -98,6 +98,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
     c.parallel.prefetch = False   # parallel.data=zero3: gather layer i+1 while layer i computes (parallel/prefetch.py)
+    c.parallel.grad_buckets = 0   # parallel.data=ddp|zero2: reduce the layers' gradients in this many buckets
+                                  # inside the backward pass (parallel/buckets.py); 0: one reduction after it
     c.parallel.tensor_overlap = "none"   # none | collective_matmul | bidirectional (SP's collectives as ppermute rings)
     c.parallel.rules = ""         # logical-axis rule overrides, e.g. "length=tensor,embed=fsdp+data"
 

@@ -178,6 +178,22 @@ def validate_tensor_overlap(config) -> None:
                           "halves (one ring each way); use an even d_model or 'collective_matmul'")
 
 
+def validate_grad_buckets(config) -> None:
+    """parallel.grad_buckets cuts the manual DDP / ZeRO-2 layer loop into buckets (parallel/buckets.py)."""
+    buckets, layers = config.parallel.get("grad_buckets", 0), config.model.layers
+    if buckets == 0:
+        return
+    if buckets < 0 or layers % buckets:
+        raise ConfigError("parallel.grad_buckets", f"is {buckets}; valid: 0 (one reduction after the backward "
+                          f"pass) or a number of buckets that divides model.layers={layers}")
+    if config.parallel.data not in ("ddp", "zero2"):
+        raise ConfigError("parallel.grad_buckets", f"buckets the gradients of parallel.data=ddp or zero2, but "
+                          f"parallel.data={config.parallel.data}; set one of those or parallel.grad_buckets=0")
+    if config.model.moe.experts:
+        raise ConfigError("parallel.grad_buckets", "buckets the dense layer stack only, but model.moe.experts="
+                          f"{config.model.moe.experts}; use parallel.grad_buckets=0 with MoE")
+
+
 def validate(config, num_devices: int, processes: int | None = None) -> dict[str, int]:
     """Check everything that can be checked before compiling; return the mesh sizes.
 
@@ -215,6 +231,7 @@ def validate(config, num_devices: int, processes: int | None = None) -> dict[str
             raise ConfigError("data.seq_len", f"seq_len={d.seq_len} is not divisible by mesh.tensor={tp} "
                               "(parallel.sequence splits the sequence over tensor)")
     validate_tensor_overlap(config)
+    validate_grad_buckets(config)
     if m.d_model % sizes["fsdp"]:
         raise ConfigError("model.d_model", f"d_model={m.d_model} is not divisible by mesh.fsdp={sizes['fsdp']}")
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]

@@ -39,6 +39,7 @@ class Candidate:
     expert_impl: str = "auto"      # parallel.expert
     sequence: bool = False         # parallel.sequence (with tensor_impl = manual)
     virtual: int = 0               # chunks per stage; 0: VIRTUAL for interleaved, else 1
+    grad_buckets: int = 0          # parallel.grad_buckets (data_impl ddp, zero2): layer gradients reduced in buckets
 
     def __post_init__(self):
         if not self.virtual:
@@ -155,7 +156,8 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
                      attention="flash" if fused_attention(model.get("attention", "dot"), platform) else "dot",
                      data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
                      sequence=bool(parallel.get("sequence", False)),
-                     virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0)
+                     virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0,
+                     grad_buckets=parallel.get("grad_buckets", 0))
 
 
 def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str, *,

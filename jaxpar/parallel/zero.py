@@ -24,7 +24,8 @@ layer loop, so their bytes are 2Ψ_o, not 3Ψ_o. A tied embedding is fetched twi
 Every parameter (and its Adam moments) is split along its first dimension divisible by
 N, never the stacked `layers` axis. Clipping uses the true global norm. Gradients
 are fp32; a bfloat16 run casts weights before the fetch, so ZeRO-3 gathers and
-reduce-scatters bfloat16. Only mesh.data may be > 1. `predict` (end of file): the table's bytes,
+reduce-scatters bfloat16. Only mesh.data may be > 1. `parallel.grad_buckets` (DDP, ZeRO-2; buckets.py) reduces
+the layers' gradients in that many flat collectives inside the backward pass. `predict` (end of file): the table's bytes,
 per stage, as the compiled programs send them.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.kernels.kernel_ops import interpreted_pallas, platform_of
 from jaxpar.model.transformer import cross_entropy_and_aux, loss
+from jaxpar.parallel.buckets import bucketed_layers, reduce_flat
 from jaxpar.parallel.prefetch import prefetching_layers
 from jaxpar.parallel.step import accumulate, apply_outside_gradient, clip_to_norm, never_saving, produced_by
 from jaxpar.parallel.strategy import Strategy
@@ -64,8 +66,11 @@ STAGE_NAMES = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeR
 
 def ddp_step(t: ZeroStrategy, params, opt_state, tokens):
     """DDP: everything replicated; the gradient is all-reduced."""
-    metrics, grads = t.local_grads(params, tokens)         # gradient of this device's batch shard
-    grads = jax.lax.pmean(grads, AXIS)                     # ALL-REDUCE: every device holds the mean gradient
+    if t.buckets:                                          # ALL-REDUCE per bucket, inside the backward (buckets.py)
+        metrics, grads = t.bucketed_grads(params, tokens)
+    else:
+        metrics, grads = t.local_grads(params, tokens)     # gradient of this device's batch shard
+        grads = jax.lax.pmean(grads, AXIS)                 # ALL-REDUCE: every device holds the mean gradient
     norm = optax.tree.norm(grads)
     params, opt_state = t.apply_optimizer(grads, norm, opt_state, params)  # same update everywhere
     return metrics, params, opt_state, norm
@@ -202,6 +207,7 @@ class ZeroStrategy(Strategy):
         super().__init__(config, model_cfg, mesh, donate)
         self.stage = config.parallel.data
         self.n = int(mesh.shape[AXIS])
+        self.buckets = config.parallel.get("grad_buckets", 0)   # ddp, zero2: 0 or layer buckets (buckets.py)
         abstract = jax.eval_shape(self.make_state)       # the same pytree as every strategy's
         self.dims = split_dims(abstract["params"], self.n, self.stage) if self.stage != "ddp" else None
         self.state_specs = self._state_specs(abstract)
@@ -271,11 +277,36 @@ class ZeroStrategy(Strategy):
             objective = partial(loss, cfg=self.model_cfg, ops=ops, remat_policy=policy)
         else:
             stored = self.my_slice(params)
+            if self.buckets:   # the layers' reduce-scatters packed into one per bucket (buckets.py)
+                ops = ops.replace(layers=self._bucket_loop())
             def objective(slices, tokens):
                 pairs = jax.tree.map(lambda s, full: (s, full), slices, params)
                 return loss(pairs, tokens, self.model_cfg, ops, policy)
         metrics, grads = self._value_and_grad(objective, stored, tokens)
         return metrics, jax.tree.map(lambda g: g / self.n, grads)   # the reduce-scatters summed: mean
+
+    def bucketed_grads(self, params, tokens):
+        """DDP with buckets: the gradient w.r.t. the replicated params, reduced inside the backward pass: one
+        flat psum per bucket of layers (buckets.py), one per other array (the transpose of its varying mark)."""
+        ops = self.ops.replace(layers=self._bucket_loop())
+        def objective(params, tokens):
+            marked = {k: v if k in STACKS else jax.lax.pcast(v, AXIS, to="varying") for k, v in params.items()}
+            return loss(marked, tokens, self.model_cfg, ops, self.policy)
+        metrics, grads = self._value_and_grad(objective, params, tokens)
+        return metrics, jax.tree.map(lambda g: g / self.n, grads)
+
+    def _bucket_loop(self):
+        """`Ops.layers` in `self.buckets` buckets (buckets.py). DDP all-reduces the fp32 gradient, as unbucketed
+        DDP does; ZeRO-2 reduce-scatters in the compute dtype, as its per-layer fetch does."""
+        fetch = lambda stored: jax.tree.map(lambda w: jax.lax.pcast(w.astype(self.ops.dtype), AXIS, to="varying"),
+                                            stored)
+        if self.stage == "ddp":
+            reduce = lambda g: reduce_flat(jax.tree.map(lambda x: x.astype(jnp.float32), g), None, self.n)
+            return bucketed_layers(self.buckets, lambda blocks: (blocks, blocks), fetch, reduce)
+        dims = tuple(jax.tree.leaves(self.dims["blocks"]))
+        pick = lambda pairs, i: jax.tree.map(lambda pair: pair[i], pairs, is_leaf=lambda x: isinstance(x, tuple))
+        return bucketed_layers(self.buckets, lambda pairs: (pick(pairs, 0), pick(pairs, 1)), fetch,
+                               lambda g: reduce_flat(g, dims, self.n))
 
     def my_slice(self, tree):
         """This device's 1/N block of replicated arrays (no communication: just an offset)."""
@@ -335,6 +366,10 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
                 all-gather 4Ψ.
     zero3       per microbatch, layers gathered forward and backward and reduce-scattered (3Ψ_L), embedding,
                 head and final norm gathered once and reduce-scattered (2Ψ_o; a tied embedding twice), x e·m.
+    buckets     parallel.grad_buckets = B > 0 (buckets.py): the same bytes per reduction; the layers' gradients
+                leave in B flat collectives, the other arrays in one each, in every microbatch's backward pass.
+                ZeRO-2 sends what it sends without buckets (B + 3 collectives per microbatch instead of 9L + 3);
+                DDP's all-reduce is issued m times (no `no_sync`): m·2·4Ψ, 2·4Ψ at m = 1.
     """
     counts = shape.counts()
     D, m, L = cand.data, cand.microbatches, shape.layers
@@ -349,10 +384,13 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     ring, arrays = (D - 1) / D, WEIGHTS_PER_LAYER + OTHER_WEIGHTS
     tied = 2 * counts["embedding"] if shape.tie_embeddings else 0
     stage = cand.data_impl
-    if stage in ("ddp", "zero1"):
+    buckets = cand.grad_buckets + OTHER_WEIGHTS if cand.grad_buckets and stage in ("ddp", "zero2") else 0
+    if stage == "ddp" and buckets:     # reduced in each microbatch's backward pass: hideable behind it
+        flows = [Flow("data", "all-reduce", ring * 2 * 4 * m * psi, buckets * m, not cpu)]
+    elif stage in ("ddp", "zero1"):
         flows = [Flow("data", "all-reduce" if stage == "ddp" else "reduce-scatter", ring * 2 * 4 * psi, arrays, False)]
     elif stage == "zero2":
-        flows = [Flow("data", "reduce-scatter", ring * e * m * psi, arrays * m, not cpu),
+        flows = [Flow("data", "reduce-scatter", ring * e * m * psi, (buckets or arrays) * m, not cpu),
                  Flow("data", "all-gather", ring * 4 * psi, arrays, False)]
     else:
         flows = [Flow("data", "all-gather", ring * e * m * (2 * psi_layers + psi_other + tied / 2),
