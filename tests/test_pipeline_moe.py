@@ -5,7 +5,7 @@ strided microbatches: the balance loss multiplies two batch means, so it depends
 nothing else may differ. The linear statistics (routed and dropped fractions, entropy, z) do not: step 1's
 telemetry per layer equals the plain single device's. A representative subset runs here (1F1B with
 data, GPipe with expert x fsdp, accumulation and rules, 1F1B with expert x tensor, circular with virtual
-stages); lab 03's `moe` part runs every schedule.
+stages and manual experts); lab 03's `moe` part runs every schedule.
 """
 import jax
 import numpy as np
@@ -31,8 +31,10 @@ CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's tr
     "1f1b expert=2 x pipe=2 x tensor=2": (
         ["mesh.data=1", "mesh.expert=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.expert=manual",
          "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"], 8),
-    "circular data=2 x pipe=2 v=2": (["mesh.data=2", "mesh.pipe=2", "parallel.pipe=circular",
-                                      "parallel.pipe_virtual=2", "parallel.pipe_microbatches=4"], 4),
+    # manual EP inside the compiler-driven pipeline: the exchange's shard_map vmapped over the stages
+    "circular data=2 x expert=2 x pipe=2 v=2, manual experts": (
+        ["mesh.data=2", "mesh.expert=2", "mesh.pipe=2", "parallel.expert=manual", "parallel.pipe=circular",
+         "parallel.pipe_virtual=2", "parallel.pipe_microbatches=4"], 8),
 }
 
 
@@ -138,3 +140,16 @@ def test_executed_collectives_of_expert_x_pipe_x_tensor_match_the_prediction(run
     assert set(predicted) == {"pipe", "tensor", "expert"}
     for axis, want in predicted.items():
         assert sent[axis] == pytest.approx(want, rel=0.01), axis
+
+
+def test_circular_manual_expert_all_to_alls_match_the_prediction(runs):
+    """Circular with parallel.expert=manual: the all_to_alls over `expert` the step executes (every iteration, a
+    bubble's too, each device exchanges its stage's tokens) against `predict`, byte for byte to 1%."""
+    from jaxpar.measure.hlo import collectives
+    from jaxpar.parallel.registry import predicted_collective_bytes
+    strategy, step = runs("circular data=2 x expert=2 x pipe=2 v=2, manual experts")[3:]
+    sent = sum(c.bytes_per_step for c in collectives(step.as_text(), strategy.mesh)
+               if c.op == "all-to-all" and c.axes == ("expert",))
+    sizes = {axis: int(n) for axis, n in strategy.mesh.shape.items()}
+    predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, sizes, "cpu")
+    assert sent > 0 and sent == pytest.approx(predicted["expert"], rel=0.01)

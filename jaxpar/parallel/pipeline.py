@@ -29,7 +29,9 @@ Around the pipeline: data parallel (`data`) splits the batch and averages gradie
 once per step; `fsdp` keeps parameters and Adam state sliced at rest, all-gathers each
 stage's weights once per step and reduce-scatters its gradients once (Megatron's
 distributed optimizer with pipelining); `tensor` runs Megatron's f/g inside every
-stage (`parallel/megatron.py`). The embedding and head are replicated over `pipe`;
+stage (`parallel/megatron.py`), with `parallel.sequence=true` its sequence-parallel form: the stages then
+pass [b, s/t, h] on (Megatron-LM's SP with pipelining: a 1/t of TP's point-to-point bytes) and the norm
+weights' gradients, computed on s/t tokens, are summed over `tensor`. The embedding and head are replicated over `pipe`;
 their gradients (non-zero on the first and last stage only) are summed over `pipe`,
 Megatron's embedding all-reduce. Gradient accumulation (train.microbatches = a > 1) runs
 the whole pipeline a times per step on strided slices of the batch and averages.
@@ -43,8 +45,11 @@ end. Microbatch i of every shard is rows i, i+m, ... of it, so the pipeline equa
 accumulating over the same m strided microbatches (the balance loss, a product of two batch
 means, depends on the microbatching; its means are taken over the data shards inside the
 layer, `MoEOps.batch_mean`). With `expert` > 1 the batch is split over it too and the routed
-experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_alls).
-`predict` (end of file) counts the busiest stage's sends from the same table, with its bubble and stash.
+experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_alls). With `tensor` > 1
+every expert's hidden dimension is split over it as in the manual TP strategy (Megatron-Core's expert tensor
+parallelism, model/moe.py: f before the experts and on the gates, g after the combine), with or without
+`expert`; the router runs replicated over `tensor`.
+`predict` (pipeline_predict.py) counts the busiest stage's sends from the same table, with its bubble and stash.
 """
 from __future__ import annotations
 
@@ -157,7 +162,8 @@ def _dim_of(spec: P, axis: str):
 
 class PipelineStrategy(Strategy):
     """GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV and PipeDream-2BW over `pipe`, with data / fsdp / tensor
-    around them, and for MoE models the experts split over `expert` inside the stages (parallel.expert=manual)."""
+    (+ sequence) around them, and for MoE models the experts split over `expert` (parallel.expert=manual) and
+    over `tensor` inside the stages."""
 
     RUNS = {"pipe": NAMES, "tensor": ("manual",), "expert": ("manual",)}   # tensor: Megatron's f/g in every stage
     PLANNED = {"pipe": ("gpipe", "1f1b", "interleaved", "zb-h1")}   # the schedules the planner's memory model fits
