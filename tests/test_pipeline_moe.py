@@ -4,7 +4,7 @@ A pipeline with m microbatches (and train.microbatches = a) is one device accumu
 strided microbatches: the balance loss multiplies two batch means, so it depends on the microbatching and
 nothing else may differ. The linear statistics (routed and dropped fractions, entropy, z) do not: step 1's
 telemetry per layer equals the plain single device's. A representative subset runs here (1F1B with
-data, GPipe with expert x fsdp, accumulation and rules, 1F1B with expert x tensor, circular with virtual
+data, GPipe with expert x fsdp, accumulation and rules, 1F1B with expert x tensor, DualPipeV, circular with virtual
 stages and manual experts); lab 03's `moe` part runs every schedule.
 """
 import jax
@@ -31,6 +31,8 @@ CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's tr
     "1f1b expert=2 x pipe=2 x tensor=2": (
         ["mesh.data=1", "mesh.expert=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.expert=manual",
          "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"], 8),
+    # DualPipeV's V: chunk 1 of device s is model stage 2p-1-s (the telemetry's layer order, the bias update)
+    "dualpipev pipe=2": (["mesh.data=1", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=4"], 2),
     # manual EP inside the compiler-driven pipeline: the exchange's shard_map vmapped over the stages
     "circular data=2 x expert=2 x pipe=2 v=2, manual experts": (
         ["mesh.data=2", "mesh.expert=2", "mesh.pipe=2", "parallel.expert=manual", "parallel.pipe=circular",

@@ -219,6 +219,8 @@ class PipelineStrategy(Strategy):
         self.batch_axes = tuple(a for a in BATCH_AXES if a in self.live and (a != "expert" or model_cfg.moe))
         self.rules = AxisRules({**parse_rules(config.parallel.rules), "layers": (AXIS,)})
         self.sequence = bool(config.parallel.sequence)
+        if self.sequence:   # Megatron-LM keeps the s/t input of a column-parallel matmul and gathers it again in B
+            self.policy = sequence_parallel_policy(self.policy)
         self.stage_ops = self._stage_ops(sizes)
 
         abstract = jax.eval_shape(self.make_state)
@@ -255,7 +257,6 @@ class PipelineStrategy(Strategy):
         shards, and with `expert` > 1 the routed experts' all_to_all exchange (parallel/expert.py). Under TP
         each expert's hidden dimension is split over `tensor` too (model/moe.py: f before, g after)."""
         if self.sequence:
-            self.policy = sequence_parallel_policy(self.policy)   # gather the s/t input again in B (Megatron-LM)
             return sequence_parallel_ops(self.ops)
         ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
         if not self.model_cfg.moe:
@@ -299,7 +300,7 @@ class PipelineStrategy(Strategy):
         statistic per layer ([v, p, Lc, ...] -> [L, ...], the model's layer order)."""
         if not self.model_cfg.moe:
             return {"loss": ce}
-        per_layer = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), aux)
+        per_layer = jax.tree.map(lambda a: self._v_order(a).reshape(-1, *a.shape[3:]), aux)   # the V: in order
         losses, stats = split_aux(per_layer)
         return {"loss": ce + sum(losses.values()), "ce_loss": ce, **losses, **stats}
 
