@@ -39,6 +39,10 @@ CASES = {
     "circular p=4 m=8": (["mesh.data=1", "mesh.pipe=4", "parallel.pipe=circular", "parallel.pipe_microbatches=8"], 4),
     "3d data=2 pipe=2 tensor=2": (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b",
                                    "parallel.pipe_microbatches=4"], 8),
+    # Megatron's sequence parallelism inside the stages: they pass [b, s/t, h] on
+    "sp: data=2 pipe=2 tensor=2 sequence": (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b",
+                                             "parallel.tensor=manual", "parallel.sequence=true",
+                                             "parallel.pipe_microbatches=4"], 8),
     # DualPipeV's V (device 0 holds model stages 0 and 3, device 1 stages 1 and 2: sends down, up and to itself)
     # with manual TP x FSDP inside its stages
     "dualpipev, manual tp: fsdp=2 pipe=2 tensor=2": (["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.tensor=2",
@@ -246,14 +250,16 @@ def test_split_backward_defers_only_the_weight_matmuls():
     assert w > 0.25 * whole and b < 0.75 * whole
 
 
-def test_executed_collectives_match_the_dry_run_formulas(built):
+@pytest.mark.parametrize("name", ["3d data=2 pipe=2 tensor=2", "sp: data=2 pipe=2 tensor=2 sequence"])
+def test_executed_collectives_match_the_dry_run_formulas(built, name):
     """data x pipe x tensor: the bytes the busiest stage sends per axis (the tick's branches counted on the ticks
     that run them) against the strategy's `predict`: lock-step permutes, Megatron's 4 all-reduces per
-    layer per microbatch, the gradients' all-reduce."""
+    layer per microbatch (under SP all-gathers and reduce-scatters, the column inputs gathered again in the
+    backward, s/t tokens per permute), the gradients' all-reduce."""
     from collections import defaultdict
 
     from jaxpar.parallel.registry import predicted_collective_bytes
-    c = built("3d data=2 pipe=2 tensor=2")
+    c = built(name)
     sent = defaultdict(float)
     for collective in step_collectives(c.strategy, c.step.as_text()):
         sent[collective.axis_label] += collective.bytes_per_step
@@ -310,7 +316,7 @@ def _cli(capsys, tmp_path, *sets):
     (["model.layers=4", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=2"],
      "parallel.pipe_microbatches"),                                                          # DualPipeV: m < 2p
     (["model.layers=4", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b", "parallel.tensor=manual",
-      "parallel.sequence=true"], "parallel.sequence"),                                       # no SP in the stages
+      "parallel.sequence=true", "parallel.tensor_overlap=collective_matmul"], "parallel.tensor_overlap"),  # SP plain
 ])
 def test_bad_pipeline_input_exits_2_with_one_line(capsys, tmp_path, sets, field):
     code, err = _cli(capsys, tmp_path, *sets)

@@ -4,8 +4,8 @@ A pipeline with m microbatches (and train.microbatches = a) is one device accumu
 strided microbatches: the balance loss multiplies two batch means, so it depends on the microbatching and
 nothing else may differ. The linear statistics (routed and dropped fractions, entropy, z) do not: step 1's
 telemetry per layer equals the plain single device's. A representative subset runs here (1F1B with
-data, GPipe with expert x fsdp, accumulation and rules, circular with virtual stages); lab 03's
-`moe` part runs every schedule.
+data, GPipe with expert x fsdp, accumulation and rules, 1F1B with expert x tensor, DualPipeV, circular with virtual
+stages and manual experts); lab 03's `moe` part runs every schedule.
 """
 import jax
 import numpy as np
@@ -26,8 +26,17 @@ CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's tr
     "gpipe fsdp=2 x pipe=2 x expert=2, accumulation 2, rules": (
         ["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.expert=2", "parallel.expert=manual",
          "parallel.pipe=gpipe", "parallel.pipe_microbatches=2", "train.microbatches=2", "parallel.rules=embed="], 8),
-    "circular data=2 x pipe=2 v=2": (["mesh.data=2", "mesh.pipe=2", "parallel.pipe=circular",
-                                      "parallel.pipe_virtual=2", "parallel.pipe_microbatches=4"], 4),
+    # expert x pipe x tensor: every expert's hidden dimension split Megatron-style inside the stages, tokens
+    # exchanged over expert
+    "1f1b expert=2 x pipe=2 x tensor=2": (
+        ["mesh.data=1", "mesh.expert=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.expert=manual",
+         "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"], 8),
+    # DualPipeV's V: chunk 1 of device s is model stage 2p-1-s (the telemetry's layer order, the bias update)
+    "dualpipev pipe=2": (["mesh.data=1", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=4"], 2),
+    # manual EP inside the compiler-driven pipeline: the exchange's shard_map vmapped over the stages
+    "circular data=2 x expert=2 x pipe=2 v=2, manual experts": (
+        ["mesh.data=2", "mesh.expert=2", "mesh.pipe=2", "parallel.expert=manual", "parallel.pipe=circular",
+         "parallel.pipe_virtual=2", "parallel.pipe_microbatches=4"], 8),
 }
 
 
@@ -38,7 +47,8 @@ def make_config(overrides):
 
 
 def train(overrides, devices: int, initial=None):
-    """Metrics of STEPS steps (host arrays) and the final params, from `initial` (host) if given."""
+    """Metrics of STEPS steps (host arrays), the final params, the initial state (host; `initial` if given), the
+    strategy and its compiled step."""
     config = make_config(overrides)
     strategy = build_strategy(config, jax.devices()[:devices], VOCAB)
     with jax.set_mesh(strategy.mesh):
@@ -49,12 +59,13 @@ def train(overrides, devices: int, initial=None):
         for batch in counting_batches(config, STEPS, VOCAB):
             state, m = step(state, jax.device_put(batch, strategy.batch_sharding))
             metrics.append(jax.device_get(m))
-    return {k: np.array([m[k] for m in metrics]) for k in metrics[0]}, jax.device_get(state["params"]), first
+    metrics = {k: np.array([m[k] for m in metrics]) for k in metrics[0]}
+    return metrics, jax.device_get(state["params"]), first, strategy, step
 
 
 @pytest.fixture(scope="module")
 def oracle():
-    metrics, params, initial = train(["mesh.data=1", "train.microbatches=4"], 1)
+    metrics, params, initial, _, _ = train(["mesh.data=1", "train.microbatches=4"], 1)
     assert metrics["loss"][-1] < metrics["loss"][0]
     assert np.abs(params["moe_blocks"]["router_bias"]).max() > 0          # the bias update ran
     return metrics, params, initial
@@ -76,7 +87,7 @@ def runs(oracle):
 def test_moe_pipeline_matches_one_device_accumulating_its_microbatches(name, runs, oracle):
     """Every metric (loss, cross-entropy, each aux loss, each statistic per layer, the gradient norm) at 1e-4
     every step, and the final params, aux-free router bias included."""
-    metrics, params, _ = runs(name)
+    metrics, params = runs(name)[:2]
     assert set(metrics) == set(oracle[0])
     for key, want in oracle[0].items():
         np.testing.assert_allclose(metrics[key], want, rtol=1e-4, atol=1e-7, err_msg=key)
@@ -87,7 +98,7 @@ def test_moe_pipeline_matches_one_device_accumulating_its_microbatches(name, run
 def test_pipeline_telemetry_per_layer_equals_the_single_device_step(runs, oracle):
     """Step 1's routed / dropped fractions, entropy and z per MoE layer (stacked in the model's layer order
     across the stages) equal the plain single device's forward on the whole batch (no microbatches)."""
-    metrics, _, _ = runs("1f1b data=2 x pipe=2")
+    metrics = runs("1f1b data=2 x pipe=2")[0]
     config = make_config([])
     batch = counting_batches(config, 1, VOCAB)[0]
     model_cfg = ModelConfig.from_config(config.model, VOCAB)
@@ -99,7 +110,8 @@ def test_pipeline_telemetry_per_layer_equals_the_single_device_step(runs, oracle
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b"], "mesh.tensor"),
+    (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b", "parallel.tensor=manual",
+      "parallel.sequence=true"], "parallel.sequence"),
     (["mesh.data=2", "mesh.pipe=2", "mesh.expert=2", "parallel.pipe=1f1b"], "parallel.expert"),
     (["mesh.data=4", "mesh.pipe=2", "parallel.pipe=1f1b", "parallel.rules=embed=data"], "parallel.rules"),
     (["mesh.data=4", "mesh.pipe=2", "parallel.pipe=1f1b", "model.moe.dense_layers=1"], "model.moe.dense_layers"),
@@ -112,3 +124,34 @@ def test_what_the_moe_pipeline_cannot_run_is_one_config_error(overrides, field):
     with pytest.raises(ConfigError) as error:
         select(config, sizes)
     assert error.value.field == field, str(error.value)
+
+
+def test_executed_collectives_of_expert_x_pipe_x_tensor_match_the_prediction(runs):
+    """The busiest stage's bytes per axis against `predict`: Megatron's f/g around every MoE layer's experts
+    (its gates' gradient too), the dense stack on the first stage, the expert all_to_alls."""
+    from collections import defaultdict
+
+    from jaxpar.measure.executed import step_collectives
+    from jaxpar.parallel.registry import predicted_collective_bytes
+    strategy, step = runs("1f1b expert=2 x pipe=2 x tensor=2")[3:]
+    sent = defaultdict(float)
+    for collective in step_collectives(strategy, step.as_text()):
+        sent[collective.axis_label] += collective.bytes_per_step
+    sizes = {axis: int(n) for axis, n in strategy.mesh.shape.items()}
+    predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, sizes, "cpu")
+    assert set(predicted) == {"pipe", "tensor", "expert"}
+    for axis, want in predicted.items():
+        assert sent[axis] == pytest.approx(want, rel=0.01), axis
+
+
+def test_circular_manual_expert_all_to_alls_match_the_prediction(runs):
+    """Circular with parallel.expert=manual: the all_to_alls over `expert` the step executes (every iteration, a
+    bubble's too, each device exchanges its stage's tokens) against `predict`, byte for byte to 1%."""
+    from jaxpar.measure.hlo import collectives
+    from jaxpar.parallel.registry import predicted_collective_bytes
+    strategy, step = runs("circular data=2 x expert=2 x pipe=2 v=2, manual experts")[3:]
+    sent = sum(c.bytes_per_step for c in collectives(step.as_text(), strategy.mesh)
+               if c.op == "all-to-all" and c.axes == ("expert",))
+    sizes = {axis: int(n) for axis, n in strategy.mesh.shape.items()}
+    predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, sizes, "cpu")
+    assert sent > 0 and sent == pytest.approx(predicted["expert"], rel=0.01)

@@ -1,5 +1,7 @@
-"""Lab 03, part i (`--parts moe`): MoE inside every pipeline schedule, expert parallelism inside the stages,
-and pipelines with gradient accumulation and with `parallel.rules`, each against one device.
+"""Lab 03, part i (`--parts moe`): MoE inside every pipeline schedule, expert parallelism inside the stages
+(the circular pipeline's too), the experts split Megatron-style over `tensor` inside the stages, sequence
+parallelism inside the stages (dense), and pipelines with gradient accumulation and with `parallel.rules`, each
+against one device.
 
 The oracle of a pipeline with m microbatches and train.microbatches = a is one device accumulating over the
 same a·m strided microbatches (the balance loss multiplies two batch means, so it depends on the
@@ -7,7 +9,8 @@ microbatching); every metric is compared step by step: loss, cross-entropy, each
 norm, and each router statistic per layer (the telemetry), and the aux-free router bias after the last
 step. PyTorch counterparts: Megatron-Core runs MoE layers inside its pipeline schedules (the aux loss is
 scaled by 1/m per microbatch and added in each stage's backward), with `--expert-model-parallel-size`
-inside the pipeline stages; torchtitan's pipelining keeps the loss on the last stage only.
+and `--expert-tensor-parallel-size` inside the pipeline stages (and `--sequence-parallel` for its TP);
+torchtitan's pipelining keeps the loss on the last stage only.
 """
 from __future__ import annotations
 
@@ -22,16 +25,18 @@ MICRO = 4                                      # rows per pipeline microbatch
 MOE_MODEL = ["model.layers=10", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.dense_layers=2",
              "model.moe.router=sigmoid", "model.moe.bias_rate=0.01", "model.moe.balance_loss=0.1",
              "model.moe.z_loss=0.01"]
+SP = ("parallel.tensor=manual", "parallel.sequence=true")
 
 
-def _case(schedule, p, m, v=1, a=1, data=1, fsdp=1, expert=1, extra=()):
+def _case(schedule, p, m, v=1, a=1, data=1, fsdp=1, expert=1, tensor=1, extra=()):
     shards = data * fsdp * expert
     overrides = [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.pipe={p}", f"mesh.expert={expert}",
+                 f"mesh.tensor={tensor}",
                  f"parallel.pipe={schedule}", f"parallel.pipe_microbatches={m}", f"parallel.pipe_virtual={v}",
                  f"train.microbatches={a}", f"train.batch_size={MICRO * m * a * shards}", *extra]
     if expert > 1:
         overrides.append("parallel.expert=manual")
-    return overrides, data * fsdp * p * expert, a * m
+    return overrides, data * fsdp * p * expert * tensor, a * m
 
 
 CASES = [   # label, (overrides, devices, the oracle's microbatches), MoE model or dense
@@ -45,11 +50,24 @@ CASES = [   # label, (overrides, devices, the oracle's microbatches), MoE model 
     ("MoE fsdp=2 x pipe=2 x expert=2, ZB-H1 m=4", _case("zb-h1", 2, 4, fsdp=2, expert=2), True),
     ("MoE pipe=2 x expert=4, interleaved v=2 m=4", _case("interleaved", 2, 4, 2, expert=4), True),
     ("MoE data=2 x pipe=2, GPipe m=2, accumulation 2", _case("gpipe", 2, 2, a=2, data=2), True),
+    # every expert's hidden dimension split Megatron-style over tensor inside the stages (with manual EP too)
+    ("MoE data=2 x pipe=2 x tensor=2, 1F1B m=4", _case("1f1b", 2, 4, data=2, tensor=2), True),
+    ("MoE expert=2 x pipe=2 x tensor=2, ZB-H1 m=4", _case("zb-h1", 2, 4, expert=2, tensor=2), True),
+    ("MoE pipe=2 x tensor=2, DualPipeV m=4", _case("dualpipev", 2, 4, 2, tensor=2), True),
+    # manual EP inside the compiler-driven pipeline (and the automatic TP around it)
+    ("MoE circular data=2 x pipe=2 x expert=2 (manual), m=4", _case("circular", 2, 4, data=2, expert=2), True),
+    ("MoE circular pipe=2 x expert=2 (manual) x tensor=2, v=2 m=4", _case("circular", 2, 4, 2, expert=2, tensor=2),
+     True),
     ("dense 1F1B p=4 m=4, accumulation 2", _case("1f1b", 4, 4, a=2), False),
     ("dense fsdp=2 x pipe=4, 1F1B m=4, rules embed= (no fsdp slicing)",
      _case("1f1b", 4, 4, fsdp=2, extra=("parallel.rules=embed=",)), False),
     ("dense data=2 x fsdp=2 x pipe=2 circular m=4, accumulation 2, rules embed=fsdp+data",
      _case("circular", 2, 4, a=2, data=2, fsdp=2, extra=("parallel.rules=embed=fsdp+data",)), False),
+    # Megatron's sequence parallelism inside the stages: they pass [b, s/t, h] on
+    ("dense data=2 x pipe=2 x tensor=2, SP, 1F1B m=4", _case("1f1b", 2, 4, data=2, tensor=2, extra=SP), False),
+    ("dense fsdp=2 x pipe=2 x tensor=2, SP, ZB-H1 m=4, remat full",
+     _case("zb-h1", 2, 4, fsdp=2, tensor=2, extra=(*SP, "train.remat=full")), False),
+    ("dense pipe=2 x tensor=2, SP, interleaved v=2 m=4", _case("interleaved", 2, 4, 2, tensor=2, extra=SP), False),
 ]
 
 

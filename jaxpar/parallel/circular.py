@@ -14,13 +14,17 @@ backward iteration in reverse, which is GPipe's order with GPipe's memory (every
 iteration's activations are kept). The rest of the model (embedding, head, data /
 fsdp / tensor splits) is the automatic strategy's: the logical-axis rules place it.
 
+With parallel.expert=manual the routed experts exchange their tokens by hand (parallel/expert.py's shard_map
+of all_to_alls over `expert`, manual over the whole mesh): `vmap` over the stages batches that shard_map, so
+each pipe device runs its own stage's exchange, the experts split over `expert` as the automatic layout does.
+
 MoE models pipeline their `moe_blocks` (the dense leading layers run before, with the
 embedding). Each iteration's per-layer auxiliary outputs of the stages that hold a real
 microbatch are summed into a [v, p, Lc] buffer (/ m); the weighted losses in it join the
 objective, so jax.grad carries them too: one device accumulating over the same m strided
 microbatches, to rounding. Gradient accumulation (train.microbatches) wraps the whole
 pipelined step, as in the automatic strategy.
-`predict` (end of file): the pipe axis's rolls; the rest is not predicted.
+`predict` (end of file): the pipe axis's rolls and the manual experts' all_to_alls; the rest is not predicted.
 """
 from __future__ import annotations
 
@@ -34,15 +38,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.model.axes import ACTIVATION_AXES
-from jaxpar.model.moe import noise_seeds
+from jaxpar.model.moe import noise_seeds, with_routed_experts
 from jaxpar.model.transformer import embed, head_loss, run_blocks, split_aux
 from jaxpar.parallel.auto import rules_embedding
+from jaxpar.parallel.expert import ExpertStrategy, manual_routed_experts
 from jaxpar.parallel.pipeline import check_pipeline, pipe_microbatches, pipe_virtual
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
 from jaxpar.parallel.strategy import Strategy
-from jaxpar.parallel.theory import Candidate, Flow, Prediction, stored_params, wire_bytes
+from jaxpar.parallel.theory import Candidate, Flow, Prediction, moe_all_to_all_bytes, stored_params, wire_bytes
 
 AXIS = "pipe"
 
@@ -129,9 +134,10 @@ def circular_loss(params, tokens, *, cfg, ops, outer_ops, policy, p, v, m, train
 
 
 class CircularStrategy(Strategy):
-    """parallel.pipe=circular: the pipelined scan, differentiated by JAX; everything else automatic."""
+    """parallel.pipe=circular: the pipelined scan, differentiated by JAX; everything else automatic, but the
+    experts' exchange with parallel.expert=manual."""
 
-    RUNS = {"pipe": ("circular",)}
+    RUNS = {"pipe": ("circular",), "expert": ("manual",)}   # expert: manual_routed_experts inside the stages
     PLANNED: dict = {}   # its memory (GPipe's, every iteration kept) is not in the planner's memory model
 
     @staticmethod
@@ -142,6 +148,8 @@ class CircularStrategy(Strategy):
     def check(cls, config, sizes):
         v = pipe_virtual(config)
         check_pipeline(config, sizes, "circular", virtual_ok=True, min_microbatches=sizes[AXIS] if v > 1 else 1)
+        if config.parallel.expert == "manual":
+            ExpertStrategy.check(config, sizes)
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
@@ -150,6 +158,10 @@ class CircularStrategy(Strategy):
         overrides = parse_rules(config.parallel.rules)
         self.rules = AxisRules({**overrides, "layers": (AXIS,)})
         self.ops = self.ops.replace(embed=rules_embedding(self.rules), constrain=self.rules.constrain)
+        if config.parallel.expert == "manual":   # the exchange's shard_map, vmapped over the stages (pipe)
+            batch = self.rules.spec(("batch",))[0]
+            self.ops = with_routed_experts(self.ops, partial(manual_routed_experts, mesh=mesh, batch_axes=(
+                batch if isinstance(batch, tuple) else (batch,))))
         batch = (config.train.batch_size // self.microbatches) % (int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
                                                                   * self.p) == 0
         outer_rules = AxisRules({**overrides, "layers": (AXIS,), **({"batch": ("data", "fsdp", AXIS)} if batch else {})})
@@ -190,12 +202,19 @@ class CircularStrategy(Strategy):
 def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
     """v·m + p - 1 scan iterations, each rolling one activation a = b·s·h·e forward and one gradient back, r =
     train.microbatches times per step: pipe 2·(v·m + p - 1)·a·r per device (b: rows per batch shard, data x fsdp,
-    x expert for MoE). What XLA sends for data, fsdp or tensor around it is not predicted."""
+    x expert for MoE). With parallel.expert=manual, the experts' all_to_alls: every iteration each device runs
+    its stage's L/(p·v) MoE layers on a microbatch (a bubble's too), `moe_all_to_all_bytes` per layer and
+    microbatch. What XLA sends for data, fsdp, tensor or expert around them is not predicted."""
     p, m, v, r = cand.pipe, cand.microbatches, cand.virtual, cand.accumulate
     shards = cand.data * cand.fsdp * (cand.expert if shape.moe else 1)
     a = global_batch // shards // (m * r) * seq_len * shape.d_model * wire_bytes(cand.precision, platform)
     iterations = v * m + p - 1
-    return Prediction([Flow("pipe", "permute", 2 * iterations * a * r, 2 * iterations * r, False)],
-                      stored_params(shape, cand),
+    flows = [Flow("pipe", "permute", 2 * iterations * a * r, 2 * iterations * r, False)]
+    if shape.moe and cand.expert > 1 and cand.expert_impl == "manual":
+        per_microbatch = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
+                                              layers=shape.moe_layers // (p * v))   # m·r microbatches' worth
+        flows.append(Flow("expert", "all-to-all", per_microbatch["predicted"] * iterations / m,
+                          per_microbatch["runs"] * iterations / m, False))
+    return Prediction(flows, stored_params(shape, cand),
                       bubble=bubble_fraction("circular", p, m, v), stash=float(iterations),
-                      note="circular: only the pipe axis is predicted")
+                      note="circular: only the pipe axis and the manual experts' all_to_alls are predicted")

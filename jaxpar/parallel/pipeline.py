@@ -29,7 +29,9 @@ Around the pipeline: data parallel (`data`) splits the batch and averages gradie
 once per step; `fsdp` keeps parameters and Adam state sliced at rest, all-gathers each
 stage's weights once per step and reduce-scatters its gradients once (Megatron's
 distributed optimizer with pipelining); `tensor` runs Megatron's f/g inside every
-stage (`parallel/megatron.py`). The embedding and head are replicated over `pipe`;
+stage (`parallel/megatron.py`), with `parallel.sequence=true` its sequence-parallel form: the stages then
+pass [b, s/t, h] on (Megatron-LM's SP with pipelining: a 1/t of TP's point-to-point bytes) and the norm
+weights' gradients, computed on s/t tokens, are summed over `tensor`. The embedding and head are replicated over `pipe`;
 their gradients (non-zero on the first and last stage only) are summed over `pipe`,
 Megatron's embedding all-reduce. Gradient accumulation (train.microbatches = a > 1) runs
 the whole pipeline a times per step on strided slices of the batch and averages.
@@ -43,12 +45,14 @@ end. Microbatch i of every shard is rows i, i+m, ... of it, so the pipeline equa
 accumulating over the same m strided microbatches (the balance loss, a product of two batch
 means, depends on the microbatching; its means are taken over the data shards inside the
 layer, `MoEOps.batch_mean`). With `expert` > 1 the batch is split over it too and the routed
-experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_alls).
-`predict` (end of file) counts the busiest stage's sends from the same table, with its bubble and stash.
+experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_alls). With `tensor` > 1
+every expert's hidden dimension is split over it as in the manual TP strategy (Megatron-Core's expert tensor
+parallelism, model/moe.py: f before the experts and on the gates, g after the combine), with or without
+`expert`; the router runs replicated over `tensor`.
+`predict` (pipeline_predict.py) counts the busiest stage's sends from the same table, with its bubble and stash.
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -58,13 +62,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
-from jaxpar.model.counting import block_params
 from jaxpar.model.moe import with_moe_ops
 from jaxpar.model.transformer import split_aux
 from jaxpar.parallel.expert import capacity_exchange, dropless_exchange
-from jaxpar.parallel.megatron import tensor_parallel_ops
+from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
 from jaxpar.parallel.pipedream import delayed_gradient
 from jaxpar.parallel.pipeline_executor import AXIS, StageFunctions, run_program
+from jaxpar.parallel.pipeline_predict import predict
 from jaxpar.parallel.pipeline_program import (  # noqa: F401  (the table's cell codes, re-exported for the lab)
     B_FIRST,
     B_MID,
@@ -79,19 +83,9 @@ from jaxpar.parallel.pipeline_program import (  # noqa: F401  (the table's cell 
     program_for,
 )
 from jaxpar.parallel.rules import AxisRules, parse_rules
-from jaxpar.parallel.schedules import NAMES, bubble_fraction, build, validate
+from jaxpar.parallel.schedules import NAMES, build, validate
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
 from jaxpar.parallel.strategy import Strategy
-from jaxpar.parallel.theory import (
-    OTHER_WEIGHTS,
-    WEIGHTS_PER_LAYER,
-    Candidate,
-    Flow,
-    Prediction,
-    moe_all_to_all_bytes,
-    stored_params,
-    wire_bytes,
-)
 
 BATCH_AXES = ("expert", "data", "fsdp")          # `expert` splits the batch only for MoE models
 
@@ -168,7 +162,8 @@ def _dim_of(spec: P, axis: str):
 
 class PipelineStrategy(Strategy):
     """GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV and PipeDream-2BW over `pipe`, with data / fsdp / tensor
-    around them, and for MoE models the experts split over `expert` inside the stages (parallel.expert=manual)."""
+    (+ sequence) around them, and for MoE models the experts split over `expert` (parallel.expert=manual) and
+    over `tensor` inside the stages."""
 
     RUNS = {"pipe": NAMES, "tensor": ("manual",), "expert": ("manual",)}   # tensor: Megatron's f/g in every stage
     PLANNED = {"pipe": ("gpipe", "1f1b", "interleaved", "zb-h1")}   # the schedules the planner's memory model fits
@@ -184,9 +179,12 @@ class PipelineStrategy(Strategy):
                        min_microbatches=1 if name == "gpipe" else sizes["pipe"])
         check_manual_placement(config, sizes)
         m, p = pipe_microbatches(config, sizes["pipe"]), sizes["pipe"]
-        if config.parallel.sequence:
-            raise ConfigError("parallel.sequence", "the pipeline strategies run Megatron's TP inside each stage "
-                              "without sequence parallelism; set parallel.sequence=false")
+        if config.parallel.sequence and config.model.moe.experts:
+            raise ConfigError("parallel.sequence", "sequence parallelism does not split an MoE layer's routing "
+                              "(the router runs replicated over tensor); set parallel.sequence=false")
+        if config.parallel.get("tensor_overlap", "none") != "none":
+            raise ConfigError("parallel.tensor_overlap", "the pipelines run sequence parallelism's all-gathers and "
+                              "reduce-scatters as plain collectives inside each stage; set it to 'none'")
         if name == "dualpipev":
             if pipe_virtual(config) != 2:
                 raise ConfigError("parallel.pipe_virtual", f"is {pipe_virtual(config)}; dualpipev holds exactly 2 "
@@ -200,9 +198,6 @@ class PipelineStrategy(Strategy):
             if m % p:
                 raise ConfigError("parallel.pipe_microbatches", f"is {m}; interleaved 1F1B runs microbatches in "
                                   f"groups of mesh.pipe={p}: use a multiple of {p}")
-        if config.model.moe.experts and sizes["tensor"] > 1:
-            raise ConfigError("mesh.tensor", f"is {sizes['tensor']}; an MoE model in the hand-written pipeline has "
-                              "no Megatron split of its experts yet: use mesh.tensor=1 (or parallel.pipe=circular)")
         if sizes["expert"] > 1 and config.parallel.expert != "manual":
             raise ConfigError("parallel.expert", f"is '{config.parallel.expert}' with mesh.expert={sizes['expert']}; "
                               "inside a hand-written pipeline the experts' exchange is manual: set parallel.expert=manual")
@@ -223,6 +218,9 @@ class PipelineStrategy(Strategy):
         self.live = tuple(a for a in mesh.axis_names if sizes[a] > 1)
         self.batch_axes = tuple(a for a in BATCH_AXES if a in self.live and (a != "expert" or model_cfg.moe))
         self.rules = AxisRules({**parse_rules(config.parallel.rules), "layers": (AXIS,)})
+        self.sequence = bool(config.parallel.sequence)
+        if self.sequence:   # Megatron-LM keeps the s/t input of a column-parallel matmul and gathers it again in B
+            self.policy = sequence_parallel_policy(self.policy)
         self.stage_ops = self._stage_ops(sizes)
 
         abstract = jax.eval_shape(self.make_state)
@@ -254,8 +252,12 @@ class PipelineStrategy(Strategy):
                                in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
 
     def _stage_ops(self, sizes):
-        """The ops inside a stage: Megatron's f/g over `tensor`; for MoE the balance statistics over the batch
-        shards, and with `expert` > 1 the routed experts' all_to_all exchange (parallel/expert.py)."""
+        """The ops inside a stage: Megatron's f/g over `tensor` (with parallel.sequence its all-gathers and
+        reduce-scatters, the stages then pass [b, s/t, h] on); for MoE the balance statistics over the batch
+        shards, and with `expert` > 1 the routed experts' all_to_all exchange (parallel/expert.py). Under TP
+        each expert's hidden dimension is split over `tensor` too (model/moe.py: f before, g after)."""
+        if self.sequence:
+            return sequence_parallel_ops(self.ops)
         ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
         if not self.model_cfg.moe:
             return ops
@@ -298,7 +300,7 @@ class PipelineStrategy(Strategy):
         statistic per layer ([v, p, Lc, ...] -> [L, ...], the model's layer order)."""
         if not self.model_cfg.moe:
             return {"loss": ce}
-        per_layer = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), aux)
+        per_layer = jax.tree.map(lambda a: self._v_order(a).reshape(-1, *a.shape[3:]), aux)   # the V: in order
         losses, stats = split_aux(per_layer)
         return {"loss": ce + sum(losses.values()), "ce_loss": ce, **losses, **stats}
 
@@ -334,6 +336,10 @@ class PipelineStrategy(Strategy):
         (ce, out), grads = accumulate(one_run, self._gather_fsdp(params), tokens, self.microbatches)
         aux = out["aux"]
         grads = {**grads, **{k: jax.lax.psum(grads[k], AXIS) for k in grads if k != self.stack}}  # first / last stage's
+        if self.sequence:   # SP: a weight not split over tensor saw this device's s/t tokens only
+            grads = jax.tree.map(lambda g, spec: g if "tensor" in jax.tree.leaves(tuple(spec)) else
+                                 jax.lax.psum(g, "tensor"), grads, self.staged_specs,
+                                 is_leaf=lambda x: isinstance(x, P))
         aux = jax.tree.map(lambda a: self._mean_over_batch(a)[:, None], aux)
         return self._mean_over_batch(jax.lax.psum(ce, AXIS)), aux, self._reduce_grads(grads)
 
@@ -364,64 +370,3 @@ class PipelineStrategy(Strategy):
             grads = jax.tree.map(reduce, grads, self.staged_specs, is_leaf=lambda x: isinstance(x, P))
             shards *= self.mesh.shape[axis]
         return jax.tree.map(lambda g: g / shards, grads)
-
-
-# ============================================================================ prediction
-
-
-def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
-    """Bytes per device per step on the busiest stage, from the schedule's own table (T ticks).
-
-    b = microbatch rows per batch shard (data x fsdp, x expert for MoE), a = b·s·h·e one microbatch's activation
-    (e = `wire_bytes`); r = train.microbatches, the whole pipeline run r times per step. Ψ_P = the pipelined stack
-    (`moe_blocks` for MoE), Ψ_x its routed experts, Ψ_o everything else (embedding, head, final norm, an MoE
-    model's dense stack), all replicated over pipe.
-      pipe      2·T·a·r: every tick each stage sends one activation forward and one gradient backward (lock-step
-                SPMD: a buffer moves even in a bubble; the textbook count is `schedules.p2p_bytes`).
-      tensor    Megatron, 2(T-1)/T·a each: 2 per layer per F, 2 per layer per B (zb-h1's W has none), +1 per
-                layer per B with remat full, + 1 per embedding lookup and 1 per head.
-      gradients fp32, once per step: Ψ_o summed over pipe, then every gradient averaged over the batch shards:
-                all-reduced over data (and, but for the routed experts, over expert), reduce-scattered over fsdp
-                after the weights' all-gather ((F-1)/F·4 for Ψ_o, (F-1)/F·e for the chunks: XLA casts before
-                it gathers). Per device Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). XLA:GPU folds consecutive
-                all-reduces into one over the union of their axes (`data+pipe+expert`); XLA:CPU keeps one each.
-      expert    MoE: the all_to_alls of the stage's MoE layers (`moe_all_to_all_bytes`, L/p layers, m·r
-                microbatches). With v > 1 XLA re-deals the chunks (groups over pipe and more): not predicted.
-    """
-    p, D, F, T = cand.pipe, cand.data, cand.fsdp, cand.tensor
-    X = cand.expert if shape.moe else 1
-    m, v, r = cand.microbatches, cand.virtual, cand.accumulate
-    e = wire_bytes(cand.precision, platform)
-    a = global_batch // (D * F * X) // (m * r) * seq_len * shape.d_model * e
-    counts = shape.counts()
-    psi_pipelined = counts["blocks"] - (shape.dense_layers * block_params(shape.model) if shape.moe else 0)
-    psi_other, psi_x = counts["total"] - psi_pipelined, counts["experts"]
-    program = program_for(cand.schedule, p, m, v)
-    ticks = part_ticks(program)
-    out = [Flow("pipe", "permute", 2 * program.ticks * a * r, 2 * program.ticks * r, False)]
-    sizes = {"data": D, "pipe": p, "expert": X}
-
-    def all_reduce(axes, nbytes, arrays, gathered=4):
-        live = [x for x in ("data", "pipe", "expert") if x in axes and sizes[x] > 1]
-        for group in ([live] if platform != "cpu" and live else [[x] for x in live]):
-            n = math.prod(sizes[x] for x in group)
-            out.append(Flow("+".join(group), "all-reduce", 2 * (n - 1) / n * nbytes, arrays, False))
-        if F > 1:    # the weights' all-gather (`gathered` bytes per fp32 element) and the gradients' reduce-scatter
-            out.append(Flow("fsdp", "all-gather", (F - 1) / F * gathered / 4 * nbytes, arrays, False))
-            out.append(Flow("fsdp", "reduce-scatter", (F - 1) / F * nbytes, arrays, False))
-
-    all_reduce(("pipe", "data", "expert"), 4 * psi_other / T, OTHER_WEIGHTS)
-    all_reduce(("data", "expert"), 4 * (psi_pipelined - psi_x) / (p * T), WEIGHTS_PER_LAYER, gathered=e)
-    all_reduce(("data",), 4 * psi_x / (p * X * T), 3, gathered=e)
-    if T > 1:
-        chunk = shape.layers // (p * v)
-        per_backward = 2 + (1 if cand.remat == "full" else 0)
-        reductions = float(((2 * ticks["F"] + per_backward * ticks["B"]) * chunk + ticks["embed"]
-                            + ticks["head"]).max())
-        out.append(Flow("tensor", "all-reduce", reductions * 2 * (T - 1) / T * a * r, reductions * r, False))
-    if X > 1:
-        exchange = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
-                                        layers=shape.moe_layers // p)
-        out.append(Flow("expert", "all-to-all", exchange["predicted"], exchange["runs"], False))
-    return Prediction(out, stored_params(shape, cand), bubble=bubble_fraction(cand.schedule, p, m, v),
-                      stash=program.slots["stash"])

@@ -164,7 +164,10 @@ class _TickLoop:
     def keys(self, row):
         """The noisy router's noise keys of this cell: the microbatch's seeds, the chunk's first layer."""
         seeds = noise_seeds(self.inputs[row["microbatch"]]) if self.noisy else None
-        return {"seeds": seeds, "first_layer": (row["chunk"] * self.p + self.me) * self.stage.chunk_layers}
+        stage = row["chunk"] * self.p + self.me
+        if self.program.schedule.shape == "v":      # the V: chunk 1 of device s is model stage 2p-1-s
+            stage = jnp.where(row["chunk"] == 1, 2 * self.p - 1 - self.me, stage)
+        return {"seeds": seeds, "first_layer": stage * self.stage.chunk_layers}
 
     def zeros_outer(self):
         return jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), self.outer)

@@ -1,0 +1,120 @@
+"""What the hand-written pipelines (parallel/pipeline.py) send per mesh axis per step, from the schedule's own table.
+
+Split out of pipeline.py, which builds the strategy: this is the dry run's and the planner's view of it, checked
+against the compiled program (tests/test_pipeline.py, tests/test_pipeline_moe.py).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxpar.model.counting import block_params
+from jaxpar.parallel.pipeline_program import part_ticks, program_for
+from jaxpar.parallel.schedules import bubble_fraction
+from jaxpar.parallel.theory import (
+    OTHER_WEIGHTS,
+    WEIGHTS_PER_LAYER,
+    Candidate,
+    Flow,
+    Prediction,
+    moe_all_to_all_bytes,
+    stored_params,
+    wire_bytes,
+)
+
+
+def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
+    """Bytes per device per step on the busiest stage, from the schedule's own table (T ticks).
+
+    b = microbatch rows per batch shard (data x fsdp, x expert for MoE), a = b·s·h·e one microbatch's activation
+    (e = `wire_bytes`); r = train.microbatches, the whole pipeline run r times per step. Ψ_P = the pipelined stack
+    (`moe_blocks` for MoE), Ψ_x its routed experts, Ψ_o everything else (embedding, head, final norm, an MoE
+    model's dense stack), all replicated over pipe.
+      pipe      2·T·a·r: every tick each stage sends one activation forward and one gradient backward (lock-step
+                SPMD: a buffer moves even in a bubble; the textbook count is `schedules.p2p_bytes`). Under
+                sequence parallelism a is divided by the tensor size (the stages pass [b, s/t, h]).
+      tensor    Megatron inside every stage: `tensor_bytes`.
+      gradients fp32, once per step: Ψ_o summed over pipe, then every gradient averaged over the batch shards:
+                all-reduced over data (and, but for the routed experts, over expert), reduce-scattered over fsdp
+                after the weights' all-gather ((F-1)/F·4 for Ψ_o, (F-1)/F·e for the chunks: XLA casts before
+                it gathers). Per device Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). XLA:GPU folds consecutive
+                all-reduces into one over the union of their axes (`data+pipe+expert`); XLA:CPU keeps one each.
+      expert    MoE: the all_to_alls of the stage's MoE layers (`moe_all_to_all_bytes`, L/p layers, m·r
+                microbatches; with tensor > 1 every tensor rank exchanges the whole tokens). With v > 1 XLA
+                re-deals the chunks (groups over pipe and more): not predicted.
+    """
+    p, D, F, T = cand.pipe, cand.data, cand.fsdp, cand.tensor
+    X = cand.expert if shape.moe else 1
+    m, v, r = cand.microbatches, cand.virtual, cand.accumulate
+    e = wire_bytes(cand.precision, platform)
+    a = global_batch // (D * F * X) // (m * r) * seq_len * shape.d_model * e
+    counts = shape.counts()
+    psi_pipelined = counts["blocks"] - (shape.dense_layers * block_params(shape.model) if shape.moe else 0)
+    psi_other, psi_x = counts["total"] - psi_pipelined, counts["experts"]
+    program = program_for(cand.schedule, p, m, v)
+    sent = a / T if cand.sequence else a
+    out = [Flow("pipe", "permute", 2 * program.ticks * sent * r, 2 * program.ticks * r, False)]
+    sizes = {"data": D, "pipe": p, "expert": X}
+
+    def all_reduce(axes, nbytes, arrays, gathered=4):
+        live = [x for x in ("data", "pipe", "expert") if x in axes and sizes[x] > 1]
+        for group in ([live] if platform != "cpu" and live else [[x] for x in live]):
+            n = math.prod(sizes[x] for x in group)
+            out.append(Flow("+".join(group), "all-reduce", 2 * (n - 1) / n * nbytes, arrays, False))
+        if F > 1:    # the weights' all-gather (`gathered` bytes per fp32 element) and the gradients' reduce-scatter
+            out.append(Flow("fsdp", "all-gather", (F - 1) / F * gathered / 4 * nbytes, arrays, False))
+            out.append(Flow("fsdp", "reduce-scatter", (F - 1) / F * nbytes, arrays, False))
+
+    all_reduce(("pipe", "data", "expert"), 4 * psi_other / T, OTHER_WEIGHTS)
+    all_reduce(("data", "expert"), 4 * (psi_pipelined - psi_x) / (p * T), WEIGHTS_PER_LAYER, gathered=e)
+    all_reduce(("data",), 4 * psi_x / (p * X * T), 3, gathered=e)
+    if T > 1:
+        out.append(tensor_bytes(shape, cand, program, a, a // (shape.d_model * e)))
+    if X > 1:
+        exchange = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
+                                        layers=shape.moe_layers // p)
+        out.append(Flow("expert", "all-to-all", exchange["predicted"], exchange["runs"], False))
+    return Prediction(out, stored_params(shape, cand), bubble=bubble_fraction(cand.schedule, p, m, v),
+                      stash=program.slots["stash"])
+
+
+def tensor_bytes(shape, cand: Candidate, program, a: float, tokens: int) -> Flow:
+    """Megatron's collectives over `tensor` on the busiest stage, in u = (T-1)/T·a (an all-reduce of a is 2u; an
+    all-gather or reduce-scatter of it, u); a: one microbatch's activation, `tokens` = b·s; r = train.microbatches
+    runs of the pipeline per step.
+
+      per layer per F   TP 2 all-reduces (g after attention and after the MLP) = 4u; an MoE layer also g after
+                        its shared experts (+2u). SP: 2 all-gathers + 2 reduce-scatters, the same 4u.
+      per layer per B   TP 4u (f before q/k/v and the MLP; an MoE layer +2u for its shared experts, plus its
+                        gates' gradient, fp32 [b, s, k], summed with the experts' f), +2u with remat full (the
+                        attention g again). SP 6u (the column inputs gathered again, Megatron-LM's choice), +1u
+                        with remat full. zb-h1's W has none.
+      first stage       F: the embedding's g (TP 2u, SP its reduce-scatter u), an MoE model's dense stack 4u per
+                        layer; B: SP the embedding's all-gather u; the dense stack recomputed and differentiated,
+                        2u + 8u per layer (TP).
+      last stage        the head's f: 2u per F. Its three fp32 [b, s] reductions are left out (h times smaller).
+      once per step     SP: the norm weights' gradients summed, 2(T-1)/T·4·(2L/p + 1)·h.
+    """
+    T, r, ticks = cand.tensor, cand.accumulate, part_ticks(program)
+    moe = shape.moe is not None
+    layers = shape.moe_layers if moe else shape.layers
+    chunk = layers // (cand.pipe * cand.virtual)
+    shared = 2 if moe and shape.shared_experts else 0
+    if cand.sequence:
+        per_f, per_b = 4, 6 + (1 if cand.remat == "full" else 0)
+        embed, embed_grad = 1, 1
+    else:
+        per_f, per_b = 4 + shared, 4 + shared + (2 if cand.remat == "full" else 0)
+        dense = shape.dense_layers if moe else 0
+        embed, embed_grad = 2 + 4 * dense, (2 + 8 * dense if dense else 0)
+    units = (per_f * ticks["F"] + per_b * ticks["B"]) * chunk + embed * ticks["embed"] + \
+        embed_grad * ticks["embed_grad"] + 2 * ticks["head"]
+    gates = 2 * ticks["B"] * chunk * tokens * shape.top_k * 4 if moe else 0
+    ring = (T - 1) / T
+    per_stage = (units * ring * a + ring * gates) * r
+    count = (units // 2 + (ticks["B"] * chunk if moe else 0)) * r
+    once = 2 * ring * 4 * (2 * layers // cand.pipe + 1) * shape.d_model if cand.sequence else 0
+    busiest = int(np.argmax(per_stage))
+    return Flow("tensor", "reduce-scatter" if cand.sequence else "all-reduce", float(per_stage[busiest]) + once,
+                float(count[busiest]) + (3 if cand.sequence else 0), False)
