@@ -62,7 +62,8 @@ def add_dryrun_arguments(p: argparse.ArgumentParser) -> None:
     from jaxpar.checks import add_config_arguments
     add_config_arguments(p, set_help="override a config field, e.g. --set mesh.fsdp=64 (repeatable)")
     p.add_argument("--target", choices=("cpu", "h100", "h200", "a100"), default="cpu",
-                   help="cpu: N virtual CPU devices; h100/h200/a100: deviceless XLA:GPU compile (needs the CUDA plugin)")
+                   help="cpu: N virtual CPU devices; h100/h200/a100: deviceless XLA:GPU compile "
+                        "(needs the CUDA plugin)")
     p.add_argument("--devices", type=int, metavar="N", help="device count (cpu: set before JAX starts)")
     p.add_argument("--topology", metavar="PxHxG", help="GPU targets: partitions x hosts x GPUs per host, e.g. 1x8x8")
     p.add_argument("--out", metavar="DIR", help="also write dryrun.json and dryrun.md into DIR")

@@ -69,7 +69,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.moe.top_k = 2             # experts each token is sent to
     c.model.moe.dense_layers = 0      # the first N layers keep the dense MLP (DeepSeek-MoE: 1), the rest are MoE
     c.model.moe.expert_mlp_dim = 0    # SwiGLU hidden size of one expert; 0: model.mlp_dim (Mixtral)
-    c.model.moe.shared_experts = 0    # always-on experts of expert_mlp_dim each (DeepSeek-MoE); needs fine-grained experts
+    c.model.moe.shared_experts = 0    # always-on experts of expert_mlp_dim each (DeepSeek-MoE); fine-grained only
     c.model.moe.router = "softmax"    # softmax top-k | noisy (Shazeer 2017, training only) | sigmoid (+ aux-free bias)
     c.model.moe.normalize_top_k = True   # gates of the k chosen experts sum to 1 (Mixtral); false: raw scores
     c.model.moe.dispatch = "dropless"    # dropless (sort + ragged_dot) | capacity (Switch/GShard: drop past capacity)
@@ -93,9 +93,9 @@ def base_config() -> ml_collections.ConfigDict:
                                   # (asynchronous: one step of weight staleness) (parallel/pipeline.py) |
                                   # circular (compiler-driven, parallel/circular.py)
     c.parallel.pipe_microbatches = 0   # the pipeline's own microbatches m (0: 2 x mesh.pipe)
-    c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved and dualpipev, else 1; circular: repeats)
+    c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved, dualpipev; else 1); circular: repeats
     c.parallel.expert = "auto"    # auto: experts split over `expert` by the rules | manual: all_to_all in shard_map
-    c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (shard_map, parallel/tensor.py)
+    c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (parallel/tensor.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
     c.parallel.prefetch = False   # parallel.data=zero3: gather layer i+1 while layer i computes (parallel/prefetch.py)
     c.parallel.grad_buckets = 0   # parallel.data=ddp|zero2: reduce the layers' gradients in this many buckets
@@ -233,7 +233,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
                 node = node[part]
         current = node[parts[-1]]
         if isinstance(current, ml_collections.ConfigDict):
-            raise ConfigError(path, "is a section; set one of its fields, e.g. " f"{path}.{sorted(current.keys())[0]}=...")
+            raise ConfigError(path, f"is a section; set one of its fields, e.g. {path}.{sorted(current.keys())[0]}=...")
         with node.unlocked():
             node[parts[-1]] = _parse_value(path, raw.strip(), current)
 

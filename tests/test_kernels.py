@@ -67,7 +67,8 @@ def test_flash_attention_refuses_bad_blocks_and_shapes():
         flash_attention(jnp.zeros((1, 32, 4, 16)), jnp.zeros((1, 32, 3, 16)), jnp.zeros((1, 32, 3, 16)))
 
 
-@pytest.mark.parametrize("shape, dtype, block_rows", [((4, 33, 48), jnp.float32, 4), ((3, 40, 256), jnp.bfloat16, None)])
+@pytest.mark.parametrize("shape, dtype, block_rows",
+                         [((4, 33, 48), jnp.float32, 4), ((3, 40, 256), jnp.bfloat16, None)])
 def test_fused_rms_norm_matches_reference(shape, dtype, block_rows):
     """Odd row counts and a width that is not a power of two (padded), fp32 and bf16: y, dx and d(scale)."""
     x, cotangent = random(shape, dtype, 0), random(shape, jnp.float32, 1)

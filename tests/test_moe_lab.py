@@ -37,7 +37,8 @@ def run_main(capsys, argv):
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     out = tmp_path_factory.mktemp("lab-moe") / "lab"
-    assert main(["lab", "moe", *TINY_MOE, "--out", str(out), "--steps", "5", "--parts", "equivalence,communication"]) == 0
+    parts = ["--parts", "equivalence,communication"]
+    assert main(["lab", "moe", *TINY_MOE, "--out", str(out), "--steps", "5", *parts]) == 0
     return out, json.loads((out / "results.json").read_text())
 
 

@@ -54,7 +54,8 @@ CASES = {
 def make(overrides, devices: int):
     config = load_config("configs/test.py")
     apply_overrides(config, BASE + overrides)
-    return make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, jax.devices()[:devices]))
+    model_cfg = ModelConfig.from_config(config.model, VOCAB)
+    return make_strategy(config, model_cfg, make_mesh(config, jax.devices()[:devices]))
 
 
 class Compiled:

@@ -12,9 +12,9 @@
 
 `auto` picks, per backend (the platform of the mesh's devices, so a deviceless H100 dry run
 picks GPU kernels): GPU: cudnn attention for bf16 activations (its kernel needs 16-bit
-inputs), pallas for fp32 (xla if the head dim is not a power of two); pallas norm; chunked loss. CPU: dot attention and xla norm
-(interpreted Pallas is for checking kernels, ~100x slower), chunked loss. TPU: xla attention
-and norm (jaxpar's kernels are written for Triton), chunked loss.
+inputs), pallas for fp32 (xla if the head dim is not a power of two); pallas norm; chunked loss.
+CPU: dot attention and xla norm (interpreted Pallas is for checking kernels, ~100x slower), chunked loss.
+TPU: xla attention and norm (jaxpar's kernels are written for Triton), chunked loss.
 
 Kernels the SPMD partitioner cannot split (a Pallas or cuDNN custom call would be run
 replicated: every device gathering the whole batch) run through `shard_local`: a shard_map
@@ -101,8 +101,8 @@ def kernel_ops(base: Ops, config, platform: str, rules=None) -> Ops:
         "dot": dot_attention,
         "xla": partial(library_attention, implementation="xla"),
         "cudnn": wrap(partial(library_attention, implementation="cudnn"), (_Q, _KV, _KV), _Q),
-        "pallas": wrap(partial(flash_attention, causal=True, block_q=model.attention_block_q, block_k=model.attention_block_kv,
-                               interpret=interpret), (_Q, _KV, _KV), _Q),
+        "pallas": wrap(partial(flash_attention, causal=True, block_q=model.attention_block_q,
+                               block_k=model.attention_block_kv, interpret=interpret), (_Q, _KV, _KV), _Q),
     }[chosen["attention"]]
     norm = rms_norm if chosen["norm"] == "xla" else _pallas_norm(wrap, interpret)
     loss = cross_entropy if chosen["loss"] == "full" else partial(chunked_cross_entropy, chunk=model.loss_chunk)

@@ -64,9 +64,10 @@ def kernel_agreement() -> dict:
     from jaxpar.model.ops import Ops
 
     rows = []
-    for dtype, (B, S, H, KV, Dh), causal in (("float32", (2, 40, 4, 2, 64), True), ("float32", (1, 48, 4, 1, 128), True),
-                                             ("bfloat16", (1, 64, 4, 2, 128), True), ("bfloat16", (2, 40, 8, 2, 64), True),
-                                             ("float32", (1, 40, 2, 2, 16), False)):
+    cases = (("float32", (2, 40, 4, 2, 64), True), ("float32", (1, 48, 4, 1, 128), True),
+             ("bfloat16", (1, 64, 4, 2, 128), True), ("bfloat16", (2, 40, 8, 2, 64), True),
+             ("float32", (1, 40, 2, 2, 16), False))
+    for dtype, (B, S, H, KV, Dh), causal in cases:
         dt = jnp.dtype(dtype)
         args = (_rand((B, S, H, Dh), dt, 0), _rand((B, S, KV, Dh), dt, 1), _rand((B, S, KV, Dh), dt, 2))
         cot = _rand((B, S, H, Dh), jnp.float32, 3)
@@ -89,7 +90,8 @@ def kernel_agreement() -> dict:
     pieces = lambda fn: jax.jit(jax.value_and_grad(lambda x, h: fn(x, h, targets, Ops()), (0, 1)))(x, head)
     (lg, gg), (lw, gw) = pieces(lambda *a: chunked_cross_entropy(*a, chunk=8)), pieces(cross_entropy_reference)
     rows.append({"kernel": "chunked cross-entropy (chunk 8)", "dtype": "float32", "shape": "B2 S37 D16 V64",
-                 "parts": "loss, dx, dhead", "errors": [relative_error(lg, lw), *(relative_error(g, w) for g, w in zip(gg, gw))]})
+                 "parts": "loss, dx, dhead",
+                 "errors": [relative_error(lg, lw), *(relative_error(g, w) for g, w in zip(gg, gw))]})
     for r in rows:
         r["tolerance"] = TOLERANCE[r["dtype"]]
         r["within"] = max(r["errors"]) <= r["tolerance"]
@@ -160,10 +162,12 @@ def memory(base: list[str], vocab: int, seq_lens, log) -> dict:
         for attention in ("dot", "pallas"):
             for s in seq_lens:
                 overrides = [*base, f"data.seq_len={s}", f"model.max_seq_len={max(seq_lens)}", f"train.remat={remat}",
-                             f"model.attention={attention}", "model.attention_block_q=64", "model.attention_block_kv=64"]
+                             f"model.attention={attention}", "model.attention_block_q=64",
+                             "model.attention_block_kv=64"]
                 m = step_memory(overrides, vocab)
                 rows.append({"attention": attention, "remat": remat, "seq_len": s, **m})
-                log(f"  {attention:6s} remat {remat:4s} S={s}: temp {_mib(m['temp'])} (predicted {_mib(m['predicted'])})")
+                log(f"  {attention:6s} remat {remat:4s} S={s}: temp {_mib(m['temp'])} "
+                    f"(predicted {_mib(m['predicted'])})")
     table = md_table(["attention", "remat", "S", "temp (compiled)",
                       "temp: jaxpar's prediction (grads + activations + working set)", "ratio"],
                    [[r["attention"], r["remat"], r["seq_len"], _mib(r["temp"]), _mib(r["predicted"]),
@@ -241,7 +245,8 @@ def compilation(devices: int, depths, log) -> dict:
         ["cold (empty cache)", f"{cold['lower_s']:.2f}", f"{cold['compile_s']:.2f}", cold["cache_files_after"]],
         ["warm (fresh process, same cache)", f"{warm['lower_s']:.2f}", f"{warm['compile_s']:.2f}",
          warm["cache_files_after"]],
-        ["warm / cold", f"{warm['lower_s'] / cold['lower_s']:.2f}", f"{warm['compile_s'] / cold['compile_s']:.3f}", ""]])
+        ["warm / cold", f"{warm['lower_s'] / cold['lower_s']:.2f}",
+         f"{warm['compile_s'] / cold['compile_s']:.3f}", ""]])
     depth_md = md_table(["layers", "scanned: compile (s)", "unrolled: compile (s)", "unrolled / scanned",
                        "HLO text scanned / unrolled (KiB)"],
                       [[L, f"{s['compile_s']:.2f}", f"{u['compile_s']:.2f}", f"{u['compile_s'] / s['compile_s']:.2f}",
@@ -304,7 +309,8 @@ def plot_compile(result: dict, path: Path):
     fig = figure(7, 4.8)
     ax = fig.add_subplot()
     rows = result["depth"]
-    for unrolled, label in ((False, "layer scan: one layer compiled, looped"), (True, "unrolled: every layer compiled")):
+    for unrolled, label in ((False, "layer scan: one layer compiled, looped"),
+                            (True, "unrolled: every layer compiled")):
         own = [r for r in rows if r["unrolled"] == unrolled]
         ax.plot([r["layers"] for r in own], [r["compile_s"] for r in own], "o-", label=label)
     ax.set(xlabel="layers", ylabel="XLA compile time (s, measured)", title="Compile time vs depth")

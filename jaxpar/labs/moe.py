@@ -156,7 +156,8 @@ def communication(lab: Lab) -> dict:
     for label, r in rows.items():
         if r["manual"]:
             continue
-        ops = ", ".join(f"{op} x{o['runs']} = {fmt_bytes(o['bytes'])}" for op, o in sorted(r["by_op_expert_axes"].items()))
+        ops = ", ".join(f"{op} x{o['runs']} = {fmt_bytes(o['bytes'])}"
+                        for op, o in sorted(r["by_op_expert_axes"].items()))
         manual = rows[label.replace("auto EP", "manual EP")]
         mops = ", ".join(f"{op} x{o['runs']} = {fmt_bytes(o['bytes'])}" for op, o in
                          sorted(manual["by_op_expert_axes"].items()))

@@ -207,8 +207,8 @@ def p2p(lab: Lab, p: int, m: int) -> dict:
                      + (np.isin(table, (B_MID,)) & (k > 0)).sum())
             useful = int(sends) * a
         out[name] = {"compiled": compiled, "formula": formula, "table_sends": useful, "v": v}
-        rows.append([name + (f" v={v}" if v > 1 else ""), fmt_bytes(formula), "-" if useful is None else fmt_bytes(useful),
-                     fmt_bytes(compiled), f"{compiled / formula:.2f}"])
+        rows.append([name + (f" v={v}" if v > 1 else ""), fmt_bytes(formula),
+                     "-" if useful is None else fmt_bytes(useful), fmt_bytes(compiled), f"{compiled / formula:.2f}"])
     md = "\n".join([
         f"## e. Point-to-point bytes per step over `pipe` (p={p}, m={m}, b={MICRO}, fp32)", "",
         md_table(["schedule", "formula 2(K-1)·m·b·s·h·e", "the table's sends", "compiled (HLO permutes)",
@@ -252,7 +252,8 @@ def dryrun_7b(lab: Lab, out: Path) -> dict:
         "## f. Dry run: configs/arabic_7b.py, pipe=4 x tensor=8 x fsdp=2 on 64 CPU devices, 1F1B m=16", "",
         f"Compiled for the CPU target in {report['timing']['compile_s']:.1f} s. Memory per stage (each stage's "
         f"program): arguments {fmt_bytes(cm['argument'])} (params and Adam state: fp32, 1/64 of the blocks and 1/16 of "
-        f"the embedding and head each), temp {fmt_bytes(cm['temp'])}, peak {fmt_bytes(cm['peak'])} ({cm['peak_method']}); "
+        f"the embedding and head each), temp {fmt_bytes(cm['temp'])}, peak {fmt_bytes(cm['peak'])} "
+        f"({cm['peak_method']}); "
         f"stash of {pipe['stash_slots']} microbatches (b = {256 // 2 // m} rows x 4096 tokens, remat full).", "",
         md_table(["mesh axis", "compiled bytes / device / step", "predicted", "ratio"], rows), "",
         f"Predicted bubble (formula = table): 1F1B {pipe['bubble_formula']:.4f} ({pipe['ticks']} ticks); with the "

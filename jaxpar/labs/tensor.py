@@ -13,8 +13,8 @@ c. memory        activation bytes per layer: the compiled gradient program's tem
                  sequence region (norms, residual stream) and the tensor region (attention, MLP);
                  Korthikanti's formula (bf16, GPT) and jaxpar's own count (`measure.memory`).
 d. layouts       manual TP x FSDP (torchtitan's 2D) and an MoE model under it (experts' hidden over tensor,
-                 Megatron-Core's default; with an expert axis; with SP): losses and gradient norms against one device, bytes per axis
-                 of the compiled step against the strategy's prediction (`parallel/tensor.predict`).
+                 Megatron-Core's default; with an expert axis; with SP): losses and gradient norms against one
+                 device, bytes per axis of the compiled step against the strategy's prediction (`tensor.predict`).
 
 The mesh is data x tensor (tensor 4 by default, data = devices / tensor). Every part runs in float32.
 Every program is compiled once (`lower().compile()`) and that executable is run and read.
@@ -167,8 +167,9 @@ def communication(lab: Lab) -> dict:
                      "instructions": len(found)}
     tp = rows["tp"]["layer_bytes"]
     layer_rows = [[r["label"], ", ".join(f"{op} {fmt_bytes(v)}" for op, v in sorted(r["layer_by_op"].items())),
-                   fmt_bytes(r["layer_bytes"]), fmt_bytes(r["layer_predicted"]), ratio(r["layer_bytes"], r["layer_predicted"]),
-                   f"{r['layer_bytes'] / tp:.3f}"] for r in rows.values()]
+                   fmt_bytes(r["layer_bytes"]), fmt_bytes(r["layer_predicted"]),
+                   ratio(r["layer_bytes"], r["layer_predicted"]), f"{r['layer_bytes'] / tp:.3f}"]
+                  for r in rows.values()]
     step_rows = [[r["label"], r["instructions"], fmt_bytes(r["step_bytes"]), fmt_bytes(r["step_predicted"]),
                   ratio(r["step_bytes"], r["step_predicted"])] for r in rows.values()]
     md = "\n".join([
@@ -232,7 +233,8 @@ def memory(lab: Lab) -> dict:
         r["sequence_ratio_predicted"] = r["jaxpar_formula"]["sequence_region"] / tp["jaxpar_formula"]["sequence_region"]
     per_layer_rows = [[r["label"], fmt_bytes(r["compiled_per_layer"]), fmt_bytes(r["saved"]["per_layer"]),
                        ratio(r["compiled_per_layer"], r["saved"]["per_layer"]),
-                       fmt_bytes(r["jaxpar_formula"]["per_layer"]), ratio(r["compiled_per_layer"], r["jaxpar_formula"]["per_layer"]),
+                       fmt_bytes(r["jaxpar_formula"]["per_layer"]),
+                       ratio(r["compiled_per_layer"], r["jaxpar_formula"]["per_layer"]),
                        fmt_bytes(r["korthikanti_bf16"]["per_layer"]), fmt_bytes(2 * r["korthikanti_bf16"]["per_layer"]),
                        ratio(r["compiled_per_layer"], 2 * r["korthikanti_bf16"]["per_layer"])] for r in rows.values()]
     region_rows = [[r["label"], fmt_bytes(r["saved"]["sequence_region"]), fmt_bytes(r["compiled_sequence_region"]),

@@ -164,12 +164,14 @@ class CircularStrategy(Strategy):
                 batch if isinstance(batch, tuple) else (batch,))))
         batch = (config.train.batch_size // self.microbatches) % (int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
                                                                   * self.p) == 0
-        outer_rules = AxisRules({**overrides, "layers": (AXIS,), **({"batch": ("data", "fsdp", AXIS)} if batch else {})})
+        batch_rule = {"batch": ("data", "fsdp", AXIS)} if batch else {}
+        outer_rules = AxisRules({**overrides, "layers": (AXIS,), **batch_rule})
         outer_ops = self.ops.replace(embed=rules_embedding(outer_rules), constrain=outer_rules.constrain)
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
         specs = self.rules.tree_specs(model_cfg.param_axes(), mesh.axis_names)
         if model_cfg.moe and "blocks" in specs:      # an MoE model's dense stack runs before the pipeline: not staged
-            specs["blocks"] = jax.tree.map(lambda s: P(None, *s[1:]), specs["blocks"], is_leaf=lambda x: isinstance(x, P))
+            specs["blocks"] = jax.tree.map(lambda s: P(None, *s[1:]), specs["blocks"],
+                                           is_leaf=lambda x: isinstance(x, P))
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         abstract = jax.eval_shape(self.make_state)
         replicated = NamedSharding(mesh, P())
@@ -179,7 +181,8 @@ class CircularStrategy(Strategy):
                                  p=self.p, v=self.v, m=self.m)
         self.step_fn = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                                out_shardings=(self.state_shardings, replicated), donate_argnums=self.donate_argnums)
-        self.eval_fn = jax.jit(self._evaluate, in_shardings=(self.param_shardings, self.batch_sharding), out_shardings=replicated)
+        self.eval_fn = jax.jit(self._evaluate, in_shardings=(self.param_shardings, self.batch_sharding),
+                               out_shardings=replicated)
 
     def _evaluate(self, params, tokens):
         """The mean cross-entropy (auxiliary losses left out, no router noise)."""

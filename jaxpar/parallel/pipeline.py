@@ -200,7 +200,8 @@ class PipelineStrategy(Strategy):
                                   f"groups of mesh.pipe={p}: use a multiple of {p}")
         if sizes["expert"] > 1 and config.parallel.expert != "manual":
             raise ConfigError("parallel.expert", f"is '{config.parallel.expert}' with mesh.expert={sizes['expert']}; "
-                              "inside a hand-written pipeline the experts' exchange is manual: set parallel.expert=manual")
+                              "inside a hand-written pipeline the experts' exchange is manual: "
+                              "set parallel.expert=manual")
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)

@@ -5,12 +5,12 @@ the collectives. Here every collective is written out: the step is one per-devic
 program that sees its own batch shard and its own slices of the state. The four stages
 are the four short functions below; diff them to see which collective changes:
 
-| parallel.data | params | grads     | Adam m,v | gradient reduction                     | after the update | sent/device/step |
-|---------------|--------|-----------|----------|----------------------------------------|------------------|------------------|
-| ddp           | full   | full      | full     | all-reduce                             | -                | 2Ψ               |
-| zero1         | full   | full      | 1/N      | reduce-scatter once, after backward    | all-gather       | Ψ + Ψ = 2Ψ       |
-| zero2         | full   | 1/N       | 1/N      | reduce-scatter per layer, in backward  | all-gather       | Ψ + Ψ = 2Ψ       |
-| zero3         | 1/N    | 1/N       | 1/N      | reduce-scatter per layer, in backward  | -                | Ψ + Ψ + Ψ = 3Ψ   |
+| parallel.data | params | grads | Adam m,v | gradient reduction                    | after update | sent/device/step |
+|---------------|--------|-------|----------|---------------------------------------|--------------|------------------|
+| ddp           | full   | full  | full     | all-reduce                            | -            | 2Ψ               |
+| zero1         | full   | full  | 1/N      | reduce-scatter once, after backward   | all-gather   | Ψ + Ψ = 2Ψ       |
+| zero2         | full   | 1/N   | 1/N      | reduce-scatter per layer, in backward | all-gather   | Ψ + Ψ = 2Ψ       |
+| zero3         | 1/N    | 1/N   | 1/N      | reduce-scatter per layer, in backward | -            | Ψ + Ψ + Ψ = 3Ψ   |
 
 (elements, times (N-1)/N under a ring.) ZeRO-1 and ZeRO-2 send the same bytes; they
 differ in *when*: ZeRO-1 finishes the backward pass holding the full local gradient,
@@ -24,9 +24,9 @@ layer loop, so their bytes are 2Ψ_o, not 3Ψ_o. A tied embedding is fetched twi
 Every parameter (and its Adam moments) is split along its first dimension divisible by
 N, never the stacked `layers` axis. Clipping uses the true global norm. Gradients
 are fp32; a bfloat16 run casts weights before the fetch, so ZeRO-3 gathers and
-reduce-scatters bfloat16. Only mesh.data may be > 1. `parallel.grad_buckets` (DDP, ZeRO-2; buckets.py) reduces
-the layers' gradients in that many flat collectives inside the backward pass. `predict` (end of file): the table's bytes,
-per stage, as the compiled programs send them.
+reduce-scatters bfloat16. Only mesh.data may be > 1. `parallel.grad_buckets` (DDP, ZeRO-2;
+buckets.py) reduces the layers' gradients in that many flat collectives inside the backward
+pass. `predict` (end of file): the table's bytes, per stage, as the compiled programs send them.
 """
 from __future__ import annotations
 
@@ -142,7 +142,8 @@ def _copy_fwd(my_slice, full, dim):
 
 
 def _copy_bwd(dim, _, full_grad):
-    return jax.lax.psum_scatter(full_grad, AXIS, scatter_dimension=dim, tiled=True), jnp.zeros(full_grad.shape, full_grad.dtype)
+    sliced = jax.lax.psum_scatter(full_grad, AXIS, scatter_dimension=dim, tiled=True)
+    return sliced, jnp.zeros(full_grad.shape, full_grad.dtype)
 
 
 use_local_copy.defvjp(_copy_fwd, _copy_bwd)
