@@ -1,41 +1,12 @@
-"""Course module 4 by hand: expert parallelism with explicit all_to_alls, `parallel.expert=manual`.
+"""`parallel.expert=manual`: expert parallelism with explicit all_to_alls, as DeepSpeed-MoE, Megatron-Core
+and torchtitan write it with torch.distributed.
 
-Each of the N devices on the `expert` mesh axis holds E/N experts, and the batch is split
-over `expert` too (parallel/rules.py), so a device's tokens mostly want experts that live
-elsewhere. The router runs where the tokens are (the automatic strategy's global view:
-losses and statistics are those of the single device); then, for each MoE layer, a
-`shard_map` over the whole mesh does what DeepSpeed-MoE, Megatron-Core and torchtitan do
-with torch.distributed:
-
-  1. permute   sort this device's T·k assignments by destination device (= by expert)
-  2. dispatch  all_to_all: chunk d of the send buffer goes to device d
-  3. compute   the local experts as one grouped matmul (`jax.lax.ragged_dot`) over what arrived;
-               with tensor > 1 each expert's hidden dimension is split Megatron-style and the
-               output summed over `tensor` (its input's gradient is summed by shard_map's
-               transpose: Megatron's f and g, implied by the specs)
-  4. return    all_to_all back: every result to the device its token came from
-  5. combine   unpermute and sum each token's k results weighted by its gates
-
-Padded, not ragged. XLA:CPU cannot run `jax.lax.ragged_all_to_all` (it compiles only for
-GPU and TPU), and `all_to_all` moves fixed-size chunks, so the dropless buffers are padded
-to what a destination can receive at most: a token picks k distinct experts, so at most
-min(k, E/N) of its copies go to one device, and a chunk has T·min(k, E/N) rows. That is
-N·min(k, E/N)/k times the T·k·h bytes a ragged exchange moves each way (4x for E = N = 8,
-k = 2): dropless costs bandwidth here. The capacity dispatch has fixed-size buffers by design,
-[E, groups, C, h] = capacity_factor·T·k·h per exchange, so its all_to_alls are the formula
-times the capacity factor, exactly what GShard and Switch send.
-
-The expert weights enter split over `expert` (and `tensor`) only: under FSDP the region's
-boundary is their all-gather, and shard_map's transpose sums their gradients over the
-batch axes. The region is manual over every mesh axis, none left to the partitioner: a
-bfloat16 sum inside a partly manual shard_map crashes XLA:CPU's compiler (AllReducePromotion,
-"Invalid binary instruction opcode copy", jax 0.10.2).
-
-Every assignment is computed by the same expert with the same weights as on one device,
-and the routing is the global view's, so the losses match the single device to fp32
-rounding (tests/test_moe_lab.py, tests/test_moe_multiprocess.py). Capacity groups are whole
-sequences of one device's batch shard (config.validate checks they fit), so the same tokens
-are dropped too.
+Each of the N devices on `expert` holds E/N experts and 1/N of the batch. The router runs where the tokens
+are (the single device's view); then per MoE layer a `shard_map` over the whole mesh permutes, dispatches
+(all_to_all), runs the local experts as one `ragged_dot` (hidden split over `tensor` when tensor > 1),
+returns (all_to_all) and combines. Buffers are padded (XLA:CPU has no ragged_all_to_all). Routing and the
+experts' math are the single device's, so the losses match it to fp32 rounding. The steps, the padding's
+cost and XLA:CPU's constraints: experiments/04_moe/README.md, "How manual expert parallelism is written".
 """
 from __future__ import annotations
 

@@ -1,36 +1,14 @@
-"""Megatron-LM's tensor-parallel building blocks, written out for a `shard_map` over one mesh axis.
+"""Megatron-LM's tensor-parallel operators, written for a `shard_map(..., check_vma=False)` over one mesh
+axis (JAX then inserts no implicit collective: every reduction in the step is one of these).
 
-Inside the per-device program each device holds 1/t of the heads, of the MLP hidden
-dimension and of the vocabulary. Two conjugate operators carry the activations across
-the split (Shoeybi et al. 2019, fig. 3):
+  f = copy_to_parallel        forward: identity;       backward: psum            (before column-parallel)
+  g = reduce_from_parallel    forward: psum;           backward: identity        (after row-parallel)
+  gather_sequence             forward: all-gather;     backward: reduce-scatter  (f under SP)
+  reduce_scatter_sequence     forward: reduce-scatter; backward: all-gather      (g under SP)
 
-  f = `copy_to_parallel`    forward: identity;    backward: all-reduce (psum) of the gradient
-  g = `reduce_from_parallel` forward: all-reduce;  backward: identity
-
-f stands before every column-parallel matmul (q/k/v, gate/up, the output head): each
-device multiplies the same input by its own columns, so the input's gradient is the sum
-of the devices' contributions. g stands after every row-parallel matmul (wo, down):
-each device holds a partial sum of the output. The vocabulary-parallel embedding looks
-up only its own rows and sums with g; the vocabulary-parallel cross-entropy never
-gathers the logits: it all-reduces the max, the sum of exponentials and the target's
-logit, three numbers per token.
-
-Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", sec. 4.2.2) replaces each all-reduce by its two halves. Between the
-tensor-parallel regions (norms, residual adds) the activations are split along the
-sequence, s/t tokens per device, instead of being replicated:
-
-  gather_sequence          forward: all-gather the sequence;    backward: reduce-scatter  (f under SP)
-  reduce_scatter_sequence  forward: reduce-scatter the sequence; backward: all-gather     (g under SP)
-
-An all-reduce is a reduce-scatter followed by an all-gather, so the bytes are TP's; what
-changes is that no device ever holds a replicated [b, s, h] outside the parallel regions.
-Megatron-LM also keeps only the s/t shard of a column-parallel layer's input for the
-backward pass and gathers it again there (`sequence_parallel_policy`): one more
-all-gather per column-parallel input, the price of dividing that activation by t too.
-
-These are written for `shard_map(..., check_vma=False)`: JAX then inserts no implicit
-collective, and every reduction in the step is one of the operators below.
+plus the vocabulary-parallel embedding and cross-entropy and `sequence_parallel_policy` (the s/t shard of
+a column-parallel input kept, gathered again in the backward). Why each stands where it does:
+experiments/03_tensor/README.md, "How the manual strategies are written".
 """
 from __future__ import annotations
 

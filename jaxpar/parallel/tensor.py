@@ -1,47 +1,13 @@
-"""Course module 3 by hand: Megatron tensor parallelism over `tensor` (optionally with sequence
-parallelism), composed with data parallelism over `data`, as one `shard_map` program.
+"""`parallel.tensor=manual`: Megatron tensor parallelism over `tensor` (optionally with sequence
+parallelism), DDP over `data` and FSDP over `fsdp` (torchtitan's 2D layout), as one `shard_map` program.
 
-The automatic strategy (`parallel/auto.py`) states where the weights live and XLA writes the
-collectives. Here every collective is one of Megatron's operators (`parallel/megatron.py`),
-injected into the unchanged model through `Ops`:
-
-  column-parallel  wq, wk, wv, w_gate, w_up, the output head: each device holds 1/t of the
-                   output columns (heads, MLP hidden units, vocabulary); f before them
-  row-parallel     wo, w_down: 1/t of the input rows, a partial sum out; g after them
-  vocabulary       the embedding looks up its own rows and sums with g; the cross-entropy
-                   reduces max, sum of exponentials and target logit over the shards
-
-Per layer per step that is 4 all-reduces of b·s·h (f and g, forward and backward).
-With `parallel.sequence=true` (Korthikanti et al. 2022) the norms and residual adds see
-s/t tokens per device: all-gather before the column-parallel matmuls, reduce-scatter after
-the row-parallel ones, the same bytes, plus one all-gather per column-parallel input in the
-backward pass (only the s/t shard is kept for it, as in Megatron-LM: `regather`). The norm
-weights then see only a device's tokens, so their gradients are summed over `tensor`.
-
-The data axis is DDP by hand: each (data) row of devices computes the gradient of its
-batch shard, which is averaged over `data` with one `pmean` after the backward pass.
-
-With mesh.fsdp > 1 this is torchtitan's 2D layout, FSDP x TP written out: parameters and
-Adam moments rest split over `fsdp` too (on `embed`, as the default rules say) and over
-`tensor`; each layer's weights are all-gathered over `fsdp` where the layer runs (`Ops.fetch`,
-inside the scan: one layer's full weights at a time, gathered again in the backward pass as
-FSDP2's reshard-after-forward does) and their gradients reduce-scattered over `fsdp` there.
-The batch is split over data x fsdp. Megatron's f/g then run on the gathered [D, H/t] shards.
-
-MoE layers (model.moe.experts > 0) keep Megatron-Core's default expert tensor parallelism
-(expert_tensor_parallel_size = tensor size): every expert's hidden dimension is split over
-`tensor` (gate/up column-parallel, down row-parallel, the dense MLP's f and g), the router
-runs replicated on every tensor rank, so routing needs no all_to_all and any expert count
-works; the gates enter the parallel region through f (model/moe.py). With mesh.expert > 1
-(parallel.expert=manual) the batch is split over `expert` too and each device's E/N experts
-exchange tokens with parallel/expert.py's all_to_alls; under SP the router sees s/t tokens and
-its statistics are averaged over `tensor` (parallel/tensor_moe.py says how).
-What the registry runs here: parallel.tensor=manual with parallel.data=auto or ddp (both
-mean this DDP), parallel.expert=auto or manual, mesh.pipe = 1, no parallel.rules overrides.
-Anything else is refused with one line. The state is every strategy's (same pytree, same global shapes):
-params and Adam moments split over `tensor` (and `fsdp`) as the default rules say, replicated over `data`.
-Under `train.compute_dtype=float8` each device scales its own shards (per-shard amax), so the
-losses are close to, not equal to, one device's. `predict` (end of file): these collectives' bytes.
+Every collective is one of Megatron's operators (parallel/megatron.py) injected into the unchanged model
+through `Ops`. MoE layers split each expert's hidden dimension over `tensor`; with `mesh.expert > 1` and
+under SP, parallel/tensor_moe.py adds the exchange and the s/t router. Runs parallel.tensor=manual with
+parallel.data=auto|ddp, parallel.expert=auto|manual, mesh.pipe = 1 and no parallel.rules; anything else is
+one ConfigError. The state is every strategy's pytree, split over tensor (and fsdp), replicated over data.
+`predict` (end of file): these collectives' bytes. How it works and why, with the bytes derived:
+experiments/03_tensor/README.md, "How the manual strategies are written".
 """
 from __future__ import annotations
 
