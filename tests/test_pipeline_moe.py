@@ -4,8 +4,9 @@ A pipeline with m microbatches (and train.microbatches = a) is one device accumu
 strided microbatches: the balance loss multiplies two batch means, so it depends on the microbatching and
 nothing else may differ. The linear statistics (routed and dropped fractions, entropy, z) do not: step 1's
 telemetry per layer equals the plain single device's. A representative subset runs here (1F1B with
-data, GPipe with expert x fsdp, accumulation and rules, 1F1B with expert x tensor, DualPipeV, circular with virtual
-stages and manual experts); lab 03's `moe` part runs every schedule.
+data, GPipe with expert x fsdp, accumulation and rules, 1F1B with expert x tensor, 1F1B with data x tensor and
+sequence parallelism, DualPipeV, circular with virtual stages and manual experts); lab 03's `moe` part runs every
+schedule.
 """
 import jax
 import numpy as np
@@ -30,6 +31,10 @@ CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's tr
     # exchanged over expert
     "1f1b expert=2 x pipe=2 x tensor=2": (
         ["mesh.data=1", "mesh.expert=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.expert=manual",
+         "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"], 8),
+    # sequence parallelism inside the stages: the router sees its s/t tokens, the experts the whole sequence
+    "1f1b data=2 x pipe=2 x tensor=2, sequence": (
+        ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.tensor=manual", "parallel.sequence=true",
          "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"], 8),
     # DualPipeV's V: chunk 1 of device s is model stage 2p-1-s (the telemetry's layer order, the bias update)
     "dualpipev pipe=2": (["mesh.data=1", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=4"], 2),
@@ -110,8 +115,6 @@ def test_pipeline_telemetry_per_layer_equals_the_single_device_step(runs, oracle
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b", "parallel.tensor=manual",
-      "parallel.sequence=true"], "parallel.sequence"),
     (["mesh.data=2", "mesh.pipe=2", "mesh.expert=2", "parallel.pipe=1f1b"], "parallel.expert"),
     (["mesh.data=4", "mesh.pipe=2", "parallel.pipe=1f1b", "parallel.rules=embed=data"], "parallel.rules"),
     (["mesh.data=4", "mesh.pipe=2", "parallel.pipe=1f1b", "model.moe.dense_layers=1"], "model.moe.dense_layers"),
@@ -126,20 +129,23 @@ def test_what_the_moe_pipeline_cannot_run_is_one_config_error(overrides, field):
     assert error.value.field == field, str(error.value)
 
 
-def test_executed_collectives_of_expert_x_pipe_x_tensor_match_the_prediction(runs):
+@pytest.mark.parametrize("name, axes", [("1f1b expert=2 x pipe=2 x tensor=2", {"pipe", "tensor", "expert"}),
+                                        ("1f1b data=2 x pipe=2 x tensor=2, sequence", {"pipe", "tensor", "data"})])
+def test_executed_collectives_of_moe_pipelines_with_tensor_match_the_prediction(name, axes, runs):
     """The busiest stage's bytes per axis against `predict`: Megatron's f/g around every MoE layer's experts
-    (its gates' gradient too), the dense stack on the first stage, the expert all_to_alls."""
+    (its gates' gradient too), the dense stack on the first stage, the expert all_to_alls; under SP the
+    gates' and expert ids' all-gathers and the router statistics' all-reduces."""
     from collections import defaultdict
 
     from jaxpar.measure.executed import step_collectives
     from jaxpar.parallel.registry import predicted_collective_bytes
-    strategy, step = runs("1f1b expert=2 x pipe=2 x tensor=2")[3:]
+    strategy, step = runs(name)[3:]
     sent = defaultdict(float)
     for collective in step_collectives(strategy, step.as_text()):
         sent[collective.axis_label] += collective.bytes_per_step
     sizes = {axis: int(n) for axis, n in strategy.mesh.shape.items()}
     predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, sizes, "cpu")
-    assert set(predicted) == {"pipe", "tensor", "expert"}
+    assert set(predicted) == axes
     for axis, want in predicted.items():
         assert sent[axis] == pytest.approx(want, rel=0.01), axis
 

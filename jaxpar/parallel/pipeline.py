@@ -48,12 +48,11 @@ layer, `MoEOps.batch_mean`). With `expert` > 1 the batch is split over it too an
 experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_alls). With `tensor` > 1
 every expert's hidden dimension is split over it as in the manual TP strategy (Megatron-Core's expert tensor
 parallelism, model/moe.py: f before the experts and on the gates, g after the combine), with or without
-`expert`; the router runs replicated over `tensor`.
+`expert`; the router runs replicated over `tensor`, or under SP on each rank's s/t tokens with its statistics
+averaged over `tensor` (parallel/tensor_moe.py's hooks, the manual TP strategy's).
 `predict` (pipeline_predict.py) counts the busiest stage's sends from the same table, with its bubble and stash.
 """
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.model.moe import with_moe_ops
 from jaxpar.model.transformer import split_aux
-from jaxpar.parallel.expert import capacity_exchange, dropless_exchange
+from jaxpar.parallel.expert import exchange_for
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
 from jaxpar.parallel.pipedream import delayed_gradient
 from jaxpar.parallel.pipeline_executor import AXIS, StageFunctions, run_program
@@ -86,6 +85,7 @@ from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import NAMES, build, validate
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
 from jaxpar.parallel.strategy import Strategy
+from jaxpar.parallel.tensor_moe import SequenceShards
 
 BATCH_AXES = ("expert", "data", "fsdp")          # `expert` splits the batch only for MoE models
 
@@ -179,9 +179,6 @@ class PipelineStrategy(Strategy):
                        min_microbatches=1 if name == "gpipe" else sizes["pipe"])
         check_manual_placement(config, sizes)
         m, p = pipe_microbatches(config, sizes["pipe"]), sizes["pipe"]
-        if config.parallel.sequence and config.model.moe.experts:
-            raise ConfigError("parallel.sequence", "sequence parallelism does not split an MoE layer's routing "
-                              "(the router runs replicated over tensor); set parallel.sequence=false")
         if config.parallel.get("tensor_overlap", "none") != "none":
             raise ConfigError("parallel.tensor_overlap", "the pipelines run sequence parallelism's all-gathers and "
                               "reduce-scatters as plain collectives inside each stage; set it to 'none'")
@@ -256,16 +253,19 @@ class PipelineStrategy(Strategy):
         """The ops inside a stage: Megatron's f/g over `tensor` (with parallel.sequence its all-gathers and
         reduce-scatters, the stages then pass [b, s/t, h] on); for MoE the balance statistics over the batch
         shards, and with `expert` > 1 the routed experts' all_to_all exchange (parallel/expert.py). Under TP
-        each expert's hidden dimension is split over `tensor` too (model/moe.py: f before, g after)."""
+        each expert's hidden dimension is split over `tensor` too (model/moe.py: f before, g after); under SP
+        the router sees this rank's s/t tokens (parallel/tensor_moe.py's `SequenceShards`)."""
         if self.sequence:
-            return sequence_parallel_ops(self.ops)
-        ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
+            ops = sequence_parallel_ops(self.ops)
+        else:
+            ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
         if not self.model_cfg.moe:
             return ops
         changes = {"batch_mean": self._mean_over_batch}
         if sizes["expert"] > 1:
-            exchange = dropless_exchange if self.model_cfg.moe.dispatch == "dropless" else capacity_exchange
-            changes["routed_experts"] = partial(exchange, n=sizes["expert"], tensor_sum=lambda out: out)
+            changes["routed_experts"] = exchange_for(self.model_cfg.moe, sizes["expert"])
+        if self.sequence:
+            changes["sequence"] = SequenceShards("tensor", sizes["tensor"])
         return with_moe_ops(ops, **changes)
 
     # ---------------------------------------------------------------- layout

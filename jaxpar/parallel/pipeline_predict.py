@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from jaxpar.model.counting import block_params
+from jaxpar.model.counting import block_params, moe_block_params
 from jaxpar.parallel.pipeline_program import part_ticks, program_for
 from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.parallel.theory import (
@@ -88,33 +88,51 @@ def tensor_bytes(shape, cand: Candidate, program, a: float, tokens: int) -> Flow
                         its shared experts (+2u). SP: 2 all-gathers + 2 reduce-scatters, the same 4u.
       per layer per B   TP 4u (f before q/k/v and the MLP; an MoE layer +2u for its shared experts, plus its
                         gates' gradient, fp32 [b, s, k], summed with the experts' f), +2u with remat full (the
-                        attention g again). SP 6u (the column inputs gathered again, Megatron-LM's choice), +1u
-                        with remat full. zb-h1's W has none.
+                        attention g again). SP 6u (the column inputs gathered again, Megatron-LM's choice), an
+                        MoE layer 5u (its experts keep their gathered tokens), 7u with remat full or dots;
+                        its shared experts +1u per F (their g), per B +2u (+1u with remat). Measured with remat
+                        none, full, dots. zb-h1's W has none.
+      SP MoE layer      F: its gates' and expert ids' all-gathers (fp32, int32 [b, s, k]) and its router
+                        statistics' all-reduce (3 vectors of E, 2 scalars); B: the gates' reduce-scatter, with
+                        remat (any policy but none) the gates, ids and one E vector again.
       first stage       F: the embedding's g (TP 2u, SP its reduce-scatter u), an MoE model's dense stack 4u per
                         layer; B: SP the embedding's all-gather u; the dense stack recomputed and differentiated,
-                        2u + 8u per layer (TP).
+                        2u + 8u per layer (TP and SP).
       last stage        the head's f: 2u per F. Its three fp32 [b, s] reductions are left out (h times smaller).
-      once per step     SP: the norm weights' gradients summed, 2(T-1)/T·4·(2L/p + 1)·h.
+      once per step     SP: the replicated weights' gradients summed, 2(T-1)/T·4 per element: the norms (2 per
+                        layer of the stage and of an MoE model's dense stack, the final one), the routers.
     """
     T, r, ticks = cand.tensor, cand.accumulate, part_ticks(program)
     moe = shape.moe is not None
     layers = shape.moe_layers if moe else shape.layers
     chunk = layers // (cand.pipe * cand.virtual)
     shared = 2 if moe and shape.shared_experts else 0
+    dense = shape.dense_layers if moe else 0
+    ring = (T - 1) / T
+    gates = ring * 4 * tokens * shape.top_k if moe else 0          # one [b, s, k] array gathered or scattered
     if cand.sequence:
-        per_f, per_b = 4, 6 + (1 if cand.remat == "full" else 0)
-        embed, embed_grad = 1, 1
+        per_f, per_b = 4 + shared // 2, 6 + (1 if cand.remat == "full" else 0)
+        if moe:
+            per_b = 7 + shared // 2 if cand.remat in ("full", "dots") else 5 + shared
+        embed, embed_grad = 1 + 4 * dense, (2 + 8 * dense if dense else 1)
+        stats = 2 * ring * 4 * (3 * shape.moe.experts + 2) if moe else 0
+        again = cand.remat != "none"        # the backward's recomputed router: gates, ids, one E vector again
+        moe_f, moe_b = 2 * gates + stats, gates + (2 * gates + 2 * ring * 4 * shape.moe.experts if again else 0)
+        arrays = (3, 4 if again else 1)
     else:
         per_f, per_b = 4 + shared, 4 + shared + (2 if cand.remat == "full" else 0)
-        dense = shape.dense_layers if moe else 0
         embed, embed_grad = 2 + 4 * dense, (2 + 8 * dense if dense else 0)
+        moe_f, moe_b, arrays = 0, 2 * gates, (0, 1)
     units = (per_f * ticks["F"] + per_b * ticks["B"]) * chunk + embed * ticks["embed"] + \
         embed_grad * ticks["embed_grad"] + 2 * ticks["head"]
-    gates = 2 * ticks["B"] * chunk * tokens * shape.top_k * 4 if moe else 0
-    ring = (T - 1) / T
-    per_stage = (units * ring * a + ring * gates) * r
-    count = (units // 2 + (ticks["B"] * chunk if moe else 0)) * r
-    once = 2 * ring * 4 * (2 * layers // cand.pipe + 1) * shape.d_model if cand.sequence else 0
+    extra = (moe_f * ticks["F"] + moe_b * ticks["B"]) * chunk
+    per_stage = (units * ring * a + extra) * r
+    count = (units // 2 + ((arrays[0] * ticks["F"] + arrays[1] * ticks["B"]) * chunk if moe else 0)) * r
+    h = shape.d_model
+    replicated = (2 * layers // cand.pipe + 1) * h
+    if moe:
+        replicated += layers // cand.pipe * moe_block_params(shape.model)["router"] + 2 * dense * h
+    once = 2 * ring * 4 * replicated if cand.sequence else 0
     busiest = int(np.argmax(per_stage))
     return Flow("tensor", "reduce-scatter" if cand.sequence else "all-reduce", float(per_stage[busiest]) + once,
                 float(count[busiest]) + (3 if cand.sequence else 0), False)
