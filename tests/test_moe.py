@@ -260,8 +260,6 @@ def test_moe_presets_validate(path):
     (["--set", "model.moe.dispatch=capacity", "--set", "model.moe.group_sequences=3"], "model.moe.group_sequences"),
     (["--set", "model.moe.experts=0", "--set", "mesh.expert=8", "--set", "mesh.data=1"], "mesh.expert"),
     (["--set", "model.moe.experts=0", "--set", "parallel.expert=manual"], "parallel.expert"),
-    (["--set", "mesh.pipe=2", "--set", "mesh.tensor=2", "--set", "mesh.data=2", "--set", "parallel.pipe=1f1b"],
-     "mesh.tensor"),
     (["--set", "mesh.tensor=2", "--set", "mesh.expert=2", "--set", "mesh.data=2", "--set", "parallel.tensor=manual"],
      "parallel.expert"),                                           # manual TP exchanges over expert by hand only
 ])
