@@ -1,56 +1,17 @@
 """Pipeline parallelism by hand: one SPMD program runs any schedule table over the mesh axis `pipe`.
 
-The model's stacked `layers` axis is cut into p·v contiguous chunks (model stages);
-stage s of the `pipe` axis holds chunks s, s+p, ... (v = 1: one contiguous slice). The
-embedding runs on the first model stage, the head and the loss on the last, all with
-the model's own pieces (`embed`, `run_blocks` on a chunk, `head_loss`).
-
-A schedule (`parallel/schedules.py`) is a table tick x stage -> F/B/W. `compile_program`
-(pipeline_program.py) turns it into integer tables: which branch each stage runs at each tick, on which
-microbatch and chunk, and which buffer slot it reads and writes. The step is a
-`lax.scan` over ticks inside one `shard_map`; each tick every device
-
-  1. runs its cell with `lax.switch` (idle, F, B or W; the first and last model stages
-     have their own F and B, which embed or take the loss),
-  2. sends its forward output to the next stage and its input gradient to the previous
-     one (two `ppermute`s over `pipe`; under DualPipeV's V a chunk-1 cell sends the other way
-     round, and the V's bottom hands over to itself),
-  3. files what arrived into the slot the table names.
-
-F is `jax.vjp` of the chunk: the output goes on, the residuals (activations) are kept
-in the stash slot until B applies them to the gradient that came back. So the stash
-holds exactly the microbatches the schedule keeps alive: m slots for GPipe, p for
-1F1B, which is what the compiled memory shows. The last model stage differentiates
-the loss as soon as its F is done (the loss is the end of the graph) and keeps dy for
-its B. Under zb-h1 B returns the input gradient and the matmuls' (x, dy) "taps"
-(`parallel/deferred.py`), and W turns the taps into weight gradients later.
-
-Around the pipeline: data parallel (`data`) splits the batch and averages gradients
-once per step; `fsdp` keeps parameters and Adam state sliced at rest, all-gathers each
-stage's weights once per step and reduce-scatters its gradients once (Megatron's
-distributed optimizer with pipelining); `tensor` runs Megatron's f/g inside every
-stage (`parallel/megatron.py`), with `parallel.sequence=true` its sequence-parallel form: the stages then
-pass [b, s/t, h] on (Megatron-LM's SP with pipelining: a 1/t of TP's point-to-point bytes) and the norm
-weights' gradients, computed on s/t tokens, are summed over `tensor`. The embedding and head are replicated over `pipe`;
-their gradients (non-zero on the first and last stage only) are summed over `pipe`,
-Megatron's embedding all-reduce. Gradient accumulation (train.microbatches = a > 1) runs
-the whole pipeline a times per step on strided slices of the batch and averages.
-
-MoE models: the pipelined stack is `moe_blocks`; a leading dense stack (`moe.dense_layers`)
-runs with the embedding on the first model stage, like Megatron-Core's uneven first stage.
-Each F also returns the chunk's auxiliary outputs: its weighted losses join the objective
-(B differentiates them with cotangent 1/m, they end the graph where they are made) and the
-per-layer statistics are summed into a [v, Lc] buffer per stage, gathered over `pipe` at the
-end. Microbatch i of every shard is rows i, i+m, ... of it, so the pipeline equals one device
-accumulating over the same m strided microbatches (the balance loss, a product of two batch
-means, depends on the microbatching; its means are taken over the data shards inside the
-layer, `MoEOps.batch_mean`). With `expert` > 1 the batch is split over it too and the routed
-experts exchange tokens by hand inside each stage (parallel/expert.py's all_to_alls). With `tensor` > 1
-every expert's hidden dimension is split over it as in the manual TP strategy (Megatron-Core's expert tensor
-parallelism, model/moe.py: f before the experts and on the gates, g after the combine), with or without
-`expert`; the router runs replicated over `tensor`, or under SP on each rank's s/t tokens with its statistics
-averaged over `tensor` (parallel/tensor_moe.py's hooks, the manual TP strategy's).
-`predict` (pipeline_predict.py) counts the busiest stage's sends from the same table, with its bubble and stash.
+The stacked layers are cut into p·v chunks (stage s of `pipe` holds chunks s, s+p, ...; DualPipeV's V
+holds s and 2p-1-s). A schedule (parallel/schedules.py) is a table tick x stage -> F/B/W;
+`compile_program` (pipeline_program.py) turns it into integer tables and pipeline_executor.py runs them as
+a `lax.scan` over ticks inside one `shard_map` (`lax.switch` per cell, two `ppermute`s per tick), so the
+stash holds exactly the microbatches the schedule keeps alive. Around it: `data` (gradients averaged once
+per step), `fsdp` (stage weights gathered once per step, gradients reduce-scattered once), `tensor`
+(Megatron's f/g, or SP, inside every stage), `expert` (parallel/expert.py's exchange inside the stages),
+gradient accumulation (the whole pipeline a times on strided slices). MoE models pipeline `moe_blocks`;
+aux losses join the objective where they are made and per-layer statistics come back in the model's
+layer order, so every layout equals one device accumulating over the same microbatches. `predict`
+(pipeline_predict.py): the busiest stage's sends from the same table, its bubble and stash. How and why:
+experiments/03_pipeline/README.md, "How jaxpar pipelines".
 """
 from __future__ import annotations
 
