@@ -16,6 +16,7 @@ from synthetic import counting_batches
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.launch import launch
+from jaxpar.measure import hlo
 from jaxpar.measure.executed import step_collectives
 from jaxpar.measure.flops import compiled_flops
 from jaxpar.measure.memory import compiled_memory
@@ -43,6 +44,12 @@ CASES = {
     "sp: data=2 pipe=2 tensor=2 sequence": (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b",
                                              "parallel.tensor=manual", "parallel.sequence=true",
                                              "parallel.pipe_microbatches=4"], 8),
+    # SP's collective matmuls inside the stages: each ring step an all-to-all swap over tensor=2 (collective_matmul.py;
+    # the other schedules and an MoE model: lab 03's `moe` part)
+    "sp rings: 1f1b data=2 pipe=2 tensor=2": (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b",
+                                              "parallel.tensor=manual", "parallel.sequence=true",
+                                              "parallel.tensor_overlap=bidirectional",
+                                              "parallel.pipe_microbatches=4"], 8),
     # DualPipeV's V (device 0 holds model stages 0 and 3, device 1 stages 1 and 2: sends down, up and to itself)
     # with manual TP x FSDP inside its stages
     "dualpipev, manual tp: fsdp=2 pipe=2 tensor=2": (["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.tensor=2",
@@ -251,7 +258,8 @@ def test_split_backward_defers_only_the_weight_matmuls():
     assert w > 0.25 * whole and b < 0.75 * whole
 
 
-@pytest.mark.parametrize("name", ["3d data=2 pipe=2 tensor=2", "sp: data=2 pipe=2 tensor=2 sequence"])
+@pytest.mark.parametrize("name", ["3d data=2 pipe=2 tensor=2", "sp: data=2 pipe=2 tensor=2 sequence",
+                                  "sp rings: 1f1b data=2 pipe=2 tensor=2"])
 def test_executed_collectives_match_the_dry_run_formulas(built, name):
     """data x pipe x tensor: the bytes the busiest stage sends per axis (the tick's branches counted on the ticks
     that run them) against the strategy's `predict`: lock-step permutes, Megatron's 4 all-reduces per
@@ -269,6 +277,16 @@ def test_executed_collectives_match_the_dry_run_formulas(built, name):
     assert set(predicted) == {"pipe", "tensor", "data"}
     for axis, want in predicted.items():
         assert sent[axis] == pytest.approx(want, rel=0.01), axis
+
+
+def test_sp_rings_are_swaps_inside_every_layer_of_the_ticks(built):
+    """parallel.tensor_overlap in a pipeline: every tensor collective of the stages' layers (inside the tick loop
+    and the layer loop) is a ring step, an all-to-all swap; no all-gather or reduce-scatter is left there."""
+    c = built("sp rings: 1f1b data=2 pipe=2 tensor=2")
+    per_layer = c.strategy.program.ticks * c.strategy.chunk_layers
+    layers = [x for x in hlo.collectives(c.step.as_text(), c.strategy.mesh)
+              if x.axes == ("tensor",) and x.runs_per_step == per_layer]
+    assert layers and {x.op for x in layers} == {"all-to-all"}, {x.op for x in layers}
 
 
 # ---------------------------------------------------------------------------- one checkpoint layout
@@ -316,8 +334,8 @@ def _cli(capsys, tmp_path, *sets):
      "parallel.pipe_microbatches"),                                                          # a·m rows > 16 / data
     (["model.layers=4", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=2"],
      "parallel.pipe_microbatches"),                                                          # DualPipeV: m < 2p
-    (["model.layers=4", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b", "parallel.tensor=manual",
-      "parallel.sequence=true", "parallel.tensor_overlap=collective_matmul"], "parallel.tensor_overlap"),  # SP plain
+    (["model.layers=4", "mesh.pipe=2", "mesh.tensor=4", "parallel.pipe=1f1b", "parallel.tensor=manual",
+      "parallel.sequence=true", "parallel.tensor_overlap=collective_matmul"], "parallel.tensor_overlap"),  # swap: t=2
 ])
 def test_bad_pipeline_input_exits_2_with_one_line(capsys, tmp_path, sets, field):
     code, err = _cli(capsys, tmp_path, *sets)

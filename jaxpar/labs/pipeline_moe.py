@@ -68,6 +68,12 @@ CASES = [   # label, (overrides, devices, the oracle's microbatches), MoE model 
     ("dense fsdp=2 x pipe=2 x tensor=2, SP, ZB-H1 m=4, remat full",
      _case("zb-h1", 2, 4, fsdp=2, tensor=2, extra=(*SP, "train.remat=full")), False),
     ("dense pipe=2 x tensor=2, SP, interleaved v=2 m=4", _case("interleaved", 2, 4, 2, tensor=2, extra=SP), False),
+    # SP's collective matmuls inside the stages (parallel/collective_matmul.py: each ring step a swap over tensor=2)
+    *((f"dense pipe=2 x tensor=2, SP rings ({mode}), {schedule} m=4",
+       _case(schedule, 2, 4, v, data=data, tensor=2, extra=(*SP, f"parallel.tensor_overlap={mode}")), False)
+      for schedule, v, data, mode in (("gpipe", 1, 2, "collective_matmul"), ("1f1b", 1, 2, "bidirectional"),
+                                      ("interleaved", 2, 1, "collective_matmul"), ("zb-h1", 1, 1, "bidirectional"),
+                                      ("dualpipev", 2, 1, "collective_matmul"))),
 ]
 
 

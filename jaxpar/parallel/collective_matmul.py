@@ -21,6 +21,11 @@ ppermute, so the backward pass is the same ring in the other direction, also bes
 Ops integration: `column_in` returns the ring's chunks (a `Chunks`), `matmul` multiplies chunks
 one by one, or runs the reduce-scatter ring for a row-parallel product (output `bsd`, input not
 `bsd`), and `row_out` is the identity. The output head takes the chunks put together (no overlap).
+
+Inside a hand-written pipeline (pipeline.py) a stage's layers run in one branch of a per-tick switch
+that the other stages do not take. XLA:CPU's collective-permute meets every device of the program, so
+there a ppermute waits forever (the runtime aborts after 40 s); an all-to-all meets its group only. So
+the pipelines' rings step by `_swap`, an all-to-all that is the ring's step, bytes and all, for t = 2.
 """
 from __future__ import annotations
 
@@ -54,6 +59,26 @@ def _shift(x, axis: str, t: int, step: int):
     return jax.lax.ppermute(x, axis, perm=[(j, (j + step) % t) for j in range(t)])
 
 
+def _swap(x, axis: str, t: int, step: int):
+    """The ring step of t = 2 devices (a swap, either direction) as an all-to-all of [x, x]: it sends x, the
+    permute's bytes, and meets only the devices of this `axis` group. A collective-permute meets every device
+    of the program on XLA:CPU, so inside a pipeline stage's branch (the other stages run other branches) it
+    waits for devices that never come; an all-to-all, like SP's all-gather, does not."""
+    assert t == 2, "a swap is the ring of two devices"
+    return _swapped(x, axis)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _swapped(x, axis: str):
+    """x of the other device: one call for the remat policy to see (not its slice, which it would save);
+    its transpose is the swap again."""
+    both = jax.lax.all_to_all(jnp.stack([x, x]), axis, 0, 0, tiled=True)     # [x_0, x_1] on each device
+    return jax.lax.dynamic_index_in_dim(both, 1 - jax.lax.axis_index(axis), axis=0, keepdims=False)
+
+
+_swapped.defvjp(lambda x, axis: (_swapped(x, axis), None), lambda axis, _, dy: (_swapped(dy, axis),))
+
+
 def _in_sequence_order(pieces, positions):
     """Stack `pieces` (chunk positions[k] at k) in sequence order along the sequence axis."""
     t = len(pieces)
@@ -64,7 +89,7 @@ def _in_sequence_order(pieces, positions):
     return ordered.reshape(ordered.shape[0], -1, *ordered.shape[3:])
 
 
-def gather_chunks(x, axis: str, bidirectional: bool) -> Chunks:
+def gather_chunks(x, axis: str, bidirectional: bool, shift=_shift) -> Chunks:
     """The ring all-gather of the sequence, left as chunks so each can meet its matmul as it arrives."""
     t = jax.lax.axis_size(axis)
     i = jax.lax.axis_index(axis)
@@ -74,12 +99,12 @@ def gather_chunks(x, axis: str, bidirectional: bool) -> Chunks:
     for k in range(1, t):
         if received == t:
             break
-        left = _shift(left, axis, t, +1)                             # from i-k
+        left = shift(left, axis, t, +1)                             # from i-k
         arrays.append(left)
         positions.append((i - k) % t)
         received += 1
         if bidirectional and received < t:
-            right = _shift(right, axis, t, -1)                       # from i+k
+            right = shift(right, axis, t, -1)                       # from i+k
             arrays.append(right)
             positions.append((i + k) % t)
             received += 1
@@ -91,7 +116,7 @@ def _column(matmul, spec: str, chunks: Chunks, w):
     return _in_sequence_order([matmul(spec, c, w) for c in chunks.arrays], chunks.positions)
 
 
-def _reduce_scatter_ring(matmul, spec, x, w, axis: str, t: int, step: int):
+def _reduce_scatter_ring(matmul, spec, x, w, axis: str, t: int, step: int, shift=_shift):
     """out_i = sum over devices of their term for chunk i; the accumulator moves `step` each step."""
     i = jax.lax.axis_index(axis)
     n = x.shape[SEQUENCE_DIM] // t
@@ -102,26 +127,26 @@ def _reduce_scatter_ring(matmul, spec, x, w, axis: str, t: int, step: int):
 
     acc = term(0)
     for k in range(1, t):
-        acc = _shift(acc, axis, t, step) + term(k)
+        acc = shift(acc, axis, t, step) + term(k)
     return acc
 
 
-def _row(matmul, spec: str, x, w, axis: str, bidirectional: bool):
+def _row(matmul, spec: str, x, w, axis: str, bidirectional: bool, shift=_shift):
     """Matmul reduce-scatter over the sequence; bidirectional: half the output features each way."""
     t = jax.lax.axis_size(axis)
     if not bidirectional:
-        return _reduce_scatter_ring(matmul, spec, x, w, axis, t, +1)
+        return _reduce_scatter_ring(matmul, spec, x, w, axis, t, +1, shift)
     half = w.shape[-1] // 2
-    return jnp.concatenate([_reduce_scatter_ring(matmul, spec, x, w[..., :half], axis, t, +1),
-                            _reduce_scatter_ring(matmul, spec, x, w[..., half:], axis, t, -1)], axis=-1)
+    return jnp.concatenate([_reduce_scatter_ring(matmul, spec, x, w[..., :half], axis, t, +1, shift),
+                            _reduce_scatter_ring(matmul, spec, x, w[..., half:], axis, t, -1, shift)], axis=-1)
 
 
-def _matmul(base, axis: str, bidirectional: bool, spec: str, x, w):
+def _matmul(base, axis: str, bidirectional: bool, shift, spec: str, x, w):
     if isinstance(x, Chunks):
         return _column(base, spec, x, w)
     lhs, out = spec.replace(" ", "").split("->")[0].split(",")[0], spec.split("->")[1].strip()
     if out == "bsd" and lhs != "bsd":                                # row-parallel: wo, w_down
-        return _row(base, spec, x, w, axis, bidirectional)
+        return _row(base, spec, x, w, axis, bidirectional, shift)
     return base(spec, x, w)
 
 
@@ -129,19 +154,31 @@ def _whole_for_head(cross_entropy, x, *args, **kwargs):
     return cross_entropy(x.whole() if isinstance(x, Chunks) else x, *args, **kwargs)
 
 
-def collective_matmul_ops(sequence_ops: Ops, axis: str, mode: str) -> Ops:
+def collective_matmul_ops(sequence_ops: Ops, axis: str, mode: str, swap: bool = False) -> Ops:
     """`sequence_ops` (megatron.sequence_parallel_ops) with its layers' gathers and reduce-scatters
-    decomposed into ppermute rings beside partial matmuls; `mode` one of MODES except none."""
-    bidirectional = mode == "bidirectional"
+    decomposed into ppermute rings beside partial matmuls; `mode` one of MODES except none. `swap`: each
+    ring step an all-to-all (`_swap`, two devices only), for rings inside a pipeline stage's branch."""
+    bidirectional, shift = mode == "bidirectional", _swap if swap else _shift
     return sequence_ops.replace(
-        column_in=partial(gather_chunks, axis=axis, bidirectional=bidirectional),
+        column_in=partial(gather_chunks, axis=axis, bidirectional=bidirectional, shift=shift),
         row_out=lambda x: x,
-        matmul=partial(_matmul, sequence_ops.matmul, axis, bidirectional),
+        matmul=partial(_matmul, sequence_ops.matmul, axis, bidirectional, shift),
         cross_entropy=partial(_whole_for_head, sequence_ops.cross_entropy),
     )
 
 
-def ring_policy(policy=None):
-    """`megatron.sequence_parallel_policy` for the rings: the chunks a ppermute brought are not saved for
-    the backward pass but brought again there (as SP gathers its input again), so memory is SP's."""
-    return never_saving(produced_by(("ppermute",)), policy)
+def _ring_step(axis: str):
+    """A remat predicate: a `_swap` over `axis` (its all-to-all; the experts' are over `expert`)."""
+    def test(prim, params) -> bool:
+        if prim.name == "all_to_all":
+            return axis in jax.tree.leaves(params.get("axis_name"))
+        jaxpr = params.get("call_jaxpr")
+        return jaxpr is not None and any(test(e.primitive, e.params) for e in jaxpr.eqns)
+    return test
+
+
+def ring_policy(policy=None, swap_axis: str | None = None):
+    """`megatron.sequence_parallel_policy` for the rings: the chunks a ppermute (with `swap_axis`, an
+    all-to-all over it) brought are not saved for the backward pass but brought again there (as SP gathers
+    its input again), so memory is SP's."""
+    return never_saving(produced_by(("ppermute",)) if swap_axis is None else _ring_step(swap_axis), policy)

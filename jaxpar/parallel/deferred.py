@@ -14,7 +14,8 @@ the einsum's own transpose (`weight_grads`). The model is untouched.
 Norm scales (1-D, elementwise) get their cheap gradients in B; every weight of 2 or
 more dimensions in a block is consumed by exactly one matmul and is deferred, except an
 MoE block's router and routed experts (their einsums and grouped matmuls are model/moe.py's
-own, not `ops.matmul`): they get their gradients in B too.
+own, not `ops.matmul`) and a collective matmul's column-parallel weights (their input is the
+ring's chunks, parallel/collective_matmul.py): they get their gradients in B too.
 """
 from __future__ import annotations
 
@@ -81,6 +82,8 @@ def deferred_ops(base: Ops, sites: dict[str, Site]) -> Ops:
     def matmul(spec, x, w):
         if not isinstance(w, Tapped):
             return base.matmul(spec, x, w)
+        if not isinstance(x, jax.Array):   # a collective matmul's chunks: no site, dW in B
+            return base.matmul(spec, x, w.weight)
         y = base.matmul(spec, x, w.weight)
         sites[w.name] = Site(spec, jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
         if w.tap is None:

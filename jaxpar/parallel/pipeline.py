@@ -6,7 +6,7 @@ holds s and 2p-1-s). A schedule (parallel/schedules.py) is a table tick x stage 
 a `lax.scan` over ticks inside one `shard_map` (`lax.switch` per cell, two `ppermute`s per tick), so the
 stash holds exactly the microbatches the schedule keeps alive. Around it: `data` (gradients averaged once
 per step), `fsdp` (stage weights gathered once per step, gradients reduce-scattered once), `tensor`
-(Megatron's f/g, or SP, inside every stage), `expert` (parallel/expert.py's exchange inside the stages),
+(Megatron's f/g, or SP, its collective matmuls too, inside every stage), `expert` (parallel/expert.py's exchange inside the stages),
 gradient accumulation (the whole pipeline a times on strided slices). MoE models pipeline `moe_blocks`;
 aux losses join the objective where they are made and per-layer statistics come back in the model's
 layer order, so every layout equals one device accumulating over the same microbatches. `predict`
@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.model.moe import with_moe_ops
 from jaxpar.model.transformer import split_aux
+from jaxpar.parallel.collective_matmul import collective_matmul_ops, ring_policy
 from jaxpar.parallel.expert import exchange_for
 from jaxpar.parallel.megatron import sequence_parallel_ops, sequence_parallel_policy, tensor_parallel_ops
 from jaxpar.parallel.pipedream import delayed_gradient
@@ -140,9 +141,10 @@ class PipelineStrategy(Strategy):
                        min_microbatches=1 if name == "gpipe" else sizes["pipe"])
         check_manual_placement(config, sizes)
         m, p = pipe_microbatches(config, sizes["pipe"]), sizes["pipe"]
-        if config.parallel.get("tensor_overlap", "none") != "none":
-            raise ConfigError("parallel.tensor_overlap", "the pipelines run sequence parallelism's all-gathers and "
-                              "reduce-scatters as plain collectives inside each stage; set it to 'none'")
+        if config.parallel.get("tensor_overlap", "none") != "none" and sizes["tensor"] > 2:
+            raise ConfigError("parallel.tensor_overlap", f"inside a pipeline stage a ring step is an all-to-all swap, "
+                              f"which is a ring for mesh.tensor=2 only (here {sizes['tensor']}; a ppermute under one "
+                              "stage's branch deadlocks XLA:CPU); use mesh.tensor=2 or 'none'")
         if name == "dualpipev":
             if pipe_virtual(config) != 2:
                 raise ConfigError("parallel.pipe_virtual", f"is {pipe_virtual(config)}; dualpipev holds exactly 2 "
@@ -180,6 +182,9 @@ class PipelineStrategy(Strategy):
         self.sequence = bool(config.parallel.sequence)
         if self.sequence:   # Megatron-LM keeps the s/t input of a column-parallel matmul and gathers it again in B
             self.policy = sequence_parallel_policy(self.policy)
+            self.overlap = config.parallel.get("tensor_overlap", "none")
+            if self.overlap != "none":   # SP's collective matmuls, each ring step an all-to-all swap over tensor
+                self.policy = ring_policy(self.policy, swap_axis="tensor")
         self.stage_ops = self._stage_ops(sizes)
 
         abstract = jax.eval_shape(self.make_state)
@@ -218,6 +223,8 @@ class PipelineStrategy(Strategy):
         the router sees this rank's s/t tokens (parallel/tensor_moe.py's `SequenceShards`)."""
         if self.sequence:
             ops = sequence_parallel_ops(self.ops)
+            if self.overlap != "none":
+                ops = collective_matmul_ops(ops, "tensor", self.overlap, swap=True)
         else:
             ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
         if not self.model_cfg.moe:
