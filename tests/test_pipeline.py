@@ -334,8 +334,9 @@ def _cli(capsys, tmp_path, *sets):
      "parallel.pipe_microbatches"),                                                          # a·m rows > 16 / data
     (["model.layers=4", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=2"],
      "parallel.pipe_microbatches"),                                                          # DualPipeV: m < 2p
-    (["model.layers=4", "mesh.pipe=2", "mesh.tensor=4", "parallel.pipe=1f1b", "parallel.tensor=manual",
-      "parallel.sequence=true", "parallel.tensor_overlap=collective_matmul"], "parallel.tensor_overlap"),  # swap: t=2
+    (["model.layers=4", "model.kv_heads=4", "mesh.pipe=2", "mesh.tensor=4", "parallel.pipe=1f1b",
+      "parallel.tensor=manual", "parallel.sequence=true", "parallel.tensor_overlap=collective_matmul"],
+     "parallel.tensor_overlap"),                                                             # the swap: tensor=2
 ])
 def test_bad_pipeline_input_exits_2_with_one_line(capsys, tmp_path, sets, field):
     code, err = _cli(capsys, tmp_path, *sets)
