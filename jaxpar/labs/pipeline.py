@@ -21,8 +21,9 @@ g. dualpipev    DeepSeek's V-shaped schedule (torchtitan's ScheduleDualPipeV): e
                 TP x FSDP inside pipelines against the single device.
 h. pipedream    PipeDream-2BW (asynchronous, one step of weight staleness) against synchronous 1F1B from the same
                 initial state: the loss curves and their gap (not an equivalence: staleness is the design).
-i. moe          MoE in every schedule, expert parallelism inside the stages, accumulation and rules, each
-                against one device accumulating the same microbatches (labs/pipeline_moe.py).
+i. moe          MoE in every schedule, expert parallelism inside the stages, accumulation and rules, SP's
+                collective matmuls in every hand-written schedule, each against one device accumulating the
+                same microbatches (labs/pipeline_moe.py).
 
 Files in the run directory: report.md, results.json, tables.png, timeline.png, memory.png, bytes.png,
 dryrun_7b/ (dryrun.md, dryrun.json), pipedream.png. `--parts` runs a subset.

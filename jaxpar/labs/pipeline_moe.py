@@ -1,7 +1,7 @@
 """Lab 03, part i (`--parts moe`): MoE inside every pipeline schedule, expert parallelism inside the stages
 (the circular pipeline's too), the experts split Megatron-style over `tensor` inside the stages, sequence
-parallelism inside the stages (dense), and pipelines with gradient accumulation and with `parallel.rules`, each
-against one device.
+parallelism inside the stages (dense; its collective matmuls too, in every hand-written schedule), and pipelines
+with gradient accumulation and with `parallel.rules`, each against one device.
 
 The oracle of a pipeline with m microbatches and train.microbatches = a is one device accumulating over the
 same a·m strided microbatches (the balance loss multiplies two batch means, so it depends on the
@@ -69,7 +69,7 @@ CASES = [   # label, (overrides, devices, the oracle's microbatches), MoE model 
      _case("zb-h1", 2, 4, fsdp=2, tensor=2, extra=(*SP, "train.remat=full")), False),
     ("dense pipe=2 x tensor=2, SP, interleaved v=2 m=4", _case("interleaved", 2, 4, 2, tensor=2, extra=SP), False),
     # SP's collective matmuls inside the stages (parallel/collective_matmul.py: each ring step a swap over tensor=2)
-    *((f"dense pipe=2 x tensor=2, SP rings ({mode}), {schedule} m=4",
+    *((f"dense {'data=2 x ' if data > 1 else ''}pipe=2 x tensor=2, SP rings ({mode}), {schedule} m=4",
        _case(schedule, 2, 4, v, data=data, tensor=2, extra=(*SP, f"parallel.tensor_overlap={mode}")), False)
       for schedule, v, data, mode in (("gpipe", 1, 2, "collective_matmul"), ("1f1b", 1, 2, "bidirectional"),
                                       ("interleaved", 2, 1, "collective_matmul"), ("zb-h1", 1, 1, "bidirectional"),

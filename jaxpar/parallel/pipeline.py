@@ -6,10 +6,10 @@ holds s and 2p-1-s). A schedule (parallel/schedules.py) is a table tick x stage 
 a `lax.scan` over ticks inside one `shard_map` (`lax.switch` per cell, two `ppermute`s per tick), so the
 stash holds exactly the microbatches the schedule keeps alive. Around it: `data` (gradients averaged once
 per step), `fsdp` (stage weights gathered once per step, gradients reduce-scattered once), `tensor`
-(Megatron's f/g, or SP, its collective matmuls too, inside every stage), `expert` (parallel/expert.py's exchange inside the stages),
-gradient accumulation (the whole pipeline a times on strided slices). MoE models pipeline `moe_blocks`;
-aux losses join the objective where they are made and per-layer statistics come back in the model's
-layer order, so every layout equals one device accumulating over the same microbatches. `predict`
+(Megatron's f/g, or SP, with its collective matmuls too, inside every stage), `expert` (parallel/expert.py's
+exchange inside the stages), gradient accumulation (the whole pipeline a times on strided slices). MoE models
+pipeline `moe_blocks`; aux losses join the objective where they are made and per-layer statistics come back
+in the model's layer order, so every layout equals one device accumulating over the same microbatches. `predict`
 (pipeline_predict.py): the busiest stage's sends from the same table, its bubble and stash. How and why:
 experiments/03_pipeline/README.md, "How jaxpar pipelines".
 """
