@@ -99,12 +99,12 @@ def gather_chunks(x, axis: str, bidirectional: bool, shift=_shift) -> Chunks:
     for k in range(1, t):
         if received == t:
             break
-        left = shift(left, axis, t, +1)                             # from i-k
+        left = shift(left, axis, t, +1)                              # from i-k
         arrays.append(left)
         positions.append((i - k) % t)
         received += 1
         if bidirectional and received < t:
-            right = shift(right, axis, t, -1)                       # from i+k
+            right = shift(right, axis, t, -1)                        # from i+k
             arrays.append(right)
             positions.append((i + k) % t)
             received += 1
@@ -179,6 +179,6 @@ def _ring_step(axis: str):
 
 def ring_policy(policy=None, swap_axis: str | None = None):
     """`megatron.sequence_parallel_policy` for the rings: the chunks a ppermute (with `swap_axis`, an
-    all-to-all over it) brought are not saved for the backward pass but brought again there (as SP gathers
-    its input again), so memory is SP's."""
+    all-to-all over it) brought are not saved for the backward pass but brought again there, as SP gathers
+    its input again (the partial products and slices around them are kept as `policy` says)."""
     return never_saving(produced_by(("ppermute",)) if swap_axis is None else _ring_step(swap_axis), policy)
