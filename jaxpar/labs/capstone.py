@@ -15,6 +15,8 @@ d. reality       the same planner on N virtual CPU devices vs measured step time
 e. fertility     BPE 8k/32k/64k, with and without diacritics: tokens per Arabic word, FLOPs per
                  word, GPU-hours and cost per billion words at the chosen strategy.
 f. risks         failures per day, the Young/Daly checkpoint interval, expected goodput.
+
+`--parts` runs and reports a subset (`--parts d`: the CPU check alone); the plan is always computed.
 """
 from __future__ import annotations
 
