@@ -46,6 +46,8 @@ def test_capstone_report(capsys, tmp_path, reduced):
         assert r["cpu_s"] == pytest.approx(sorted(r["cpu_times_s"])[1] / cores)        # CPU seconds per core
         assert f"| {r['strategy']} | {r['cpu_s']:.3f} (" in report and f"| {r['predicted_s']:.3f} |" in report
         assert f"| {r['measured_s']:.3f} (" in report and f"| {r['predicted_wall_s']:.3f} |" in report
+    resolved, agreeing, pairs = results["reality"]["resolved_pairs"]
+    assert pairs == 1 and agreeing <= resolved <= 1 and f"resolve **{resolved} of 1** pairs" in report
     fert = results["fertility"]["rows"]
     assert [f["normalize"] for f in fert] == [False, True]
     assert fert[0]["tokens_per_word"] == fert[0]["held_out_tokens"] / fert[0]["held_out_words"]

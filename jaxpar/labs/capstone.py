@@ -134,7 +134,7 @@ def part_reality(args, out: Path, log) -> dict:
 
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.model.counting import ModelShape
-    from jaxpar.plan.reality import default_strategies, measure_cluster, measure_steps
+    from jaxpar.plan.reality import default_strategies, measure_cluster, measure_steps, resolved_pairs
     from jaxpar.plan.sweep import spearman
     n = len(jax.devices("cpu"))
     log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
@@ -172,6 +172,7 @@ def part_reality(args, out: Path, log) -> dict:
             "rows": rows, "within": sum(abs(r["ratio"] - 1) <= WITHIN for r in checked), "checked": len(checked),
             "fastest": fastest["strategy"], "fastest_predicted_rank": fastest["predicted_rank"],
             "spearman": spearman([r["predicted_s"] for r in rows], [r["cpu_s"] for r in rows]),
+            "resolved_pairs": resolved_pairs([r["predicted_s"] for r in rows], [r["cpu_times_s"] for r in rows]),
             "spearman_wall": spearman([r["predicted_wall_s"] for r in rows], [r["measured_s"] for r in rows])}
 
 

@@ -169,6 +169,7 @@ def reality_section(reality) -> list[str]:
                      f"{r['predicted_s']:.3f} | {r['ratio']:.2f}{flag} | {r['predicted_rank']} / {r['cpu_rank']} | "
                      f"{r['measured_s']:.3f} ({_quartiles(r['times_s'])}) | {r['predicted_wall_s']:.3f} | "
                      f"{r['predicted_wall_rank']} / {r['measured_rank']} | {axes} |")
+    resolved, agreeing, pairs = r0["resolved_pairs"]
     lines += ["", f"**{r0['within']} of {r0['checked']}** predicted strategies within {WITHIN:.0%} of measured (CPU "
               f"basis); Spearman rank correlation of predicted and measured step times **{r0['spearman']:.2f}** on "
               f"the CPU basis (the check), {r0['spearman_wall']:.2f} on wall clock, over {len(r0['rows'])} "
@@ -176,7 +177,9 @@ def reality_section(reality) -> list[str]:
               f"the planner. Predictions span {_spread([r['predicted_s'] for r in r0['rows']]):.0%} from fastest to "
               f"slowest, measured CPU seconds {_spread([r['cpu_s'] for r in r0['rows']]):.0%}, wall medians "
               f"{_spread([r['measured_s'] for r in r0['rows']]):.0%}; a rank is only as good as the gaps between "
-              "predictions.", "", "![cpu check](cpu_check.png)", ""]
+              f"predictions. The CPU steps resolve **{resolved} of {pairs}** pairs of strategies (their quartiles do "
+              f"not overlap; the others differ by less than their steps vary) and the planner orders **{agreeing}** of "
+              "those as measured.", "", "![cpu check](cpu_check.png)", ""]
     return lines
 
 
