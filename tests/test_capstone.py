@@ -46,6 +46,8 @@ def test_capstone_report(capsys, tmp_path, reduced):
         assert r["cpu_s"] == pytest.approx(sorted(r["cpu_times_s"])[1] / cores)        # CPU seconds per core
         assert f"| {r['strategy']} | {r['cpu_s']:.3f} (" in report and f"| {r['predicted_s']:.3f} |" in report
         assert f"| {r['measured_s']:.3f} (" in report and f"| {r['predicted_wall_s']:.3f} |" in report
+    resolved, agreeing, pairs = results["reality"]["resolved_pairs"]
+    assert pairs == 1 and agreeing <= resolved <= 1 and f"resolve **{resolved} of 1** pairs" in report
     fert = results["fertility"]["rows"]
     assert [f["normalize"] for f in fert] == [False, True]
     assert fert[0]["tokens_per_word"] == fert[0]["held_out_tokens"] / fert[0]["held_out_words"]
@@ -62,8 +64,24 @@ def test_capstone_says_how_to_verify_without_the_plugin(capsys, tmp_path, reduce
     assert "Skipped: a deviceless GPU compile needs the jax-cuda12-plugin" in (out / "report.md").read_text()
 
 
+def test_capstone_runs_the_parts_asked_for(capsys, tmp_path):
+    """`--parts f` (e.g. `--parts d` to rerun the CPU check alone): only that part runs and is reported."""
+    out = tmp_path / "lab"
+    code, _, err = run_cli(capsys, ["lab", "capstone", "--config", CONFIGS["test"], "--set", "model.vocab_size=512",
+                                    "--nodes", "1", "--tokens", "1e9", "--parts", "f", "--out", str(out)])
+    assert code == 0, err
+    report = (out / "report.md").read_text()
+    assert "## f. Risks" in report and "parts f only" in report
+    for heading in ("## a.", "## b.", "## c.", "## d.", "## e."):
+        assert heading not in report, heading
+    results = json.loads((out / "results.json").read_text())
+    assert results["parts"] == "f" and results["risks"]["risk"]["goodput"] < 1
+    assert results["anchors"] is results["reality"] is results["fertility"] is None
+    assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json"]
+
+
 @pytest.mark.parametrize("extra, field", [(["--gpu", "tpu9"], "--gpu"), (["--tokens", "0"], "--tokens"),
-                                          (["--rounds", "1"], "--rounds")])
+                                          (["--rounds", "1"], "--rounds"), (["--parts", "dx"], "--parts")])
 def test_capstone_bad_input(capsys, tmp_path, extra, field):
     argv = ["lab", "capstone", "--config", CONFIGS["arabic_7b"], "--out", str(tmp_path / "lab"), *extra]
     code, _, err = run_cli(capsys, argv)

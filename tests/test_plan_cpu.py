@@ -8,7 +8,7 @@ from jaxpar.parallel.memory import kept_per_layer
 from jaxpar.parallel.theory import Candidate
 from jaxpar.plan import cpu_links
 from jaxpar.plan.fleet import cpu_cluster
-from jaxpar.plan.reality import Measured, calibrate
+from jaxpar.plan.reality import Measured, calibrate, resolved_pairs
 from jaxpar.plan.steptime import KEPT_PASSES, RESIDUAL_PASSES, SCORE_BYTES, Calibration, step_time
 
 PLAIN = dict(remat="none", precision="float32", attention="dot")
@@ -69,3 +69,11 @@ def test_collectives_inside_one_program(monkeypatch):
     assert set(fits) == set(cpu_links.OPS)
     for fit in fits.values():
         assert fit["alpha_us"] >= 0 and (fit["beta_bus_GBps"] is None or fit["beta_bus_GBps"] > 0)
+
+
+def test_the_check_counts_only_the_pairs_the_measurement_resolves():
+    """A pair whose steps' quartiles overlap is noise to a ranking; the others count, ordered by the medians."""
+    fast, slow, near_slow = [1.0, 1.1, 1.2, 1.3, 1.4], [2.0, 2.1, 2.2, 2.3, 2.4], [2.05, 2.15, 2.25, 2.35, 2.45]
+    assert resolved_pairs([1, 2, 3], [fast, slow, near_slow]) == (2, 2, 3)
+    assert resolved_pairs([3, 2, 1], [fast, slow, near_slow]) == (2, 0, 3)      # both resolved pairs ordered wrong
+    assert resolved_pairs([1, 3, 2], [fast, slow, near_slow]) == (2, 2, 3)      # the unresolved pair does not count

@@ -15,6 +15,8 @@ d. reality       the same planner on N virtual CPU devices vs measured step time
 e. fertility     BPE 8k/32k/64k, with and without diacritics: tokens per Arabic word, FLOPs per
                  word, GPU-hours and cost per billion words at the chosen strategy.
 f. risks         failures per day, the Young/Daly checkpoint interval, expected goodput.
+
+`--parts` runs and reports a subset (`--parts d`: the CPU check alone); the plan is always computed.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from jaxpar.config import ConfigError
 from jaxpar.labs.capstone_plots import plots
 from jaxpar.labs.capstone_report import ASSUMED_PRICE, GB, WITHIN, markdown, recorded_compiles  # noqa: F401
 
+PARTS = "abcdef"
 VOCABS = (8000, 32000, 64000)
 ASSUMED_REQUEUE_S = 300.0         # scheduler requeue + process start-up after a failure (assumption)
 ASSUMED_STORAGE_GBPS_PER_NODE = 2.0   # checkpoint read/write bandwidth per node to shared storage (assumption)
@@ -46,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="results.json of `jaxpar lab operations` (module 6): its measured start-up and checkpoint "
                         "times feed the risks section")
     p.add_argument("--skip-cpu", action="store_true", help="leave out the CPU reality check (part d)")
+    p.add_argument("--parts", metavar="LIST", default=PARTS,
+                   help="the parts to run and report, e.g. d for the CPU reality check alone (default abcdef; the "
+                        "plan is always computed: it checks the inputs and c, e and f use it)")
 
 
 def run_from_args(args) -> int:
@@ -77,9 +83,10 @@ def part_plan(args, log):
     from jaxpar.model.counting import ModelShape
     from jaxpar.plan.command import check_inputs
     from jaxpar.plan.planner import plan
+    parts = chosen_parts(args)
     if args.rounds < 3:
         raise ConfigError("--rounds", f"is {args.rounds}; a median needs at least 3 rounds")
-    if not args.skip_cpu and args.cpu_devices != 8:
+    if "d" in parts and args.cpu_devices != 8:
         raise ConfigError("--cpu-devices", f"is {args.cpu_devices}; the CPU check's strategies are written for 8 "
                           "devices (or give --skip-cpu)")
     if args.ops_results and not Path(args.ops_results).is_file():
@@ -94,6 +101,14 @@ def part_plan(args, log):
              headroom=args.headroom)
     p.budget_note = note
     return config, p
+
+
+def chosen_parts(args) -> str:
+    """The letters of `--parts` in the lab's order, less d with --skip-cpu; unknown letters are bad input."""
+    given = set(args.parts.replace(",", "").replace(" ", "").lower())
+    if not given or given - set(PARTS):
+        raise ConfigError("--parts", f"'{args.parts}': give letters of {PARTS}, e.g. --parts d")
+    return "".join(c for c in PARTS if c in given and not (c == "d" and args.skip_cpu))
 
 
 def part_compiler(args, p, config, log) -> dict:
@@ -119,7 +134,7 @@ def part_reality(args, out: Path, log) -> dict:
 
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.model.counting import ModelShape
-    from jaxpar.plan.reality import default_strategies, measure_cluster, measure_steps
+    from jaxpar.plan.reality import default_strategies, measure_cluster, measure_steps, resolved_pairs
     from jaxpar.plan.sweep import spearman
     n = len(jax.devices("cpu"))
     log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
@@ -157,6 +172,7 @@ def part_reality(args, out: Path, log) -> dict:
             "rows": rows, "within": sum(abs(r["ratio"] - 1) <= WITHIN for r in checked), "checked": len(checked),
             "fastest": fastest["strategy"], "fastest_predicted_rank": fastest["predicted_rank"],
             "spearman": spearman([r["predicted_s"] for r in rows], [r["cpu_s"] for r in rows]),
+            "resolved_pairs": resolved_pairs([r["predicted_s"] for r in rows], [r["cpu_times_s"] for r in rows]),
             "spearman_wall": spearman([r["predicted_wall_s"] for r in rows], [r["measured_s"] for r in rows])}
 
 
@@ -238,20 +254,25 @@ def run_lab(args) -> dict:
     out = Path(args.out)
     started = time.perf_counter()
     config, p = part_plan(args, log)              # every input checked before anything is written
+    parts = chosen_parts(args)
     out.mkdir(parents=True, exist_ok=True)
-    log("b. calibration and anchors")
-    anchors = anchor_rows()
-    compiler = part_compiler(args, p, config, log)
-    reality = None if args.skip_cpu else part_reality(args, out, log)
-    fert = part_fertility(config, p, log)
-    risks = part_risks(args, p, compiler)
-    results = {"plan": plan_summary(p), "anchors": anchors, "compiler": compiler_json(compiler),
-               "reality": reality, "fertility": fert, "risks": risks,
-               "elapsed_s": time.perf_counter() - started}
-    report = markdown(p, config, anchors, compiler, reality, fert, risks, results["elapsed_s"])
+    anchors = compiler = reality = fert = risks = None
+    if "b" in parts:
+        log("b. calibration and anchors")
+        anchors = anchor_rows()
+    if "c" in parts:
+        compiler = part_compiler(args, p, config, log)
+    reality = part_reality(args, out, log) if "d" in parts else None
+    fert = part_fertility(config, p, log) if "e" in parts else None
+    if "f" in parts:
+        risks = part_risks(args, p, compiler or {"skipped": "not asked for (--parts)"})
+    results = {"parts": parts, "plan": plan_summary(p) if "a" in parts else None, "anchors": anchors,
+               "compiler": compiler_json(compiler) if compiler else None, "reality": reality, "fertility": fert,
+               "risks": risks, "elapsed_s": time.perf_counter() - started}
+    report = markdown(p, config, anchors, compiler, reality, fert, risks, results["elapsed_s"], parts)
     (out / "report.md").write_text(report)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    plots(p, reality, fert, out)
+    plots(p, reality, fert, out, parts)
     log(report)
     log(f"wrote {out}/report.md, results.json and plots ({results['elapsed_s']:.0f} s)")
     return results

@@ -7,15 +7,18 @@ from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs.capstone_report import GB
 
 
-def plots(p, reality, fert, out: Path) -> None:
-    """The report's figures (they need the plan object, so they are drawn here, not from results.json)."""
-    plot_plan(p, out / "plan.png")
-    plot_breakdown(p.best.label, p.best.memory.parts(), "GB per device (prediction)", GB, out / "memory.png",
-                   limit=p.best.memory.limit)
-    plot_breakdown(p.best.label, p.best.time.terms(), "seconds per step (prediction)", 1.0, out / "steptime.png")
+def plots(p, reality, fert, out: Path, parts: str = "abcdef") -> None:
+    """The figures of the parts that ran (they need the plan object, so they are drawn here, not from
+    results.json)."""
+    if "a" in parts:
+        plot_plan(p, out / "plan.png")
+        plot_breakdown(p.best.label, p.best.memory.parts(), "GB per device (prediction)", GB, out / "memory.png",
+                       limit=p.best.memory.limit)
+        plot_breakdown(p.best.label, p.best.time.terms(), "seconds per step (prediction)", 1.0, out / "steptime.png")
     if reality:
         plot_cpu_check(reality, out / "cpu_check.png")
-    plot_fertility(fert, out / "fertility.png")
+    if fert:
+        plot_fertility(fert, out / "fertility.png")
 
 
 @styled

@@ -24,18 +24,26 @@ def _pct(x: float) -> str:
     return f"{x:.1%}"
 
 
-def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str:
-    from jaxpar.parallel import memory as mem
-    from jaxpar.plan import fleet as cl
-    from jaxpar.plan import steptime as st
-    from jaxpar.plan.planner import defence, summary_line, table
-    from jaxpar.plan.verify import annotate, buildable_sentence, verification_table
-    best = p.best
-    annotate(p, config, 10)
+def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed, parts: str = "abcdef") -> str:
+    """report.md: the sections of the parts that ran (`--parts`), in order."""
     lines = ["# Lab 07: the capstone plan", "",
              f"Every figure is a **prediction** unless it says *measured* or *compiled*. jaxpar's planner "
-             f"(`jaxpar plan`, `jaxpar/plan/`); {time.strftime('%Y-%m-%d')}; this run took {elapsed:.0f} s.", "",
-             "## a. The plan", "", summary_line(p), "", table(p, 10), "", "![plan](plan.png)", "",
+             f"(`jaxpar plan`, `jaxpar/plan/`); {time.strftime('%Y-%m-%d')}; this run took {elapsed:.0f} s"
+             + ("." if parts == "abcdef" else f"; parts {', '.join(parts)} only (`--parts`)."), ""]
+    sections = {"a": lambda: plan_section(p, config), "b": lambda: calibration_section(anchors),
+                "c": lambda: compiler_section(p, compiler), "d": lambda: reality_section(reality),
+                "e": lambda: fertility_section(fert, p), "f": lambda: risk_section(risks, p)}
+    for part in parts:
+        lines += sections[part]()
+    return "\n".join(lines) + "\n"
+
+
+def plan_section(p, config) -> list[str]:
+    from jaxpar.plan.planner import defence, summary_line, table
+    from jaxpar.plan.verify import annotate, buildable_sentence
+    best = p.best
+    annotate(p, config, 10)
+    lines = ["## a. The plan", "", summary_line(p), "", table(p, 10), "", "![plan](plan.png)", "",
              "### Defence", "", defence(p) + " " + buildable_sentence(p, config), "",
              f"## The chosen strategy: {best.label}", "",
              "| memory per device | GB |", "|---|---:|"]
@@ -52,32 +60,42 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
         link = p.cluster.axis_link(best.cand, axis).name
         lines.append(f"| {axis} | {best.comm_bytes.get(axis, 0) / GB:.2f} | {link} | {seconds:.3f} | "
                      f"{t.exposed_s.get(axis, 0):.3f} |")
-    lines += ["", "![memory](memory.png) ![step time](steptime.png)", "",
-              "## b. Calibration: what is assumed, fitted, measured", "",
-              "| quantity | value | kind | source |", "|---|---:|---|---|",
-              f"| compute efficiency η (GPU, jaxpar/XLA) | {st.COMPUTE_EFFICIENCY} | fitted on a published run's own "
-              "strategy | MaxText's Llama-2-70B (the anchor table below; other frameworks have their own η) |",
-              "| GEMM size factor g | per candidate | model | additive roofline 1/(1 + ridge/intensity) per weight "
-              "matmul, time-weighted (`jaxpar/plan/gemm.py`); η is that of an ideal large GEMM |",
-              f"| fp8 matmul efficiency | {st.FP8_EFFICIENCY} x η of the fp8 peak | fitted | NeMo's Llama-3.1-8B "
-              "fp8 run; MFU is always against the bf16 peak |",
-              f"| fixed overheads | {st.STEP_OVERHEAD_S * 1e3:.0f} ms per step + {st.LAYER_OVERHEAD_S * 1e6:.0f} µs "
-              "per layer per microbatch | assumption | launch and tail gaps; CPU: measured (part d) |",
-              f"| overlap of hideable collectives | {st.OVERLAP:.0%} | assumption | lab 02: XLA overlaps 5 of 8 "
-              "forward and 4 of 8 backward gathers per layer in the compiled H100 step |",
-              f"| memory-bound passes | {st.MEMORY_EFFICIENCY:.0%} of HBM bandwidth | assumption | |",
-              f"| link efficiency | {cl.LINK_EFFICIENCY:.0%} of the datasheet | assumption | nccl-tests-like busbw; "
-              "a group across nodes gets its GPUs per node x the per-GPU NIC, capped by NVLink (NCCL issue 812) |",
-              f"| α NVLink / InfiniBand | {cl.ALPHA_NVLINK_S * 1e6:.0f} / {cl.ALPHA_INFINIBAND_S * 1e6:.0f} µs | "
-              "assumption | |",
-              f"| memory constants (score bytes {mem.SCORE_BYTES}, ...) | see jaxpar/parallel/memory.py | fitted | "
-              f"the {recorded_compiles()} deviceless H100 compiles of the 7B recorded in "
-              "tests/data/h100_7b_compiles.json "
-              "(none of them a candidate ranked here unless part c says so) |",
-              f"| einsum-attention traffic | {st.SCORE_BYTES} bytes per S x S element | assumption | |",
-              "| CPU η and overheads | part d | measured | the calibration strategies' measured steps |", "",
-              *anchor_section(anchors)]
-    lines += ["## c. Checked against the compiler", ""]
+    return [*lines, "", "![memory](memory.png) ![step time](steptime.png)", ""]
+
+
+def calibration_section(anchors) -> list[str]:
+    from jaxpar.parallel import memory as mem
+    from jaxpar.plan import fleet as cl
+    from jaxpar.plan import steptime as st
+    return ["## b. Calibration: what is assumed, fitted, measured", "",
+            "| quantity | value | kind | source |", "|---|---:|---|---|",
+            f"| compute efficiency η (GPU, jaxpar/XLA) | {st.COMPUTE_EFFICIENCY} | fitted on a published run's own "
+            "strategy | MaxText's Llama-2-70B (the anchor table below; other frameworks have their own η) |",
+            "| GEMM size factor g | per candidate | model | additive roofline 1/(1 + ridge/intensity) per weight "
+            "matmul, time-weighted (`jaxpar/plan/gemm.py`); η is that of an ideal large GEMM |",
+            f"| fp8 matmul efficiency | {st.FP8_EFFICIENCY} x η of the fp8 peak | fitted | NeMo's Llama-3.1-8B "
+            "fp8 run; MFU is always against the bf16 peak |",
+            f"| fixed overheads | {st.STEP_OVERHEAD_S * 1e3:.0f} ms per step + {st.LAYER_OVERHEAD_S * 1e6:.0f} µs "
+            "per layer per microbatch | assumption | launch and tail gaps; CPU: measured (part d) |",
+            f"| overlap of hideable collectives | {st.OVERLAP:.0%} | assumption | lab 02: XLA overlaps 5 of 8 "
+            "forward and 4 of 8 backward gathers per layer in the compiled H100 step |",
+            f"| memory-bound passes | {st.MEMORY_EFFICIENCY:.0%} of HBM bandwidth | assumption | |",
+            f"| link efficiency | {cl.LINK_EFFICIENCY:.0%} of the datasheet | assumption | nccl-tests-like busbw; "
+            "a group across nodes gets its GPUs per node x the per-GPU NIC, capped by NVLink (NCCL issue 812) |",
+            f"| α NVLink / InfiniBand | {cl.ALPHA_NVLINK_S * 1e6:.0f} / {cl.ALPHA_INFINIBAND_S * 1e6:.0f} µs | "
+            "assumption | |",
+            f"| memory constants (score bytes {mem.SCORE_BYTES}, ...) | see jaxpar/parallel/memory.py | fitted | "
+            f"the {recorded_compiles()} deviceless H100 compiles of the 7B recorded in "
+            "tests/data/h100_7b_compiles.json "
+            "(none of them a candidate ranked here unless part c says so) |",
+            f"| einsum-attention traffic | {st.SCORE_BYTES} bytes per S x S element | assumption | |",
+            "| CPU η and overheads | part d | measured | the calibration strategies' measured steps |", "",
+            *anchor_section(anchors)]
+
+
+def compiler_section(p, compiler) -> list[str]:
+    from jaxpar.plan.verify import verification_table
+    lines = ["## c. Checked against the compiler", ""]
     if "verified" in compiler:
         lines += [f"Compiled deviceless for {p.cluster.name} ({p.cluster.nodes}x{p.cluster.per_node}); memory is "
                   "XLA:GPU's buffer-assignment peak, bytes are the compiled collectives per mesh axis "
@@ -89,11 +107,7 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed) -> str
         lines += [f"- formula only (ranked above or among them): {s}" for s in compiler["not_built"]]
     else:
         lines.append(f"Skipped: {compiler['skipped']}.")
-    lines.append("")
-    lines += reality_section(reality)
-    lines += fertility_section(fert, p)
-    lines += risk_section(risks, p)
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
 
 
 def _spread(values: list[float]) -> float:
@@ -155,6 +169,7 @@ def reality_section(reality) -> list[str]:
                      f"{r['predicted_s']:.3f} | {r['ratio']:.2f}{flag} | {r['predicted_rank']} / {r['cpu_rank']} | "
                      f"{r['measured_s']:.3f} ({_quartiles(r['times_s'])}) | {r['predicted_wall_s']:.3f} | "
                      f"{r['predicted_wall_rank']} / {r['measured_rank']} | {axes} |")
+    resolved, agreeing, pairs = r0["resolved_pairs"]
     lines += ["", f"**{r0['within']} of {r0['checked']}** predicted strategies within {WITHIN:.0%} of measured (CPU "
               f"basis); Spearman rank correlation of predicted and measured step times **{r0['spearman']:.2f}** on "
               f"the CPU basis (the check), {r0['spearman_wall']:.2f} on wall clock, over {len(r0['rows'])} "
@@ -162,7 +177,9 @@ def reality_section(reality) -> list[str]:
               f"the planner. Predictions span {_spread([r['predicted_s'] for r in r0['rows']]):.0%} from fastest to "
               f"slowest, measured CPU seconds {_spread([r['cpu_s'] for r in r0['rows']]):.0%}, wall medians "
               f"{_spread([r['measured_s'] for r in r0['rows']]):.0%}; a rank is only as good as the gaps between "
-              "predictions.", "", "![cpu check](cpu_check.png)", ""]
+              f"predictions. The CPU steps resolve **{resolved} of {pairs}** pairs of strategies (their quartiles do "
+              f"not overlap; the others differ by less than their steps vary) and the planner orders **{agreeing}** of "
+              "those as measured.", "", "![cpu check](cpu_check.png)", ""]
     return lines
 
 

@@ -149,6 +149,22 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
     return [item[-1] for item in built]
 
 
+def resolved_pairs(predicted: list[float], steps: list[list[float]]) -> tuple[int, int, int]:
+    """(resolved, agreeing, pairs): of all pairs of strategies, those whose measured steps' quartiles do not
+    overlap (the measurement resolves their order; a rank correlation over the rest ranks noise), and how many
+    of those the predictions order the same way."""
+    quartiles = [statistics.quantiles(s, n=4) for s in steps]
+    medians = [statistics.median(s) for s in steps]
+    resolved = agreeing = pairs = 0
+    for i in range(len(steps)):
+        for j in range(i + 1, len(steps)):
+            pairs += 1
+            if quartiles[i][2] < quartiles[j][0] or quartiles[j][2] < quartiles[i][0]:
+                resolved += 1
+                agreeing += (medians[i] - medians[j]) * (predicted[i] - predicted[j]) > 0
+    return resolved, agreeing, pairs
+
+
 def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, seq_len: int,
               basis: str = "wall") -> Calibration:
     """η and the fixed per-step overhead O of the CPU step, from ONE strategy measured at two global batches
