@@ -3,13 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from synthetic import counting_batches
+from synthetic import build_strategy_for, run_counting_steps
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, validate
 from jaxpar.measure.hlo import collectives
-from jaxpar.mesh import make_mesh
-from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_strategy, predicted_collective_bytes
+from jaxpar.parallel.registry import predicted_collective_bytes
 
 VOCAB = 512
 N, BUCKETS = 8, 3
@@ -18,24 +16,11 @@ REDUCE = {"ddp": "all-reduce", "zero2": "reduce-scatter"}
 
 
 def _strategy(overrides, devices):
-    config = load_config("configs/test.py")
-    apply_overrides(config, BASE + overrides)
-    model = ModelConfig.from_config(config.model, VOCAB)
-    return make_strategy(config, model, make_mesh(config, jax.devices()[:devices]))
+    return build_strategy_for(BASE, overrides, devices, VOCAB)
 
 
 def _run(strategy, start=None, steps=2):
-    """Losses, gradient norms, final state and compiled step; `start`: a host copy of the initial state
-    (the same numbers every strategy's init_state makes; one init saves a compile per strategy)."""
-    state = strategy.init_state() if start is None else jax.device_put(start, strategy.state_shardings)
-    losses, norms = [], []
-    with jax.set_mesh(strategy.mesh):
-        step = strategy.lower_step().compile()
-        for batch in counting_batches(strategy.config, steps, VOCAB):
-            state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
-            losses.append(float(metrics["loss"]))
-            norms.append(float(metrics["grad_norm"]))
-    return np.array(losses), np.array(norms), state, step
+    return run_counting_steps(strategy, VOCAB, steps, start)
 
 
 @pytest.fixture(scope="module")

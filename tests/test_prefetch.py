@@ -3,35 +3,22 @@ devices, the gathered layers one ahead of the compute in the program, and the me
 import jax
 import numpy as np
 import pytest
-from synthetic import counting_batches
+from synthetic import build_strategy_for, run_counting_steps
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, validate
 from jaxpar.measure.hlo import collectives
-from jaxpar.mesh import make_mesh
 from jaxpar.model.counting import param_count
-from jaxpar.model.transformer import ModelConfig
-from jaxpar.parallel.registry import make_strategy
 
 VOCAB = 512
 BASE = ["train.warmup_steps=1", "train.grad_clip=0.05"]
 
 
 def _strategy(overrides, devices):
-    config = load_config("configs/test.py")
-    apply_overrides(config, BASE + overrides)
-    model = ModelConfig.from_config(config.model, VOCAB)
-    return make_strategy(config, model, make_mesh(config, jax.devices()[:devices]))
+    return build_strategy_for(BASE, overrides, devices, VOCAB)
 
 
 def _run(strategy, steps=2):
-    state, losses, norms = strategy.init_state(), [], []
-    with jax.set_mesh(strategy.mesh):
-        step = strategy.lower_step().compile()
-        for batch in counting_batches(strategy.config, steps, VOCAB):
-            state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
-            losses.append(float(metrics["loss"]))
-            norms.append(float(metrics["grad_norm"]))
-    return np.array(losses), np.array(norms), state, step
+    return run_counting_steps(strategy, VOCAB, steps)
 
 
 def test_prefetch_matches_one_device_and_costs_a_gathered_layer():

@@ -188,8 +188,8 @@ def memory(base: list[str], vocab: int, seq_lens, log) -> dict:
     note = ("The S² coefficient is fitted exactly through the three lengths (temp = α + β·S + γ·S²): the dot "
             "attention's γ is the [S, S] scores and probabilities kept for the backward pass; flash attention's "
             "is ~0 (what is left grows linearly). jaxpar's prediction is the strategy's memory model "
-            "(jaxpar.parallel.memory), fitted on XLA:GPU bf16 compiles: in fp32 on CPU it is not calibrated "
-            "(its working set holds a fitted 0.95 GB constant), and its ratios are reported as they come.")
+            "(jaxpar.parallel.memory), fitted on XLA:GPU bf16 compiles (its fixed 0.95 GB of XLA:GPU buffers is "
+            "charged on GPU only): in fp32 on CPU it is not calibrated, and its ratios are reported as they come.")
     return {"rows": rows, "quadratic": quadratic, "markdown": table + "\n\n" + fit + "\n\n" + note}
 
 

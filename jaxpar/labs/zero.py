@@ -143,8 +143,8 @@ def memory(lab: Lab) -> dict:
         "Gradients are not arguments: they live in the step's temporaries, with the activations. Paper = grads "
         "(4Ψ / grad shards) + the activations of Korthikanti et al. 2022 (adapted, fp32); jaxpar's prediction = "
         "the strategy's memory model (jaxpar.parallel.memory: gradients, activations kept, working set), the one "
-        "the dry run and the planner use, fitted on XLA:GPU bf16 compiles: on CPU in fp32 it is not calibrated "
-        "(its working set holds a fitted 0.95 GB constant), and the ratio is reported as it comes.",
+        "the dry run and the planner use, fitted on XLA:GPU bf16 compiles (its fixed 0.95 GB of XLA:GPU buffers "
+        "is charged on GPU only): on CPU in fp32 it is not calibrated, and the ratio is reported as it comes.",
         "",
         md_table(["strategy", "grads: formula", "activations: paper (Korthikanti)", "temp: paper",
                 "temp: jaxpar's prediction", "temp: compiled", "compiled / paper", "compiled / jaxpar's",
