@@ -45,6 +45,7 @@ from jaxpar.model.transformer import embed, head_loss, run_blocks, split_aux
 from jaxpar.parallel.auto import rules_embedding
 from jaxpar.parallel.expert import ExpertStrategy, manual_routed_experts
 from jaxpar.parallel.pipeline import check_pipeline, pipe_microbatches, pipe_virtual
+from jaxpar.parallel.pipeline_predict import stack_bytes
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
@@ -239,9 +240,10 @@ def pipe_flows(shape, cand: Candidate, global_batch: int, a: float, iterations: 
                group over both: not predicted.
       chunks   v > 1, p = 2: each iteration picks every stage's chunk by a dynamic index into the pipe-sharded
                [v, p, ...] stack: forward, with pipe the only split axis, an all-reduce of the picked [p, Lc]
-               chunks (2(p-1)·C, C = one chunk's fp32 params on this device); backward, its scatter-add, an
-               all_to_all ((p-1)·C). At p > 2, or with other axes, XLA moves them over pairs of stages: not
-               predicted."""
+               chunks (2(p-1)·C, C = one chunk's fp32 params on this device, `stack_bytes` / v); backward, its
+               scatter-add, an all_to_all ((p-1)·C; measured with data, expert, tensor, not fsdp). At p > 2, or
+               with other axes, XLA moves the forward's over pairs of stages: not predicted. With tensor, XLA
+               also sends the embedding's and head's pieces over pipe: not predicted."""
     p, m, v, r = cand.pipe, cand.microbatches, cand.virtual, cand.accumulate
     ring = 2 * (p - 1) / p
     alone = cand.data * cand.fsdp * cand.tensor * (cand.expert if shape.moe else 1) == 1
@@ -254,10 +256,9 @@ def pipe_flows(shape, cand: Candidate, global_batch: int, a: float, iterations: 
     if alone and global_batch // r % p == 0:
         head = (counts["lm_head"] or counts["embedding"]) + counts["final_norm"]
         flows.append(Flow("pipe", "all-reduce", ring * 4 * head, 2, False))
-    if v > 1 and p == 2:
+    if v > 1 and p == 2 and cand.fsdp == 1:
         stack = counts["blocks"] - (shape.dense_layers * block_params(shape.model) if shape.moe else 0)
-        experts = counts["experts"]
-        chunk = 4 * (stack - experts + experts / (cand.expert if shape.moe else 1)) / (p * v)
+        chunk = stack_bytes(shape, cand, stack, counts["experts"]) / v
         if alone:
             flows.append(Flow("pipe", "all-reduce", iterations * 2 * (p - 1) * chunk * r, iterations * r, False))
         flows.append(Flow("pipe", "all-to-all", iterations * (p - 1) * chunk * r, iterations * r, False))

@@ -139,11 +139,19 @@ def tensor_bytes(shape, cand: Candidate, program, a: float, tokens: int) -> Flow
                 float(count[busiest]) + (3 if cand.sequence else 0), False)
 
 
+def stack_bytes(shape, cand: Candidate, psi_pipelined: float, psi_x: float) -> float:
+    """fp32 bytes of the pipelined stack one device stores: 4·(Ψ_P - Ψ_x - R)/(F·T·p) + 4·Ψ_x/(X·F·T·p) + 4·R/p,
+    R = the norms and routers (replicated over fsdp and tensor)."""
+    X, split = (cand.expert if shape.moe else 1), cand.fsdp * cand.tensor
+    layers = shape.moe_layers if shape.moe else shape.layers
+    replicated = layers * (2 * shape.d_model + (moe_block_params(shape.model)["router"] if shape.moe else 0))
+    return 4 * ((psi_pipelined - psi_x - replicated) / split + psi_x / (X * split) + replicated) / cand.pipe
+
+
 def redeal(shape, cand: Candidate, psi_pipelined: float, psi_x: float) -> list[Flow]:
     """v > 1: the stack is stored [L], each stage's layers contiguous, but runs [v, p, Lc] (model stage c·p + s on
     device s; the V's chunk 1 reversed), so every step XLA re-deals the params in and the gradients out (fp32,
-    outside the tick loop). B = the device's stored block: 4·(Ψ_P - Ψ_x - R)/(F·T·p) + 4·Ψ_x/(X·F·T·p) + 4·R/p,
-    R = the norms and routers (replicated over fsdp and tensor). At p = 2 its groups are the pipe axis:
+    outside the tick loop). B = the device's stored block (`stack_bytes`). At p = 2 its groups are the pipe axis:
       interleaved   all_to_alls: (p-1)/p·B in and again out, what has to move.
       DualPipeV     XLA partitions the V's reversed slices with a permute of the whole block beside the
                     all_to_all: in B + B/2, out B + 2·B/2 (3.5 B where B would do: the executor's layout, not the
@@ -153,11 +161,7 @@ def redeal(shape, cand: Candidate, psi_pipelined: float, psi_x: float) -> list[F
     p, v = cand.pipe, cand.virtual
     if v == 1 or p != 2:
         return []
-    X, split = (cand.expert if shape.moe else 1), cand.fsdp * cand.tensor
-    layers = shape.moe_layers if shape.moe else shape.layers
-    per_layer = 2 * shape.d_model + (moe_block_params(shape.model)["router"] if shape.moe else 0)
-    replicated = layers * per_layer
-    block = 4 * ((psi_pipelined - psi_x - replicated) / split + psi_x / (X * split) + replicated) / p
+    block = stack_bytes(shape, cand, psi_pipelined, psi_x)
     ring, arrays = (p - 1) / p, WEIGHTS_PER_LAYER + (2 if shape.moe else 0)    # an MoE layer: + router, its bias
     if cand.schedule == "dualpipev":
         return [Flow("pipe", "permute", 2 * block, 2 * arrays, False),
