@@ -5,8 +5,8 @@ strided microbatches: the balance loss multiplies two batch means, so it depends
 nothing else may differ. The linear statistics (routed and dropped fractions, entropy, z) do not: step 1's
 telemetry per layer equals the plain single device's. A representative subset runs here (1F1B with
 data, GPipe with expert x fsdp, accumulation and rules, 1F1B with expert x tensor, 1F1B with data x tensor and
-sequence parallelism, DualPipeV, circular with virtual stages and manual experts); lab 03's `moe` part runs every
-schedule.
+sequence parallelism, DualPipeV with tensor, circular with virtual stages and manual experts); lab 03's `moe`
+part runs every schedule.
 """
 import jax
 import numpy as np
@@ -36,8 +36,10 @@ CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's tr
     "1f1b data=2 x pipe=2 x tensor=2, sequence": (
         ["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.tensor=manual", "parallel.sequence=true",
          "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"], 8),
-    # DualPipeV's V: chunk 1 of device s is model stage 2p-1-s (the telemetry's layer order, the bias update)
-    "dualpipev pipe=2": (["mesh.data=1", "mesh.pipe=2", "parallel.pipe=dualpipev", "parallel.pipe_microbatches=4"], 2),
+    # DualPipeV's V: chunk 1 of device s is model stage 2p-1-s (the telemetry's layer order, the bias update),
+    # with the experts split Megatron-style over tensor inside the stages
+    "dualpipev pipe=2 x tensor=2": (["mesh.data=1", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=dualpipev",
+                                     "parallel.pipe_microbatches=4"], 4),
     # manual EP inside the compiler-driven pipeline: the exchange's shard_map vmapped over the stages
     "circular data=2 x expert=2 x pipe=2 v=2, manual experts": (
         ["mesh.data=2", "mesh.expert=2", "mesh.pipe=2", "parallel.expert=manual", "parallel.pipe=circular",
@@ -129,12 +131,18 @@ def test_what_the_moe_pipeline_cannot_run_is_one_config_error(overrides, field):
     assert error.value.field == field, str(error.value)
 
 
-@pytest.mark.parametrize("name, axes", [("1f1b expert=2 x pipe=2 x tensor=2", {"pipe", "tensor", "expert"}),
-                                        ("1f1b data=2 x pipe=2 x tensor=2, sequence", {"pipe", "tensor", "data"})])
-def test_executed_collectives_of_moe_pipelines_with_tensor_match_the_prediction(name, axes, runs):
+@pytest.mark.parametrize("name, axes, rel", [
+    ("1f1b expert=2 x pipe=2 x tensor=2", {"pipe", "tensor", "expert"}, 0.01),
+    ("1f1b data=2 x pipe=2 x tensor=2, sequence", {"pipe", "tensor", "data"}, 0.01),
+    ("dualpipev pipe=2 x tensor=2", {"pipe", "tensor"}, 0.02),     # the V's 2 chunks, the stack re-dealt to them
+    # its expert prediction is the all_to_alls alone (the next test); XLA's other traffic there is not predicted
+    ("circular data=2 x expert=2 x pipe=2 v=2, manual experts", {"pipe", "expert?"}, 0.02),
+])
+def test_executed_collectives_of_moe_pipelines_match_the_prediction(name, axes, rel, runs):
     """The busiest stage's bytes per axis against `predict`: Megatron's f/g around every MoE layer's experts
     (its gates' gradient too), the dense stack on the first stage, the expert all_to_alls; under SP the
-    gates' and expert ids' all-gathers and the router statistics' all-reduces."""
+    gates' and expert ids' all-gathers and the router statistics' all-reduces; DualPipeV's re-deal of the
+    stack to its V; circular's rolls, queue and chunk picks over pipe."""
     from collections import defaultdict
 
     from jaxpar.measure.executed import step_collectives
@@ -145,9 +153,9 @@ def test_executed_collectives_of_moe_pipelines_with_tensor_match_the_prediction(
         sent[collective.axis_label] += collective.bytes_per_step
     sizes = {axis: int(n) for axis, n in strategy.mesh.shape.items()}
     predicted = predicted_collective_bytes(strategy.config, strategy.model_cfg, sizes, "cpu")
-    assert set(predicted) == axes
-    for axis, want in predicted.items():
-        assert sent[axis] == pytest.approx(want, rel=0.01), axis
+    assert set(predicted) == {axis.rstrip("?") for axis in axes}
+    for axis in axes - {"expert?"}:
+        assert sent[axis] == pytest.approx(predicted[axis], rel=rel), axis
 
 
 def test_circular_manual_expert_all_to_alls_match_the_prediction(runs):

@@ -24,7 +24,8 @@ microbatch are summed into a [v, p, Lc] buffer (/ m); the weighted losses in it 
 objective, so jax.grad carries them too: one device accumulating over the same m strided
 microbatches, to rounding. Gradient accumulation (train.microbatches) wraps the whole
 pipelined step, as in the automatic strategy.
-`predict` (end of file): the pipe axis's rolls and the manual experts' all_to_alls; the rest is not predicted.
+`predict` (end of file): the pipe axis (rolls, the queue, the head's gradients, v > 1's chunk picks) and the
+manual experts' all_to_alls; the rest is not predicted.
 """
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.model.axes import ACTIVATION_AXES
+from jaxpar.model.counting import block_params
 from jaxpar.model.moe import noise_seeds, with_routed_experts
 from jaxpar.model.transformer import embed, head_loss, run_blocks, split_aux
 from jaxpar.parallel.auto import rules_embedding
 from jaxpar.parallel.expert import ExpertStrategy, manual_routed_experts
 from jaxpar.parallel.pipeline import check_pipeline, pipe_microbatches, pipe_virtual
+from jaxpar.parallel.pipeline_predict import stack_bytes
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
@@ -203,16 +206,17 @@ class CircularStrategy(Strategy):
 # ============================================================================ prediction
 
 def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
-    """v·m + p - 1 scan iterations, each rolling one activation a = b·s·h·e forward and one gradient back, r =
-    train.microbatches times per step: pipe 2·(v·m + p - 1)·a·r per device (b: rows per batch shard, data x fsdp,
-    x expert for MoE). With parallel.expert=manual, the experts' all_to_alls: every iteration each device runs
-    its stage's L/(p·v) MoE layers on a microbatch (a bubble's too), `moe_all_to_all_bytes` per layer and
-    microbatch. What XLA sends for data, fsdp, tensor or expert around them is not predicted."""
+    """I = v·m + p - 1 scan iterations, r = train.microbatches runs per step; a = b·s·h·e one microbatch's
+    activation (b: rows per batch shard, data x fsdp, x expert for MoE). Bytes as the compiled program lists them:
+      pipe     `pipe_flows`.
+      expert   parallel.expert=manual: every iteration each device runs its stage's L/(p·v) MoE layers on a
+               microbatch (a bubble's too), `moe_all_to_all_bytes` per layer and microbatch.
+    What XLA sends for data, fsdp, tensor or expert around them is not predicted."""
     p, m, v, r = cand.pipe, cand.microbatches, cand.virtual, cand.accumulate
     shards = cand.data * cand.fsdp * (cand.expert if shape.moe else 1)
     a = global_batch // shards // (m * r) * seq_len * shape.d_model * wire_bytes(cand.precision, platform)
     iterations = v * m + p - 1
-    flows = [Flow("pipe", "permute", 2 * iterations * a * r, 2 * iterations * r, False)]
+    flows = pipe_flows(shape, cand, global_batch, a, iterations)
     if shape.moe and cand.expert > 1 and cand.expert_impl == "manual":
         per_microbatch = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
                                               layers=shape.moe_layers // (p * v))   # m·r microbatches' worth
@@ -221,3 +225,41 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     return Prediction(flows, stored_params(shape, cand),
                       bubble=bubble_fraction("circular", p, m, v), stash=float(iterations),
                       note="circular: only the pipe axis and the manual experts' all_to_alls are predicted")
+
+
+def pipe_flows(shape, cand: Candidate, global_batch: int, a: float, iterations: int) -> list[Flow]:
+    """What the compiled step sends over `pipe` (I iterations, a one microbatch's activation, ring 2(p-1)/p):
+      rolls    forward I·a; XLA splits the backward's roll into the shift s -> s-1 and the wrap 0 -> p-1, one
+               permute each: every device sends one of them, but the count charges both to every device, the
+               wrap on `pipe` at p = 2 (I·a more), on a group no mesh axis spans at p > 2.
+      queue    stage 0's finished microbatches shared with the others (all-reduce of m·a), and in the backward the
+               cotangents of the p copies of the input queue summed (the same); with pipe the only split axis and
+               v > 1, XLA also all-gathers the queue's cotangent ((p-1)/p·m·a).
+      head     its batch split over pipe alone (data = fsdp = 1, expert = 1): the head's and final norm's
+               gradients all-reduced over pipe once per step (fp32). With data or fsdp XLA folds them into a
+               group over both: not predicted.
+      chunks   v > 1, p = 2: each iteration picks every stage's chunk by a dynamic index into the pipe-sharded
+               [v, p, ...] stack: forward, with pipe the only split axis, an all-reduce of the picked [p, Lc]
+               chunks (2(p-1)·C, C = one chunk's fp32 params on this device, `stack_bytes` / v); backward, its
+               scatter-add, an all_to_all ((p-1)·C; measured with data, expert, tensor, not fsdp). At p > 2, or
+               with other axes, XLA moves the forward's over pairs of stages: not predicted. With tensor, XLA
+               also sends the embedding's and head's pieces over pipe: not predicted."""
+    p, m, v, r = cand.pipe, cand.microbatches, cand.virtual, cand.accumulate
+    ring = 2 * (p - 1) / p
+    alone = cand.data * cand.fsdp * cand.tensor * (cand.expert if shape.moe else 1) == 1
+    rolls = (3 if p == 2 else 2) * iterations
+    flows = [Flow("pipe", "permute", rolls * a * r, rolls * r, False),
+             Flow("pipe", "all-reduce", 2 * ring * m * a * r, 2 * r, False)]
+    if alone and v > 1:
+        flows.append(Flow("pipe", "all-gather", ring / 2 * m * a * r, r, False))
+    counts = shape.counts()
+    if alone and global_batch // r % p == 0:
+        head = (counts["lm_head"] or counts["embedding"]) + counts["final_norm"]
+        flows.append(Flow("pipe", "all-reduce", ring * 4 * head, 2, False))
+    if v > 1 and p == 2 and cand.fsdp == 1:
+        stack = counts["blocks"] - (shape.dense_layers * block_params(shape.model) if shape.moe else 0)
+        chunk = stack_bytes(shape, cand, stack, counts["experts"]) / v
+        if alone:
+            flows.append(Flow("pipe", "all-reduce", iterations * 2 * (p - 1) * chunk * r, iterations * r, False))
+        flows.append(Flow("pipe", "all-to-all", iterations * (p - 1) * chunk * r, iterations * r, False))
+    return flows

@@ -41,8 +41,8 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
                 it gathers). Per device Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). XLA:GPU folds consecutive
                 all-reduces into one over the union of their axes (`data+pipe+expert`); XLA:CPU keeps one each.
       expert    MoE: the all_to_alls of the stage's MoE layers (`moe_all_to_all_bytes`, L/p layers, m·r
-                microbatches; with tensor > 1 every tensor rank exchanges the whole tokens). With v > 1 XLA
-                re-deals the chunks (groups over pipe and more): not predicted.
+                microbatches; with tensor > 1 every tensor rank exchanges the whole tokens).
+      re-deal   v > 1 (interleaved, DualPipeV): the stored stack's layout against the staged one, `redeal`.
     """
     p, D, F, T = cand.pipe, cand.data, cand.fsdp, cand.tensor
     X = cand.expert if shape.moe else 1
@@ -71,6 +71,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     all_reduce(("data",), 4 * psi_x / (p * X * T), 3, gathered=e)
     if T > 1:
         out.append(tensor_bytes(shape, cand, program, a, a // (shape.d_model * e)))
+    out.extend(redeal(shape, cand, psi_pipelined, psi_x))
     if X > 1:
         exchange = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
                                         layers=shape.moe_layers // p)
@@ -136,3 +137,33 @@ def tensor_bytes(shape, cand: Candidate, program, a: float, tokens: int) -> Flow
     busiest = int(np.argmax(per_stage))
     return Flow("tensor", "reduce-scatter" if cand.sequence else "all-reduce", float(per_stage[busiest]) + once,
                 float(count[busiest]) + (3 if cand.sequence else 0), False)
+
+
+def stack_bytes(shape, cand: Candidate, psi_pipelined: float, psi_x: float) -> float:
+    """fp32 bytes of the pipelined stack one device stores: 4·(Ψ_P - Ψ_x - R)/(F·T·p) + 4·Ψ_x/(X·F·T·p) + 4·R/p,
+    R = the norms and routers (replicated over fsdp and tensor)."""
+    X, split = (cand.expert if shape.moe else 1), cand.fsdp * cand.tensor
+    layers = shape.moe_layers if shape.moe else shape.layers
+    replicated = layers * (2 * shape.d_model + (moe_block_params(shape.model)["router"] if shape.moe else 0))
+    return 4 * ((psi_pipelined - psi_x - replicated) / split + psi_x / (X * split) + replicated) / cand.pipe
+
+
+def redeal(shape, cand: Candidate, psi_pipelined: float, psi_x: float) -> list[Flow]:
+    """v > 1: the stack is stored [L], each stage's layers contiguous, but runs [v, p, Lc] (model stage c·p + s on
+    device s; the V's chunk 1 reversed), so every step XLA re-deals the params in and the gradients out (fp32,
+    outside the tick loop). B = the device's stored block (`stack_bytes`). At p = 2 its groups are the pipe axis:
+      interleaved   all_to_alls: (p-1)/p·B in and again out, what has to move.
+      DualPipeV     XLA partitions the V's reversed slices with a permute of the whole block beside the
+                    all_to_all: in B + B/2, out B + 2·B/2 (3.5 B where B would do: the executor's layout, not the
+                    schedule, costs it; Megatron stores each virtual stage where it runs).
+    At p > 2 XLA exchanges between pairs of stages, groups that no mesh axis spans (the dry run's `?`): not
+    predicted."""
+    p, v = cand.pipe, cand.virtual
+    if v == 1 or p != 2:
+        return []
+    block = stack_bytes(shape, cand, psi_pipelined, psi_x)
+    ring, arrays = (p - 1) / p, WEIGHTS_PER_LAYER + (2 if shape.moe else 0)    # an MoE layer: + router, its bias
+    if cand.schedule == "dualpipev":
+        return [Flow("pipe", "permute", 2 * block, 2 * arrays, False),
+                Flow("pipe", "all-to-all", 3 * ring * block, 3 * arrays, False)]
+    return [Flow("pipe", "all-to-all", 2 * ring * block, 2 * arrays, False)]

@@ -38,12 +38,13 @@ class Candidate:
     tensor_impl: str = "auto"      # parallel.tensor
     expert_impl: str = "auto"      # parallel.expert
     sequence: bool = False         # parallel.sequence (with tensor_impl = manual)
-    virtual: int = 0               # chunks per stage; 0: VIRTUAL for interleaved, else 1
+    virtual: int = 0               # chunks per stage; 0: VIRTUAL for interleaved, DualPipeV's 2 (its V), else 1
     grad_buckets: int = 0          # parallel.grad_buckets (data_impl ddp, zero2): layer gradients reduced in buckets
 
     def __post_init__(self):
         if not self.virtual:
-            object.__setattr__(self, "virtual", VIRTUAL if self.schedule == "interleaved" else 1)
+            chunks = {"interleaved": VIRTUAL, "dualpipev": 2}.get(self.schedule, 1)
+            object.__setattr__(self, "virtual", chunks)
 
     @property
     def sizes(self) -> dict[str, int]:
