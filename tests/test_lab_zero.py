@@ -79,6 +79,8 @@ def test_lab_bad_input_exits_2(capsys, tmp_path):
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --steps: ")
     code, _, err = run_main(capsys, ["lab", "zero", "--out", str(tmp_path / "lab"), "--precisions", "fp64"])
     assert code == 2 and len(err) == 1 and err[0].startswith("error: --precisions: ")
+    code, _, err = run_main(capsys, ["lab", "zero", "--out", str(tmp_path / "lab"), "--parts", "memory,speed"])
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: --parts: unknown speed; valid: equivalence")
     assert not (tmp_path / "lab").exists()
     # the standalone script: same checks, same one line
     result = subprocess.run([sys.executable, str(ROOT / "experiments" / "02_zero" / "run.py"), "--cpu-devices", "8",

@@ -14,6 +14,7 @@ from jaxpar.checks import add_config_arguments
 # keeps the whole lab under 12 minutes on 2 CPU cores (measured: ~0.17 CPU-s per capacity step on one device).
 MOE_SETTINGS = ("model.layers=2", "data.seq_len=64")
 MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense", "layouts")
+ZERO_PARTS = ("equivalence", "memory", "communication", "remat", "precision")
 TENSOR_PARTS = ("equivalence", "communication", "memory", "layouts")
 PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "dualpipev", "pipedream", "moe")
 
@@ -30,6 +31,8 @@ def zero(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remat-repeats", type=int, default=10, help="timed steps per remat policy (default 10)")
     p.add_argument("--precisions", metavar="LIST", default=None,
                    help="comma-separated compute dtypes (default: float32,bfloat16,float8)")
+    p.add_argument("--parts", metavar="LIST", default=",".join(ZERO_PARTS),
+                   help=f"comma-separated parts to run (default all: {','.join(ZERO_PARTS)})")
 
 
 def tensor(p: argparse.ArgumentParser) -> None:

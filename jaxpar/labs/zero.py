@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
 from jaxpar.labs import report
+from jaxpar.labs.arguments import ZERO_PARTS as PARTS
 from jaxpar.labs.arguments import zero as add_arguments
 from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
 from jaxpar.labs.zero_build import Lab
@@ -309,9 +310,13 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
 # ============================================================================ the whole lab
 
 def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision_steps: int = 60,
-            remat_repeats: int = 10, precisions: list[str] | None = None, log=print) -> dict:
-    """Run parts a-e on every local device; write the run directory; return every number."""
+            remat_repeats: int = 10, precisions: list[str] | None = None, parts: tuple[str, ...] = PARTS,
+            log=print) -> dict:
+    """Run parts a-e (or those in `parts`) on every local device; write the run directory; return every number."""
     start = time.perf_counter()
+    unknown = [x for x in parts if x not in PARTS]
+    if unknown or not parts:
+        raise ConfigError("--parts", f"unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(PARTS)}")
     for name, value in (("--steps", steps), ("--precision-steps", precision_steps),
                         ("--remat-repeats", remat_repeats)):
         if value < 1:
@@ -342,25 +347,24 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision
     results = {"config": config.name, "devices": len(devices), "platform": devices[0].platform,
                "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "params": lab.psi,
                "params_blocks": lab.counts["blocks"]}
-    parts = [header]
+    sections = [header]
     log(header + "\n")
-    for name, fn in (("equivalence", lambda: equivalence(lab, steps)), ("memory", lambda: memory(lab)),
-                     ("communication", lambda: communication(lab)), ("remat", lambda: remat(lab, remat_repeats)),
-                     ("precision", lambda: precision(lab, precision_steps, precisions))):
+    plan = {"equivalence": lambda: equivalence(lab, steps), "memory": lambda: memory(lab),
+            "communication": lambda: communication(lab), "remat": lambda: remat(lab, remat_repeats),
+            "precision": lambda: precision(lab, precision_steps, precisions)}
+    for name, fn in ((name, plan[name]) for name in PARTS if name in parts):
         t0 = time.perf_counter()
         log(f"[{name}]")
         result = fn()
         result["seconds"] = time.perf_counter() - t0
         results[name] = result
-        parts.append(result["markdown"])
+        sections.append(result["markdown"])
         log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    footer = write_report(out, parts, results, start,
-                          {k: results[k]["seconds"] for k in ("equivalence", "memory", "communication", "remat",
-                                                               "precision")},
+    footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in PARTS if k in results},
                           compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values())))
     log(footer)
-    report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
-    log(f"wrote {out / 'report.md'}, results.json and 5 plots")
+    plots = report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
+    log(f"wrote {out / 'report.md'}, results.json and {len(plots)} plots")
     return results
 
 
@@ -372,7 +376,8 @@ def run_from_args(args) -> int:
     apply_overrides(config, args.overrides)
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
     run_lab(config, args.out, steps=args.steps, precision_steps=args.precision_steps,
-            remat_repeats=args.remat_repeats, precisions=precisions)
+            remat_repeats=args.remat_repeats, precisions=precisions,
+            parts=tuple(x.strip() for x in args.parts.split(",") if x.strip()))
     return 0
 
 
