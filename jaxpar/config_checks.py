@@ -170,9 +170,6 @@ def validate_tensor_overlap(config) -> None:
     if mode != "none" and not (config.parallel.tensor == "manual" and config.parallel.sequence):
         raise ConfigError("parallel.tensor_overlap", f"'{mode}' overlaps sequence parallelism's all-gather and "
                           "reduce-scatter: set parallel.tensor=manual and parallel.sequence=true, or 'none'")
-    if mode != "none" and config.model.moe.experts:
-        raise ConfigError("parallel.tensor_overlap", f"'{mode}' rings the dense layers' matmuls, not an MoE layer's "
-                          f"experts (model.moe.experts={config.model.moe.experts}); use 'none' for an MoE model")
     if config.parallel.get("prefetch", False) and config.parallel.data != "zero3":
         raise ConfigError("parallel.prefetch", f"prefetches ZeRO-3's layer gathers, but parallel.data="
                           f"{config.parallel.data}; set parallel.data=zero3 or parallel.prefetch=false")

@@ -107,8 +107,6 @@ def test_strategy_with_rings_matches_one_device(mode, oracle):
     (["parallel.tensor_overlap=sideways"], "valid: none, collective_matmul, bidirectional"),
     (["mesh.tensor=4", "parallel.tensor=manual", "parallel.tensor_overlap=collective_matmul"],
      "parallel.sequence=true"),
-    (["mesh.tensor=2", "parallel.tensor=manual", "parallel.sequence=true", "parallel.tensor_overlap=bidirectional",
-      "model.moe.experts=4", "model.moe.top_k=2"], "model.moe.experts=4"),
 ])
 def test_bad_tensor_overlap_is_one_line(overrides, words):
     with pytest.raises(ConfigError, match="parallel.tensor_overlap") as err:

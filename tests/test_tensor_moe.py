@@ -33,7 +33,9 @@ TELEMETRY = ("loss", "grad_norm", "ce_loss", "moe_balance_loss", "moe_z_loss", "
 LAYOUTS = {"tp-fsdp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
            "expert-tp": ["mesh.expert=2", "mesh.data=2", "mesh.tensor=2", "parallel.expert=manual"],
            "sp-expert-fsdp": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.expert=manual",
-                              "parallel.sequence=true"]}
+                              "parallel.sequence=true"],
+           "sp-rings-expert": ["mesh.expert=2", "mesh.data=2", "mesh.tensor=2", "parallel.expert=manual",
+                               "parallel.sequence=true", "parallel.tensor_overlap=collective_matmul"]}
 
 
 def make(overrides, devices):
@@ -77,9 +79,12 @@ def test_moe_with_manual_tp_matches_one_device(layout, oracle):
                             jax.tree.leaves(want_state["params"])):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-5,
                                    err_msg=jax.tree_util.keystr(path))
-    measured = defaultdict(float)
+    measured, ops = defaultdict(float), set()
     for c in collectives(hlo, manual.mesh):
         measured[c.axis_label] += c.bytes_per_step
+        ops.add(c.op)
+    if manual.overlap != "none":   # attention's gathers and reduce-scatters are rings; the MoE layers' are whole
+        assert {"collective-permute", "all-gather", "reduce-scatter"} <= ops, ops
     predicted = predicted_collective_bytes(manual.config, manual.model_cfg, dict(manual.mesh.shape), "cpu")
     live = {a for a, size in manual.mesh.shape.items() if size > 1}
     assert set(predicted) == live

@@ -1,7 +1,7 @@
 """Lab 03, part i (`--parts moe`): MoE inside every pipeline schedule, expert parallelism inside the stages
 (the circular pipeline's too), the experts split Megatron-style over `tensor` inside the stages, sequence
-parallelism inside the stages (dense; its collective matmuls too, in every hand-written schedule), and pipelines
-with gradient accumulation and with `parallel.rules`, each against one device.
+parallelism inside the stages (its collective matmuls too: dense in every hand-written schedule, MoE in 1F1B and
+ZB-H1), and pipelines with gradient accumulation and with `parallel.rules`, each against one device.
 
 The oracle of a pipeline with m microbatches and train.microbatches = a is one device accumulating over the
 same a·m strided microbatches (the balance loss multiplies two batch means, so it depends on the
@@ -74,6 +74,11 @@ CASES = [   # label, (overrides, devices, the oracle's microbatches), MoE model 
       for schedule, v, data, mode in (("gpipe", 1, 2, "collective_matmul"), ("1f1b", 1, 2, "bidirectional"),
                                       ("interleaved", 2, 1, "collective_matmul"), ("zb-h1", 1, 1, "bidirectional"),
                                       ("dualpipev", 2, 1, "collective_matmul"))),
+    # with an MoE model: the attention's rings, the MoE blocks' feed-forward SP's whole collectives
+    ("MoE data=2 x pipe=2 x tensor=2, SP rings (collective_matmul), 1F1B m=4",
+     _case("1f1b", 2, 4, data=2, tensor=2, extra=(*SP, "parallel.tensor_overlap=collective_matmul")), True),
+    ("MoE expert=2 x pipe=2 x tensor=2, SP rings (bidirectional), ZB-H1 m=4",
+     _case("zb-h1", 2, 4, expert=2, tensor=2, extra=(*SP, "parallel.tensor_overlap=bidirectional")), True),
 ]
 
 

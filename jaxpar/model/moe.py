@@ -319,13 +319,14 @@ def routed_experts(x, ids, gates, w, cfg: MoEConfig, ops: Ops, length=None):
 @dataclasses.dataclass(frozen=True)
 class MoEOps(Ops):
     """`Ops` plus the MoE pieces a strategy swaps: `routed_experts` (dispatch, experts, combine) and
-    `batch_mean` (the balance loss's statistics over a manual strategy's batch shards, `router_outputs`) and
-    `sequence` (the router's view under sequence parallelism)."""
+    `batch_mean` (the balance loss's statistics over a manual strategy's batch shards, `router_outputs`),
+    `sequence` (the router's view under sequence parallelism) and `layer_ops` (see `moe_layer_ops`)."""
 
     routed_experts: Callable = routed_experts
     batch_mean: Callable | None = None
     sequence: Any = None    # sequence parallelism: the sequence's parts on the tensor ranks (.size, .gather,
                             # .local, .mean; parallel/tensor_moe.py); None: each device routes whole sequences
+    layer_ops: Callable | None = None   # (ops) -> the ops an MoE block's feed-forward runs with; None: ops
 
 
 def with_moe_ops(ops: Ops, **changes) -> MoEOps:
@@ -336,6 +337,14 @@ def with_moe_ops(ops: Ops, **changes) -> MoEOps:
 def with_routed_experts(ops: Ops, fn: Callable) -> MoEOps:
     """`ops` with its routed-experts implementation replaced by `fn` (same signature as `routed_experts`)."""
     return with_moe_ops(ops, routed_experts=fn)
+
+
+def moe_layer_ops(ops: Ops) -> Ops:
+    """The ops of an MoE block's feed-forward (router, routed and shared experts). Collective matmul fuses
+    `column_in` into the column-parallel matmuls (it returns the ring's chunks, not an array) and `row_out` into
+    the row-parallel ones; the experts' dispatch needs the gathered tokens as one array, so such a strategy
+    names, in `layer_ops`, the ops with whole collectives (parallel/collective_matmul.py)."""
+    return ops.layer_ops(ops) if isinstance(ops, MoEOps) and ops.layer_ops is not None else ops
 
 
 def decode_ops(length) -> MoEOps:

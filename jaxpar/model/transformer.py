@@ -23,7 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.model.axes import ACTIVATION_AXES, moe_param_axes, param_axes
-from jaxpar.model.moe import MoEConfig, bias_update, moe_feed_forward, noise_seeds
+from jaxpar.model.moe import MoEConfig, bias_update, moe_feed_forward, moe_layer_ops, noise_seeds
 from jaxpar.model.ops import Ops
 
 ACT = ACTIVATION_AXES
@@ -190,6 +190,7 @@ def feed_forward(x, w, cfg: ModelConfig, ops: Ops, noise=None):
     """The dense MLP, or in an MoE block the routed experts plus the shared experts (a dense MLP)."""
     if "router" not in w:
         return mlp(x, w, ops), {}
+    ops = moe_layer_ops(ops)
     out, aux = moe_feed_forward(x, w, cfg.moe, ops, noise)
     if "shared_gate" in w:
         out = out + mlp(x, {"w_gate": w["shared_gate"], "w_up": w["shared_up"], "w_down": w["shared_down"]}, ops)

@@ -35,6 +35,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxpar.model.moe import MoEOps
 from jaxpar.model.ops import Ops
 from jaxpar.parallel.megatron import SEQUENCE_DIM
 from jaxpar.parallel.step import never_saving, produced_by
@@ -154,17 +155,29 @@ def _whole_for_head(cross_entropy, x, *args, **kwargs):
     return cross_entropy(x.whole() if isinstance(x, Chunks) else x, *args, **kwargs)
 
 
+def _whole_collectives(sequence_ops: Ops, ops: Ops) -> Ops:
+    """`ops` with SP's own all-gather, reduce-scatter and matmul back (an MoE block's feed-forward)."""
+    return ops.replace(column_in=sequence_ops.column_in, row_out=sequence_ops.row_out, matmul=sequence_ops.matmul,
+                       layer_ops=None)
+
+
 def collective_matmul_ops(sequence_ops: Ops, axis: str, mode: str, swap: bool = False) -> Ops:
     """`sequence_ops` (megatron.sequence_parallel_ops) with its layers' gathers and reduce-scatters
     decomposed into ppermute rings beside partial matmuls; `mode` one of MODES except none. `swap`: each
-    ring step an all-to-all (`_swap`, two devices only), for rings inside a pipeline stage's branch."""
+    ring step an all-to-all (`_swap`, two devices only), for rings inside a pipeline stage's branch.
+    An MoE model's `sequence_ops` (a `MoEOps`): its MoE blocks' feed-forward keeps SP's whole collectives
+    (`moe.moe_layer_ops`: the experts' dispatch takes the gathered tokens as one array); attention, and the
+    dense blocks' MLP, run the rings."""
     bidirectional, shift = mode == "bidirectional", _swap if swap else _shift
-    return sequence_ops.replace(
+    rings = sequence_ops.replace(
         column_in=partial(gather_chunks, axis=axis, bidirectional=bidirectional, shift=shift),
         row_out=lambda x: x,
         matmul=partial(_matmul, sequence_ops.matmul, axis, bidirectional, shift),
         cross_entropy=partial(_whole_for_head, sequence_ops.cross_entropy),
     )
+    if isinstance(rings, MoEOps):
+        rings = rings.replace(layer_ops=partial(_whole_collectives, sequence_ops))
+    return rings
 
 
 def _ring_step(axis: str):

@@ -14,8 +14,9 @@ the einsum's own transpose (`weight_grads`). The model is untouched.
 Norm scales (1-D, elementwise) get their cheap gradients in B; every weight of 2 or
 more dimensions in a block is consumed by exactly one matmul and is deferred, except an
 MoE block's router and routed experts (their einsums and grouped matmuls are model/moe.py's
-own, not `ops.matmul`) and a collective matmul's column-parallel weights (their input is the
-ring's chunks, parallel/collective_matmul.py): they get their gradients in B too.
+own, not `ops.matmul`), a collective matmul's column-parallel weights (their input is the
+ring's chunks, parallel/collective_matmul.py) and, under collective matmul, an MoE block's shared experts (which
+run SP's own collectives, `_untapped`): they get their gradients in B too.
 """
 from __future__ import annotations
 
@@ -90,7 +91,16 @@ def deferred_ops(base: Ops, sites: dict[str, Site]) -> Ops:
             return y
         return tapped_matmul(base.matmul, spec, x, w.weight, w.tap)
 
-    return base.replace(fetch=fetch, matmul=matmul)
+    ops = base.replace(fetch=fetch, matmul=matmul)
+    if getattr(base, "layer_ops", None) is not None:   # collective matmul's MoE feed-forward: its dW in B
+        ops = ops.replace(layer_ops=lambda outer: _untapped(base.layer_ops(outer)))
+    return ops
+
+
+def _untapped(ops: Ops) -> Ops:
+    """`ops` (an MoE block's feed-forward under collective matmul, model/moe.py `moe_layer_ops`: SP's own matmul)
+    taking a Tapped weight as it is: no site is recorded, so its gradient comes in B."""
+    return ops.replace(matmul=lambda spec, x, w: ops.matmul(spec, x, w.weight if isinstance(w, Tapped) else w))
 
 
 def recording_taps(names) -> dict:

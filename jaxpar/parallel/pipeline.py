@@ -223,18 +223,18 @@ class PipelineStrategy(Strategy):
         the router sees this rank's s/t tokens (parallel/tensor_moe.py's `SequenceShards`)."""
         if self.sequence:
             ops = sequence_parallel_ops(self.ops)
-            if self.overlap != "none":
-                ops = collective_matmul_ops(ops, "tensor", self.overlap, swap=True)
         else:
             ops = tensor_parallel_ops(self.ops) if sizes["tensor"] > 1 else self.ops
-        if not self.model_cfg.moe:
-            return ops
-        changes = {"batch_mean": self._mean_over_batch}
-        if sizes["expert"] > 1:
-            changes["routed_experts"] = exchange_for(self.model_cfg.moe, sizes["expert"])
-        if self.sequence:
-            changes["sequence"] = SequenceShards("tensor", sizes["tensor"])
-        return with_moe_ops(ops, **changes)
+        if self.model_cfg.moe:
+            changes = {"batch_mean": self._mean_over_batch}
+            if sizes["expert"] > 1:
+                changes["routed_experts"] = exchange_for(self.model_cfg.moe, sizes["expert"])
+            if self.sequence:
+                changes["sequence"] = SequenceShards("tensor", sizes["tensor"])
+            ops = with_moe_ops(ops, **changes)
+        if self.sequence and self.overlap != "none":   # the MoE blocks' feed-forward keeps SP's collectives
+            ops = collective_matmul_ops(ops, "tensor", self.overlap, swap=True)
+        return ops
 
     # ---------------------------------------------------------------- layout
     def _staged(self, params):

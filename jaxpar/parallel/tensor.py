@@ -102,15 +102,15 @@ class TensorStrategy(Strategy):
             self.ops = sequence_parallel_ops(self.ops, AXIS)
             if regather:
                 self.policy = sequence_parallel_policy(self.policy)
-            self.overlap = config.parallel.get("tensor_overlap", "none")
-            if self.overlap != "none":   # the gathers and reduce-scatters as ppermute rings beside matmuls
-                self.ops = collective_matmul_ops(self.ops, AXIS, self.overlap)
-                self.policy = ring_policy(self.policy) if regather else self.policy
         else:
             self.ops = tensor_parallel_ops(self.ops, AXIS)
         if model_cfg.moe:    # the balance statistics over the batch, the exchange over `expert`, SP's router
             self.ops = tensor_moe_ops(self.ops, model_cfg.moe, dict(mesh.shape),
                                       tuple(a for a in self.batch if mesh.shape[a] > 1), self.sequence)
+        self.overlap = config.parallel.get("tensor_overlap", "none") if self.sequence else "none"
+        if self.overlap != "none":   # the gathers and reduce-scatters as ppermute rings beside matmuls
+            self.ops = collective_matmul_ops(self.ops, AXIS, self.overlap)
+            self.policy = ring_policy(self.policy) if regather else self.policy
 
         abstract = jax.eval_shape(self.make_state)       # the same pytree as every strategy's
         live = tuple(a for a in (AXIS, FSDP, EXPERT) if a == AXIS or mesh.shape[a] > 1)
