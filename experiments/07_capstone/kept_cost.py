@@ -1,0 +1,41 @@
+"""What the activations kept for the backward cost on CPU (steptime.KEPT_PASSES): one device runs the whole batch of
+lab 07 part d's data=8 step (16 x 128 tokens of the default config), loss+grad without remat and with remat full, and
+the forward alone, in process CPU seconds. Kept bytes cost t_none - t_full + the recomputed share of the forward."""
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config import apply_overrides, load_config
+from jaxpar.measure.hardware import probe_host
+from jaxpar.model import transformer as T
+
+
+def main(batch: int = 16, rounds: int = 9) -> None:
+    cfg = load_config(None)
+    apply_overrides(cfg, ["model.vocab_size=1024"])
+    m = T.ModelConfig.from_config(cfg.model)
+    params = T.init_params(m, 0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 1024, (batch, 129)), jnp.int32)
+    remat = jax.checkpoint_policies.nothing_saveable
+    fns = {"forward": jax.jit(lambda p, t: T.loss(p, t, m)[0]),
+           "grad none": jax.jit(jax.grad(lambda p, t: T.loss(p, t, m)[0])),
+           "grad full": jax.jit(jax.grad(lambda p, t: T.loss(p, t, m, remat_policy=remat)[0]))}
+    for f in fns.values():
+        jax.block_until_ready(f(params, tokens))
+    times = {k: [] for k in fns}
+    for _ in range(rounds):                                   # interleaved, so load hits all alike
+        for k, f in fns.items():
+            c = time.process_time()
+            jax.block_until_ready(f(params, tokens))
+            times[k].append(time.process_time() - c)
+    for k, v in times.items():
+        q1, q3 = np.quantile(v, [0.25, 0.75])
+        print(f"{k:10s} {float(np.median(v)):.4f} CPU s (quartiles {q1:.4f}-{q3:.4f})")
+    print(probe_host(1.0).source)
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:]))
