@@ -180,11 +180,11 @@ class PipelineStrategy(Strategy):
         self.batch_axes = tuple(a for a in BATCH_AXES if a in self.live and (a != "expert" or model_cfg.moe))
         self.rules = AxisRules({**parse_rules(config.parallel.rules), "layers": (AXIS,)})
         self.sequence = bool(config.parallel.sequence)
+        self.overlap = config.parallel.get("tensor_overlap", "none") if self.sequence else "none"
         if self.sequence:   # Megatron-LM keeps the s/t input of a column-parallel matmul and gathers it again in B
             self.policy = sequence_parallel_policy(self.policy)
-            self.overlap = config.parallel.get("tensor_overlap", "none")
-            if self.overlap != "none":   # SP's collective matmuls, each ring step an all-to-all swap over tensor
-                self.policy = ring_policy(self.policy, swap_axis="tensor")
+        if self.overlap != "none":   # SP's collective matmuls, each ring step an all-to-all swap over tensor
+            self.policy = ring_policy(self.policy, swap_axis="tensor")
         self.stage_ops = self._stage_ops(sizes)
 
         abstract = jax.eval_shape(self.make_state)
@@ -232,7 +232,7 @@ class PipelineStrategy(Strategy):
             if self.sequence:
                 changes["sequence"] = SequenceShards("tensor", sizes["tensor"])
             ops = with_moe_ops(ops, **changes)
-        if self.sequence and self.overlap != "none":   # the MoE blocks' feed-forward keeps SP's collectives
+        if self.overlap != "none":   # the MoE blocks' feed-forward keeps SP's collectives
             ops = collective_matmul_ops(ops, "tensor", self.overlap, swap=True)
         return ops
 
