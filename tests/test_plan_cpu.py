@@ -73,23 +73,16 @@ def test_virtual_cpu_devices_share_every_cores_bandwidth():
 
 
 def test_the_check_calibrates_on_cpu_seconds_per_core():
-    """The load-free basis: a step's process CPU seconds over the cores; η and the overheads fitted on it (the
-    calibration strategy at two batches and with 2 microbatches) reproduce all three, and split the fixed
-    overhead into a part per step and a part per microbatch."""
+    """The load-free basis: a step's process CPU seconds over the cores; η and O fitted on it reproduce it."""
     s, cpu = default_shape(), cpu_cluster(8, {}, 200e9, 10e9, 16e9, cores=2)
-    data, data_m2 = Candidate(data=8, **PLAIN), Candidate(data=8, microbatches=2, **PLAIN)
+    data = Candidate(data=8, **PLAIN)
     full = Measured(data, [2.0, 3.0, 2.5], 0.0, {}, cpu_times=[0.9, 1.2, 1.0], global_batch=16, cores=2)
     half = Measured(data, [1.5, 1.2, 1.6], 0.0, {}, cpu_times=[0.6, 0.55, 0.7], global_batch=8, cores=2)
-    micro = Measured(data_m2, [2.9, 2.7, 2.6], 0.0, {}, cpu_times=[1.04, 1.06, 1.1], global_batch=16, cores=2)
     assert full.cpu_step_s == pytest.approx(0.5) and full.step_s("wall") == 2.5
     for basis in ("cpu", "wall"):
-        calibration = calibrate(cpu, s, full, half, 128, basis, micro)
+        calibration = calibrate(cpu, s, full, half, 128, basis)
         assert step_time(s, data, cpu, 16, 128, calibration).total_s == pytest.approx(full.step_s(basis))
         assert step_time(s, data, cpu, 8, 128, calibration).total_s == pytest.approx(half.step_s(basis))
-        assert step_time(s, data_m2, cpu, 16, 128, calibration).total_s == pytest.approx(micro.step_s(basis))
-        assert calibration.step_overhead_s > 0 and calibration.layer_overhead_s > 0
-        without = calibrate(cpu, s, full, half, 128, basis)       # all of O per step: m=2 predicted cheaper
-        assert step_time(s, data_m2, cpu, 16, 128, without).total_s < micro.step_s(basis)
 
 
 def test_collectives_inside_one_program(monkeypatch):

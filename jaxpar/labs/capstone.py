@@ -151,16 +151,11 @@ def part_reality(args, out: Path, log) -> dict:
     shape = ModelShape.from_config(base)
     batch, seq = base.train.batch_size, base.data.seq_len
     strategies = default_strategies()
-    log(f"  measuring {len(strategies)} strategies of the default config (and the first at half the batch and with 2 "
-        f"microbatches, for the fixed overheads per step and per microbatch), {args.rounds} interleaved rounds")
-    micro_cand = dataclasses.replace(strategies[0], microbatches=2)
-    measured = measure_steps(base, [*strategies, (strategies[0], batch // 2), micro_cand], batch, seq, args.rounds,
-                             log=log)
-    half = next((m for m in measured if m.cand == strategies[0] and m.global_batch == batch // 2), None)
-    micro = next((m for m in measured if m.cand == micro_cand), None)
-    measured = [m for m in measured if m is not half and m is not micro]
-    bases = {basis: predictions(measured, half, micro, shape, clusters[basis], batch, seq, basis)
-             for basis in ("cpu", "wall")}
+    log(f"  measuring {len(strategies)} strategies of the default config (and the first at half the batch, for the "
+        f"fixed per-step overhead), {args.rounds} interleaved rounds")
+    measured = measure_steps(base, [*strategies, (strategies[0], batch // 2)], batch, seq, args.rounds, log=log)
+    half = measured.pop() if len(measured) > 1 and measured[-1].global_batch != batch else None
+    bases = {basis: predictions(measured, half, shape, clusters[basis], batch, seq, basis) for basis in ("cpu", "wall")}
     rows = []
     for i, m in enumerate(measured):
         cpu, wall = bases["cpu"]["rows"][i], bases["wall"]["rows"][i]
@@ -181,8 +176,6 @@ def part_reality(args, out: Path, log) -> dict:
             "cpu_fits": info["cpu_fits"], "cores": info["cores"], "rounds": args.rounds,
             "calibration": bases["cpu"]["calibration"].source, "eta": bases["cpu"]["calibration"].compute,
             "step_overhead_s": bases["cpu"]["calibration"].step_overhead_s,
-            "layer_overhead_s": bases["cpu"]["calibration"].layer_overhead_s,
-            "micro_cpu_s": micro.cpu_step_s if micro else None,
             "calibration_wall": bases["wall"]["calibration"].source,
             "half_batch_s": half.median_s if half else None, "half_batch_cpu_s": half.cpu_step_s if half else None,
             "rows": rows, "within": sum(abs(r["ratio"] - 1) <= WITHIN for r in checked), "checked": len(checked),
@@ -192,11 +185,11 @@ def part_reality(args, out: Path, log) -> dict:
             "spearman_wall": spearman([r["predicted_wall_s"] for r in rows], [r["measured_s"] for r in rows])}
 
 
-def predictions(measured, half, micro, shape, cluster, batch: int, seq: int, basis: str) -> dict:
-    """η and the overheads calibrated on the first strategy on one timing basis, then every strategy's prediction."""
+def predictions(measured, half, shape, cluster, batch: int, seq: int, basis: str) -> dict:
+    """η and O calibrated on the first strategy on one timing basis, then every strategy's prediction."""
     from jaxpar.plan.planner import evaluate
     from jaxpar.plan.reality import calibrate
-    calibration = calibrate(cluster, shape, measured[0], half, seq, basis, micro)
+    calibration = calibrate(cluster, shape, measured[0], half, seq, basis)
     rows = []
     for m in measured:
         r = evaluate(shape, m.cand, cluster, batch, seq, 1e9, headroom=0.0, calibration=calibration)

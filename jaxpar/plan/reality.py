@@ -171,15 +171,13 @@ def resolved_pairs(predicted: list[float], steps: list[list[float]]) -> tuple[in
 
 
 def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, seq_len: int,
-              basis: str = "wall", micro: Measured | None = None) -> Calibration:
-    """η and the fixed overheads of the CPU step, from ONE strategy measured at two global batches and, with `micro`,
-    again with 2 microbatches (`basis`: its wall-clock medians or its CPU seconds per core, Measured.step_s).
+              basis: str = "wall") -> Calibration:
+    """η and the fixed per-step overhead O of the CPU step, from ONE strategy measured at two global batches
+    (`basis`: its wall-clock medians or its CPU seconds per core, Measured.step_s).
 
     The model's time at η = 1 without overhead splits each step into compute C (proportional to the batch) and
     the rest R (memory passes, collectives); measured t = O + C/η + R at batch B and at B/2 gives
-    C(B)/(2η) = (t_B - R_B) - (t_B/2 - R_B/2), then O. Without `half`, O = 0 and η alone fits t_B. With `micro`,
-    O splits into a part per step and a part each microbatch pays again (the forward and backward's per-layer
-    work that does not scale with the batch), charged per layer as the model's layer overhead.
+    C(B)/(2η) = (t_B - R_B) - (t_B/2 - R_B/2), then O. Without `half`, O = 0 and η alone fits t_B.
     """
     from jaxpar.plan.steptime import step_time
     at_peak = Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0, source="")
@@ -194,18 +192,8 @@ def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, se
         slope = (busy - half_busy) / (compute - half_compute)       # measured seconds per model second of compute
         if slope > 0 and busy - slope * compute > 0:
             eta, overhead = 1 / slope, busy - slope * compute
-    per_pass = 0.0                                                  # one forward and backward's share of O
-    if micro is not None and overhead > 0:
-        micro_compute, micro_busy = split(micro)
-        extra = micro_busy - micro_compute / eta - overhead          # what the second microbatch paid beyond compute
-        per_pass = min(max(extra / (micro.cand.microbatches - 1), 0.0), overhead)
-    layer_overhead = per_pass / (shape.layers / full.cand.pipe + 2)
     where = (f"measured on {full.cand.label()} at global batch {full.global_batch}"
-             + (f" and {half.global_batch}" if half is not None else "")
-             + (f", and as {micro.cand.label()}" if micro is not None else ""))
-    fixed = (f"a fixed {(overhead - per_pass) * 1e3:.0f} ms per step and {per_pass * 1e3:.0f} ms per microbatch"
-             if micro is not None else f"a fixed {overhead * 1e3:.0f} ms per step")
-    return Calibration(compute=eta, overlap=0.0, memory=1.0, step_overhead_s=overhead - per_pass,
-                       layer_overhead_s=layer_overhead,
-                       source=f"η = {eta:.3f} of the host probe's matmul rate and {fixed}, {where} "
-                              f"({'CPU seconds per core' if basis == 'cpu' else 'wall clock'})")
+             + (f" and {half.global_batch}" if half is not None else ""))
+    return Calibration(compute=eta, overlap=0.0, memory=1.0, step_overhead_s=overhead, layer_overhead_s=0.0,
+                       source=f"η = {eta:.3f} of the host probe's matmul rate and a fixed {overhead * 1e3:.0f} ms "
+                              f"per step, {where} ({'CPU seconds per core' if basis == 'cpu' else 'wall clock'})")
