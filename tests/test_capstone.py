@@ -27,7 +27,7 @@ def reduced(monkeypatch):
 def test_capstone_report(capsys, tmp_path, reduced):
     out = tmp_path / "lab"
     code, _, err = run_cli(capsys, ["lab", "capstone", "--config", CONFIGS["arabic_7b"], "--tokens", "1e12",
-                                       "--verify", "0", "--rounds", "3", "--out", str(out)])
+                                       "--verify", "0", "--rounds", "3", "--no-keep-host-memory", "--out", str(out)])
     assert code == 0, err
     report = (out / "report.md").read_text()
     for heading in ("## a. The plan", "### Defence", "## The chosen strategy", "## b. Calibration",
@@ -39,6 +39,8 @@ def test_capstone_report(capsys, tmp_path, reduced):
     results = json.loads((out / "results.json").read_text())
     rows = results["reality"]["rows"]
     assert [r["calibration"] for r in rows] == [True, False]
+    assert results["reality"]["allocator"] == "host allocator: glibc's default (not changed)"   # this process's
+    assert "page faults per step" in report and all(f"| {r['faults_per_step']:,.0f} |" in report for r in rows)
     assert rows[0]["ratio"] == pytest.approx(1.0, rel=1e-6)                # η is fitted on the first strategy
     cores = results["reality"]["cores"]
     for r in rows:

@@ -61,6 +61,9 @@ def test_sweep_runs_as_a_slurm_job_array(capsys, tmp_path):
     defence = json.loads((out / "defence.json").read_text())
     assert len(defence["rows"]) == 3 and -1 <= defence["spearman"] <= 1
     assert all(len(r["times_s"]) == 3 and r["memory_compiled"] > 0 for r in defence["rows"])
+    for result in (out / "results").glob("*.json"):     # each CPU task measured with freed memory kept
+        task = json.loads(result.read_text())
+        assert task["allocator"].startswith("host allocator: glibc keeps") and len(task["page_faults"]) == 3
     assert "Spearman rank correlation" in printed and (out / "defence.md").is_file()
     code, _, err = run_cli(capsys, ["plan", "collect", str(tmp_path)])
     assert code == 2 and err[0].startswith("error: collect: ")

@@ -1,6 +1,8 @@
 """What the activations kept for the backward cost on CPU (steptime.KEPT_PASSES): one device runs the whole batch of
 lab 07 part d's data=8 step (16 x 128 tokens of the default config), loss+grad without remat and with remat full, and
-the forward alone, in process CPU seconds. Kept bytes cost t_none - t_full + the recomputed share of the forward."""
+the forward alone, in process CPU seconds. Kept bytes cost t_none - t_full + the recomputed share of the forward.
+As in part d, glibc keeps freed memory (measure/host_allocator.py; `--default-allocator` leaves it as it is), and each
+function's minor page faults per call are printed beside its time."""
 import sys
 import time
 
@@ -10,6 +12,7 @@ import numpy as np
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.measure.hardware import probe_host
+from jaxpar.measure.host_allocator import keep_freed_memory, minor_page_faults
 from jaxpar.model import transformer as T
 
 
@@ -26,16 +29,21 @@ def main(batch: int = 16, rounds: int = 9) -> None:
     for f in fns.values():
         jax.block_until_ready(f(params, tokens))
     times = {k: [] for k in fns}
+    faults = {k: [] for k in fns}
     for _ in range(rounds):                                   # interleaved, so load hits all alike
         for k, f in fns.items():
-            c = time.process_time()
+            c, before = time.process_time(), minor_page_faults()
             jax.block_until_ready(f(params, tokens))
             times[k].append(time.process_time() - c)
+            faults[k].append(minor_page_faults() - before)
     for k, v in times.items():
         q1, q3 = np.quantile(v, [0.25, 0.75])
-        print(f"{k:10s} {float(np.median(v)):.4f} CPU s (quartiles {q1:.4f}-{q3:.4f})")
+        print(f"{k:10s} {float(np.median(v)):.4f} CPU s (quartiles {q1:.4f}-{q3:.4f}), "
+              f"{float(np.median(faults[k])):,.0f} page faults per call")
     print(probe_host(1.0).source)
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    args = [a for a in sys.argv[1:] if a != "--default-allocator"]
+    print(keep_freed_memory() if len(args) == len(sys.argv) - 1 else "host allocator: glibc's default")
+    main(*(int(a) for a in args))

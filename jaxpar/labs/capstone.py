@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,11 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from jaxpar.plan.command import add_plan_options as add_plan_arguments
     add_plan_arguments(p)
     p.set_defaults(tokens="1e12", verify=3, price=None)
-    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds of the CPU check (default 7)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds of the CPU check (default 15)")
     p.add_argument("--cpu-devices", type=int, default=8, help="virtual CPU devices of the CPU check (default 8)")
     p.add_argument("--ops-results", metavar="FILE",
                    help="results.json of `jaxpar lab operations` (module 6): its measured start-up and checkpoint "
                         "times feed the risks section")
+    p.add_argument("--keep-host-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="the CPU check first makes glibc keep freed memory, so steps do not pay page faults that a "
+                        "GPU's allocator never would (default on; --no-keep-host-memory measures glibc's default)")
     p.add_argument("--skip-cpu", action="store_true", help="leave out the CPU reality check (part d)")
     p.add_argument("--parts", metavar="LIST", default=PARTS,
                    help="the parts to run and report, e.g. d for the CPU reality check alone (default abcdef; the "
@@ -133,11 +137,14 @@ def part_reality(args, out: Path, log) -> dict:
     import jax
 
     from jaxpar.config import apply_overrides, load_config
+    from jaxpar.measure.host_allocator import keep_freed_memory
     from jaxpar.model.counting import ModelShape
     from jaxpar.plan.reality import default_strategies, measure_cluster, measure_steps, resolved_pairs
     from jaxpar.plan.sweep import spearman
+    allocator = keep_freed_memory() if args.keep_host_memory else "host allocator: glibc's default (not changed)"
     n = len(jax.devices("cpu"))
     log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
+    log(f"  {allocator}")
     clusters, info = measure_cluster(n, out / "bench", log=log)
     base = load_config(None)
     apply_overrides(base, ["model.vocab_size=1024"])     # the default BPE's vocabulary, so no tokenizer is needed
@@ -153,7 +160,8 @@ def part_reality(args, out: Path, log) -> dict:
     for i, m in enumerate(measured):
         cpu, wall = bases["cpu"]["rows"][i], bases["wall"]["rows"][i]
         rows.append({"strategy": m.cand.label(), "measured_s": m.median_s, "times_s": m.times,
-                     "cpu_times_s": m.cpu_times, "cpu_s": m.cpu_step_s, "predicted_s": cpu["predicted_s"],
+                     "cpu_times_s": m.cpu_times, "cpu_s": m.cpu_step_s, "faults_per_step": statistics.median(m.faults),
+                     "predicted_s": cpu["predicted_s"],
                      "ratio": m.cpu_step_s / cpu["predicted_s"], "predicted_wall_s": wall["predicted_s"],
                      "ratio_wall": m.median_s / wall["predicted_s"], "terms": cpu["terms"],
                      "compile_s": m.compile_s, "bytes_predicted": cpu["bytes"], "bytes_compiled": m.compiled_bytes,
@@ -163,7 +171,8 @@ def part_reality(args, out: Path, log) -> dict:
             r[key.removesuffix("_s") + "_rank"] = i
     checked = [r for r in rows if not r["calibration"]]
     fastest = min(rows, key=lambda r: r["cpu_s"])
-    return {"cluster": clusters["cpu"].describe(), "host": info["host"]["source"], "fits": info["fits"],
+    return {"cluster": clusters["cpu"].describe(), "host": info["host"]["source"], "allocator": allocator,
+            "fits": info["fits"],
             "cpu_fits": info["cpu_fits"], "cores": info["cores"], "rounds": args.rounds,
             "calibration": bases["cpu"]["calibration"].source, "eta": bases["cpu"]["calibration"].compute,
             "step_overhead_s": bases["cpu"]["calibration"].step_overhead_s,

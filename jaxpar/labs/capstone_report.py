@@ -156,10 +156,12 @@ def reality_section(reality) -> list[str]:
     lines += ["", f"Default config (fp32, vocab 1024), {r0['rounds']} interleaved rounds. **The check's basis: the "
               f"median step's process CPU seconds over the host's {r0['cores']} cores** (other jobs' load does not "
               f"enter it); calibration: {r0['calibration']}. Wall clock beside it, calibrated on its own: "
-              f"{r0['calibration_wall']}.", "",
+              f"{r0['calibration_wall']}. {r0.get('allocator', '').capitalize()}: each step's minor page faults "
+              "(fresh pages the kernel zeroes) are counted beside its time.", "",
               "| strategy | CPU s per core: median (quartiles) | predicted s | measured / predicted | rank predicted / "
               "measured | wall s: median (quartiles) | predicted s (wall) | rank predicted / measured (wall) | "
-              "bytes/step compiled / predicted (MB) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "page faults per step | bytes/step compiled / predicted (MB) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in r0["rows"]:
         axes = "; ".join(f"{a} {r['bytes_compiled'].get(a, 0) / 1e6:.1f} / {r['bytes_predicted'].get(a, 0) / 1e6:.1f}"
                          for a in sorted(set(r["bytes_compiled"]) | set(r["bytes_predicted"]))
@@ -168,7 +170,8 @@ def reality_section(reality) -> list[str]:
         lines.append(f"| {r['strategy']} | {r['cpu_s']:.3f} ({_quartiles(r['cpu_times_s'], r0['cores'])}) | "
                      f"{r['predicted_s']:.3f} | {r['ratio']:.2f}{flag} | {r['predicted_rank']} / {r['cpu_rank']} | "
                      f"{r['measured_s']:.3f} ({_quartiles(r['times_s'])}) | {r['predicted_wall_s']:.3f} | "
-                     f"{r['predicted_wall_rank']} / {r['measured_rank']} | {axes} |")
+                     f"{r['predicted_wall_rank']} / {r['measured_rank']} | "
+                     f"{r.get('faults_per_step', float('nan')):,.0f} | {axes} |")
     resolved, agreeing, pairs = r0["resolved_pairs"]
     lines += ["", f"**{r0['within']} of {r0['checked']}** predicted strategies within {WITHIN:.0%} of measured (CPU "
               f"basis); Spearman rank correlation of predicted and measured step times **{r0['spearman']:.2f}** on "

@@ -142,8 +142,8 @@ def cpu_cluster(devices: int, fits: dict, host_flops: float, host_copy_bw: float
     `fits`: α-β per op ({op: {"alpha_us", "beta_bus_GBps"}}: `jaxpar bench collectives`' or plan/cpu_links.py's);
     the peak and memory bandwidth are the host probe's, divided among the devices (they run at once on shared
     cores). The probe's matmul uses every core, its copy one (numpy): the devices' memory-bound passes run on all
-    `cores` at once, so they get `cores` x the copy rate (an AdamW update of 8 x 3.4M replicated fp32 parameters,
-    877 MB, took 70-80 ms of process CPU time here: ~12 GB/s per core, the probe's single-thread copy rate).
+    `cores` at once, so they get `cores` x the copy rate (an AdamW update of 8 x 3.4M replicated fp32 parameters
+    took 80-94 ms of process CPU time on 2 cores, ~48 bytes per parameter at that rate: steptime.ADAM_BYTES_PER_PARAM).
     """
     per_op = tuple((op, fit["alpha_us"] * 1e-6, fit["beta_bus_GBps"] * GB) for op, fit in fits.items()
                    if fit.get("beta_bus_GBps"))

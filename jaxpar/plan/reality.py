@@ -13,7 +13,9 @@ load spike from other jobs hits all strategies alike; the median of the rounds i
 Each step is timed twice: wall clock, and this process's CPU seconds over the host's cores
 (`Measured.cpu_step_s`), which other processes' load does not enter: the step's time on an
 idle host if it keeps every core busy. Each basis has its own calibration and links (wall:
-`jaxpar bench collectives`; CPU: plan/cpu_links.py, the collectives inside one program).
+`jaxpar bench collectives`; CPU: plan/cpu_links.py, the collectives inside one program). The caller
+makes glibc keep freed memory first (measure/host_allocator.py), and each step's page faults are
+counted: otherwise some strategies pay for fresh pages every step, which a GPU's allocator never does.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ class Measured:
     compile_s: float
     compiled_bytes: dict      # mesh axis label -> bytes per step, from the compiled HLO
     cpu_times: list[float] = dataclasses.field(default_factory=list)   # this process's CPU seconds per step
+    faults: list[int] = dataclasses.field(default_factory=list)        # this process's minor page faults per step
     memory_bytes: float = 0.0  # the compiled step's per-device peak (measure.memory.compiled_memory)
     global_batch: int = 0
     cores: int = 1            # the host's cores: CPU seconds over them are the load-free step time
@@ -103,6 +106,7 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
     import jax
 
     from jaxpar.measure import hlo
+    from jaxpar.measure.host_allocator import minor_page_faults
     from jaxpar.measure.memory import compiled_memory
     from jaxpar.parallel.registry import build_strategy
     from jaxpar.plan.cpu_links import host_cores
@@ -140,11 +144,12 @@ def measure_steps(base, strategies: list, global_batch: int, seq_len: int, round
         for item in built:
             cand, compiled, state, batch, mesh, measured = item
             with jax.set_mesh(mesh):
-                start, cpu = time.perf_counter(), time.process_time()
+                start, cpu, faults = time.perf_counter(), time.process_time(), minor_page_faults()
                 state, metrics = compiled(state, batch)
                 jax.block_until_ready((state, metrics))
             measured.times.append(time.perf_counter() - start)
             measured.cpu_times.append(time.process_time() - cpu)
+            measured.faults.append(minor_page_faults() - faults)
             item[2] = state
     return [item[-1] for item in built]
 

@@ -28,7 +28,11 @@ LAYER_OVERHEAD_S = 60e-6
 # fp32 fused into one read and one bf16 write of the probabilities, read again by the PV matmul: ~12 forward;
 # the backward reads the probabilities, writes and reads their gradient and the scores' gradient: ~24).
 SCORE_BYTES = {"forward": 12, "backward": 24}
-ADAM_BYTES_PER_PARAM = 32
+# AdamW's bytes per parameter a device updates: read p, g, μ, ν and write p, μ, ν in fp32 (28) and a little more (32).
+# MEASURED on CPU: the default model's update replicated on 8 virtual devices took 39.8-47.1 ms of CPU time per core,
+# 46.9-51.3 bytes per parameter at the host's copy rate over its cores (experiments/07_capstone/adam_cost.py, four
+# runs; the optimizer's fused loops make more than one pass).
+ADAM_BYTES_PER_PARAM = {"cpu": 48, "gpu": 32}
 # Passes over the residual stream per layer, in elements of the activation dtype: forward, two RMSNorms (read,
 # write) and two residual adds (two reads, a write) = 10; the backward pass twice that; remat `full` the forward
 # again. Tensor parallelism without sequence parallelism does not split the residual stream: every device of a
@@ -43,13 +47,15 @@ ZERO_COPIES = {"zero1": 3, "zero2": 3}
 # rate: the forward stacks each into the layer scan's buffer and the backward reads it back. This is what remat saves
 # against its recomputation: the default model's compiled XLA:CPU data=8 step stacks 34.8 MB per device per step
 # without remat and 1.0 MB with remat full (memory.py predicts 42.3 / 1.0), while executing 24% more matmul FLOPs.
-# MEASURED on CPU, not 2 (a write and a read): on one device, the whole 16 x 128 batch, loss+grad took 1.042 CPU s
-# without remat, 1.012 with remat full, the forward alone 0.222, so the kept bytes cost the difference plus the
-# recomputed forward: 0.17-0.25 s for 338 MB, 6-10.6 passes at 11.8-14.4 GB/s (experiments/07_capstone/kept_cost.py,
-# tests/test_plan_cpu.py); 7: the recomputed share taken as its FLOPs' (64%), at part d's 12.6-14.4 GB/s 6.4-7.4.
+# MEASURED on CPU: on one device, the whole 16 x 128 batch, process CPU seconds (medians of 9 rounds, three runs),
+# loss+grad took 0.818-0.869 s without remat, 0.872-0.938 with remat full, the forward alone 0.192-0.214, so the kept
+# bytes cost the difference plus the recomputed forward (its FLOPs' share, 64%): 0.062-0.080 s for 338 MB, 2.2-3.2
+# passes at 12.2-13.8 GB/s (experiments/07_capstone/kept_cost.py, tests/test_plan_cpu.py). That is with glibc keeping
+# freed memory (measure/host_allocator.py); with its default, the 350 MB buffer of each call is mapped afresh and
+# page-faulted in, and the same A/B gave 6-10.6 passes.
 # Charged on XLA:CPU only: the GPU anchors (plan/anchors.py) are fitted
 # without it, and whether XLA:GPU's fusions write the stack in place has not been measured here.
-KEPT_PASSES = {"cpu": 7, "gpu": 0}
+KEPT_PASSES = {"cpu": 3, "gpu": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +160,7 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
 
     mem_rate = calibration.memory * cluster.mem_bw
     updated = prediction.stored["optimizer"]
-    memory = ADAM_BYTES_PER_PARAM * updated / mem_rate
+    memory = ADAM_BYTES_PER_PARAM[cluster.platform] * updated / mem_rate
     e = 4 if cand.precision == "float32" else 2
     passes = RESIDUAL_PASSES["forward"] * (2 if cand.remat == "full" else 1) + RESIDUAL_PASSES["backward"]
     residual_tokens = tokens / cand.batch_shards * shape.layers / cand.pipe      # token-layers one device sees

@@ -77,9 +77,12 @@ def run_task(out: Path, index: int) -> dict:
     """One array task: measure candidate `index` of `out`/candidates.json, write results/INDEX.json."""
     spec = json.loads((out / "candidates.json").read_text())
     entry = spec["candidates"][index]
+    allocator = "host allocator unchanged (not a CPU candidate)"
     if spec["platform"] == "cpu":
+        from jaxpar.measure.host_allocator import keep_freed_memory
         from jaxpar.mesh import set_cpu_devices
         set_cpu_devices(spec["cpu_devices"])
+        allocator = keep_freed_memory()     # as lab 07's CPU check: no per-step page faults a GPU would not pay
     import jax
 
     from jaxpar.config import apply_overrides, load_config
@@ -92,7 +95,8 @@ def run_task(out: Path, index: int) -> dict:
                              log=lambda line: print(line, flush=True))[0]
     stats = jax.devices()[0].memory_stats() or {}
     result = {"index": index, "strategy": entry["strategy"], "times_s": measured.times,
-              "step_s": measured.median_s, "compile_s": measured.compile_s,
+              "step_s": measured.median_s, "compile_s": measured.compile_s, "allocator": allocator,
+              "page_faults": measured.faults,
               "memory_compiled": measured.memory_bytes, "memory_device_peak": stats.get("peak_bytes_in_use")}
     (out / RESULTS / f"{index}.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
