@@ -1,10 +1,10 @@
 """Keep freed host memory in the process, so CPU step times measure the strategy and not glibc's page faults.
 
-glibc's malloc gives the top of a thread's heap back to the kernel when it is freed and takes fresh, zeroed pages
-when it is needed again. XLA:CPU's device threads allocate and free each step's buffers, so a step can pay for
-hundreds of MB of page faults that depend on how its buffers happen to fall (fsdp=8 of the default config: about
-90,000 faults per step, a tenth of its CPU time). GPU allocators (XLA's BFC) keep their memory, and so do tcmalloc
-and jemalloc: `keep_freed_memory` makes glibc do the same for this process, via mallopt.
+XLA:CPU allocates each execution's buffers on its worker threads and frees them at the end. glibc serves a block
+larger than a thread's 64 MB heap with its own mmap and unmaps it when freed, and gives a heap's free top back to
+the kernel, so the next step takes fresh, zeroed pages again: fsdp=8 of the default config paid about 90,000 page
+faults per step, a tenth of its CPU time. GPU allocators (XLA's BFC) keep their memory, and so do tcmalloc and
+jemalloc: `keep_freed_memory` makes glibc do the same for this process, via mallopt.
 """
 from __future__ import annotations
 
