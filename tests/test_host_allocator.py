@@ -26,7 +26,8 @@ print(*faults)
 PAGES = 64 * 2**20 * 4 // 4096
 
 
-def faults_per_call(allocator: str) -> list[int]:
+def faults_per_call(allocator: str) -> tuple[list[int], str]:
+    """The child's page faults per call and its first line (what the allocator was told)."""
     out = subprocess.run([sys.executable, "-c", CHILD, allocator], capture_output=True, text=True, timeout=120,
                          check=True).stdout.splitlines()
     return [int(f) for f in out[-1].split()], out[0]

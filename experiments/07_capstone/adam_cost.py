@@ -21,6 +21,7 @@ def main(rounds: int = 30) -> None:
     from jaxpar.model import transformer as T
     from jaxpar.parallel.step import make_optimizer
     from jaxpar.plan.cpu_links import host_cores
+    from jaxpar.plan.steptime import ADAM_BYTES_PER_PARAM
 
     cfg = load_config(None)
     apply_overrides(cfg, ["model.vocab_size=1024"])
@@ -56,8 +57,10 @@ def main(rounds: int = 30) -> None:
             print(f"{name:10s} {per_core[name] * 1e3:.1f} ms CPU per core ({count:,} parameters, 8 devices)")
     host = probe_host(2.0)
     print(host.source)
-    print(f"replicated: {per_core['replicated'] * cores * host.hbm_bw / (8 * count):.1f} bytes per parameter at the "
-          "copy rate")
+    measured = per_core["replicated"] * cores * host.hbm_bw / (8 * count)
+    model = ADAM_BYTES_PER_PARAM["cpu"]
+    print(f"replicated: {measured:.1f} bytes per parameter at the copy rate; the model's ADAM_BYTES_PER_PARAM['cpu'] "
+          f"= {model} (measured / model {measured / model:.2f})")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ from jaxpar.config import apply_overrides, load_config
 from jaxpar.measure.hardware import probe_host
 from jaxpar.measure.host_allocator import keep_freed_memory, minor_page_faults
 from jaxpar.model import transformer as T
+from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.memory import kept_per_layer
+from jaxpar.parallel.theory import Candidate
+from jaxpar.plan.steptime import KEPT_PASSES, executed_flops_per_token
 
 
 def main(batch: int = 16, rounds: int = 9) -> None:
@@ -40,7 +44,17 @@ def main(batch: int = 16, rounds: int = 9) -> None:
         q1, q3 = np.quantile(v, [0.25, 0.75])
         print(f"{k:10s} {float(np.median(v)):.4f} CPU s (quartiles {q1:.4f}-{q3:.4f}), "
               f"{float(np.median(faults[k])):,.0f} page faults per call")
-    print(probe_host(1.0).source)
+    host = probe_host(1.0)
+    print(host.source)
+    shape, seq = ModelShape.from_config(cfg), tokens.shape[1] - 1
+    data = Candidate(data=8, remat="none", precision="float32", attention="dot")
+    kept = kept_per_layer(shape, data, batch, seq) * shape.layers * 8                  # every device's: the batch's
+    flops = {r: sum(executed_flops_per_token(shape, seq, r, "dot").values()) for r in ("none", "full")}
+    share = (flops["full"] - flops["none"]) / (flops["none"] / 3)                      # recomputed / forward FLOPs
+    t = {k: float(np.median(v)) for k, v in times.items()}
+    passes = (t["grad none"] - t["grad full"] + share * t["forward"]) * host.hbm_bw / kept
+    print(f"kept activations: {kept / 1e6:.0f} MB, measured {passes:.1f} passes at the copy rate; the model's "
+          f"KEPT_PASSES['cpu'] = {KEPT_PASSES['cpu']} (measured / model {passes / KEPT_PASSES['cpu']:.2f})")
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ ZERO_COPIES = {"zero1": 3, "zero2": 3}
 # passes at 12.2-13.8 GB/s (experiments/07_capstone/kept_cost.py, tests/test_plan_cpu.py). That is with glibc keeping
 # freed memory (measure/host_allocator.py); with its default, the 350 MB buffer of each call is mapped afresh and
 # page-faulted in, and the same A/B gave 6-10.6 passes.
-# Charged on XLA:CPU only: the GPU anchors (plan/anchors.py) are fitted
-# without it, and whether XLA:GPU's fusions write the stack in place has not been measured here.
+# Charged on XLA:CPU only: the GPU anchors (plan/anchors.py) are fitted without it, and whether XLA:GPU's fusions
+# write the stack in place has not been measured here.
 KEPT_PASSES = {"cpu": 3, "gpu": 0}
 
 
