@@ -4,7 +4,8 @@ XLA:CPU allocates each execution's buffers on its worker threads and frees them 
 larger than a thread's 64 MB heap with its own mmap and unmaps it when freed, and gives a heap's free top back to
 the kernel, so the next step takes fresh, zeroed pages again: fsdp=8 of the default config paid about 90,000 page
 faults per step, a tenth of its CPU time. GPU allocators (XLA's BFC) keep their memory, and so do tcmalloc and
-jemalloc: `keep_freed_memory` makes glibc do the same for this process, via mallopt.
+jemalloc: `keep_freed_memory` makes glibc do the same for this process, via mallopt. The heap still grows for a
+few steps (more under load), while small blocks split its freed space; callers report the faults that remain.
 """
 from __future__ import annotations
 
