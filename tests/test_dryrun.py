@@ -236,7 +236,7 @@ def test_h100_deviceless_fsdp(tmp_path):
 # ----------------------------------------------------------------------------- the 7B model on 64 devices
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [["--set", "mesh.fsdp=64"], ["--set", "mesh.fsdp=8", "--set", "mesh.tensor=8"]])
+@pytest.mark.parametrize("mesh", [["--set", "mesh.fsdp=8", "--set", "mesh.tensor=8"]])   # fsdp=64: lab 00's table
 def test_7b_on_64_cpu_devices(tmp_path, mesh):
     run = cli("--config", SEVEN_B, *mesh, "--target", "cpu", "--devices", "64", "--out", str(tmp_path))
     assert run.returncode == 0, run.stderr[-2000:]

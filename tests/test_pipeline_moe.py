@@ -22,8 +22,8 @@ FAST = {"xla_backend_optimization_level": 0}        # the same HLO compiled at -
 MOE = ["train.warmup_steps=1", "model.layers=6", "model.moe.experts=4", "model.moe.top_k=2",
        "model.moe.dense_layers=2", "model.moe.router=sigmoid", "model.moe.bias_rate=0.01",
        "model.moe.balance_loss=0.1", "model.moe.z_loss=0.01"]
-CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's train.microbatches
-    "1f1b data=2 x pipe=2": (["mesh.data=2", "mesh.pipe=2", "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"], 4),
+CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's train.microbatches. A representative
+    # subset: `jaxpar lab pipeline --parts moe` runs the full matrix (labs/pipeline_moe.py)
     "gpipe fsdp=2 x pipe=2 x expert=2, accumulation 2, rules": (
         ["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.expert=2", "parallel.expert=manual",
          "parallel.pipe=gpipe", "parallel.pipe_microbatches=2", "train.microbatches=2", "parallel.rules=embed="], 8),
@@ -105,7 +105,7 @@ def test_moe_pipeline_matches_one_device_accumulating_its_microbatches(name, run
 def test_pipeline_telemetry_per_layer_equals_the_single_device_step(runs, oracle):
     """Step 1's routed / dropped fractions, entropy and z per MoE layer (stacked in the model's layer order
     across the stages) equal the plain single device's forward on the whole batch (no microbatches)."""
-    metrics = runs("1f1b data=2 x pipe=2")[0]
+    metrics = runs("1f1b expert=2 x pipe=2 x tensor=2")[0]
     config = make_config([])
     batch = counting_batches(config, 1, VOCAB)[0]
     model_cfg = ModelConfig.from_config(config.model, VOCAB)
