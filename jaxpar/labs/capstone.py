@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="results.json of `jaxpar lab operations` (module 6): its measured start-up and checkpoint "
                         "times feed the risks section")
     p.add_argument("--keep-host-memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="the CPU check first makes glibc keep freed memory, so steps do not pay page faults that a "
-                        "GPU's allocator never would (default on; --no-keep-host-memory measures glibc's default)")
+                   help="the CPU check keeps freed host memory, so steps do not pay page faults that a GPU's "
+                        "allocator never would: it runs in a fresh process with jemalloc preloaded (never purging) "
+                        "where the machine has it (Debian: libjemalloc2), else tells glibc to keep it (default on; "
+                        "--no-keep-host-memory measures glibc's default)")
     p.add_argument("--skip-cpu", action="store_true", help="leave out the CPU reality check (part d)")
     p.add_argument("--parts", metavar="LIST", default=PARTS,
                    help="the parts to run and report, e.g. d for the CPU reality check alone (default abcdef; the "
@@ -136,24 +138,19 @@ def part_reality(args, out: Path, log) -> dict:
     core (the check: other jobs' load does not enter it) and wall clock (plan/reality.py)."""
     import jax
 
-    from jaxpar.config import apply_overrides, load_config
-    from jaxpar.measure.host_allocator import keep_freed_memory
+    from jaxpar.measure.host_allocator import call_with_kept_memory
     from jaxpar.model.counting import ModelShape
-    from jaxpar.plan.reality import default_strategies, measure_cluster, measure_steps, resolved_pairs
+    from jaxpar.plan.reality import resolved_pairs
     from jaxpar.plan.sweep import spearman
-    allocator = keep_freed_memory() if args.keep_host_memory else "host allocator: glibc's default (not changed)"
     n = len(jax.devices("cpu"))
     log(f"d. reality: {n} virtual CPU devices; collectives sweep and host probe")
-    log(f"  {allocator}")
-    clusters, info = measure_cluster(n, out / "bench", log=log)
-    base = load_config(None)
-    apply_overrides(base, ["model.vocab_size=1024"])     # the default BPE's vocabulary, so no tokenizer is needed
+    if args.keep_host_memory:
+        allocator, clusters, info, measured = call_with_kept_memory(measure_reality, n, out / "bench", args.rounds)
+    else:
+        allocator, clusters, info, measured = measure_reality(n, out / "bench", args.rounds, keep=False)
+    base = reality_config()
     shape = ModelShape.from_config(base)
     batch, seq = base.train.batch_size, base.data.seq_len
-    strategies = default_strategies()
-    log(f"  measuring {len(strategies)} strategies of the default config (and the first at half the batch, for the "
-        f"fixed per-step overhead), {args.rounds} interleaved rounds")
-    measured = measure_steps(base, [*strategies, (strategies[0], batch // 2)], batch, seq, args.rounds, log=log)
     half = measured.pop() if len(measured) > 1 and measured[-1].global_batch != batch else None
     bases = {basis: predictions(measured, half, shape, clusters[basis], batch, seq, basis) for basis in ("cpu", "wall")}
     rows = []
@@ -183,6 +180,36 @@ def part_reality(args, out: Path, log) -> dict:
             "spearman": spearman([r["predicted_s"] for r in rows], [r["cpu_s"] for r in rows]),
             "resolved_pairs": resolved_pairs([r["predicted_s"] for r in rows], [r["cpu_times_s"] for r in rows]),
             "spearman_wall": spearman([r["predicted_wall_s"] for r in rows], [r["measured_s"] for r in rows])}
+
+
+def reality_config():
+    """The default config with the default BPE's vocabulary (so no tokenizer is needed): part d's model."""
+    from jaxpar.config import apply_overrides, load_config
+    base = load_config(None)
+    apply_overrides(base, ["model.vocab_size=1024"])
+    return base
+
+
+def measure_reality(devices: int, bench_dir: Path, rounds: int, keep: bool = True) -> tuple:
+    """Part d's measurements (allocator, clusters, host info, steps), in the process that will time them: one that
+    keeps freed host memory (`call_with_kept_memory` may start a fresh one, which needs its CPU devices set)."""
+    import jax
+
+    from jaxpar.measure.host_allocator import keep_freed_memory
+    from jaxpar.measure.targets import prepare_process
+    from jaxpar.plan.reality import default_strategies, measure_cluster, measure_steps
+    jax.config.update("jax_platforms", "cpu")      # as the lab's process has it (a fresh one starts without)
+    prepare_process("cpu", devices)
+    allocator = keep_freed_memory() if keep else "host allocator: glibc's default (not changed)"
+    log(f"  {allocator}")
+    clusters, info = measure_cluster(devices, bench_dir, log=log)
+    base = reality_config()
+    batch, seq = base.train.batch_size, base.data.seq_len
+    strategies = default_strategies()
+    log(f"  measuring {len(strategies)} strategies of the default config (and the first at half the batch, for the "
+        f"fixed per-step overhead), {rounds} interleaved rounds")
+    measured = measure_steps(base, [*strategies, (strategies[0], batch // 2)], batch, seq, rounds, log=log)
+    return allocator, clusters, info, measured
 
 
 def predictions(measured, half, shape, cluster, batch: int, seq: int, basis: str) -> dict:

@@ -143,6 +143,7 @@ def reality_section(reality) -> list[str]:
     if reality is None:
         return ["## d. Checked against reality", "", "Skipped (--skip-cpu).", ""]
     r0 = reality
+    allocator = r0.get("allocator", "")
     lines = ["## d. Checked against reality: the planner on this machine's CPU devices", "",
              f"{r0['cluster']}. {r0['host']}. Collectives (measured): one jitted call each in wall-clock time "
              "(`jaxpar bench collectives`, the wall basis's links) and inside one compiled program in CPU seconds per "
@@ -156,7 +157,7 @@ def reality_section(reality) -> list[str]:
     lines += ["", f"Default config (fp32, vocab 1024), {r0['rounds']} interleaved rounds. **The check's basis: the "
               f"median step's process CPU seconds over the host's {r0['cores']} cores** (other jobs' load does not "
               f"enter it); calibration: {r0['calibration']}. Wall clock beside it, calibrated on its own: "
-              f"{r0['calibration_wall']}. {r0.get('allocator', '').capitalize()}: each step's minor page faults "
+              f"{r0['calibration_wall']}. {allocator[:1].upper()}{allocator[1:]}: each step's minor page faults "
               "(fresh pages the kernel zeroes) are counted beside its time.", "",
               "| strategy | CPU s per core: median (quartiles) | predicted s | measured / predicted | rank predicted / "
               "measured | wall s: median (quartiles) | predicted s (wall) | rank predicted / measured (wall) | "

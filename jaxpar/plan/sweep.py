@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from jaxpar.config import ConfigError
+from jaxpar.measure.host_allocator import JEMALLOC_CONF, jemalloc_library
 
 RESULTS = "results"
 
@@ -65,11 +66,14 @@ def write_sweep(p, config_path: str, overrides: list[str], count: int, steps: in
 def sbatch_text(out: Path, tasks: int, platform: str, per_node: int) -> str:
     out = out.resolve()
     gpus = [f"#SBATCH --gpus-per-node={per_node}"] if platform == "gpu" else []
+    jemalloc = jemalloc_library() if platform == "cpu" else None
+    keep = [f'export LD_PRELOAD="{jemalloc}${{LD_PRELOAD:+ $LD_PRELOAD}}" MALLOC_CONF={JEMALLOC_CONF}'
+            "   # keep freed host memory (jemalloc)"] if jemalloc else []
     run = f"{shlex.quote(sys.executable)} -m jaxpar.plan.sweep {shlex.quote(str(out))} \"$SLURM_ARRAY_TASK_ID\""
     return "\n".join(["#!/bin/bash", "#SBATCH --job-name=jaxpar-sweep", f"#SBATCH --array=0-{tasks - 1}",
                       "#SBATCH --nodes=1", "#SBATCH --ntasks=1", *gpus,
                       f"#SBATCH --output={out}/logs/task-%a.out", f"#SBATCH --chdir={Path.cwd()}",
-                      "# one array task per candidate: train K steps, record step time and memory",
+                      "# one array task per candidate: train K steps, record step time and memory", *keep,
                       f"srun --kill-on-bad-exit=1 {run}", ""])
 
 
@@ -82,7 +86,8 @@ def run_task(out: Path, index: int) -> dict:
         from jaxpar.measure.host_allocator import keep_freed_memory
         from jaxpar.mesh import set_cpu_devices
         set_cpu_devices(spec["cpu_devices"])
-        allocator = keep_freed_memory()     # as lab 07's CPU check: no per-step page faults a GPU would not pay
+        allocator = keep_freed_memory()     # as lab 07's CPU check (jemalloc if the script preloaded it): no
+        # per-step page faults a GPU would not pay
     import jax
 
     from jaxpar.config import apply_overrides, load_config
