@@ -23,6 +23,13 @@ def reduced(monkeypatch):
     monkeypatch.setattr(links, "REPEATS", 4)
     monkeypatch.setattr(lab, "VOCABS", (1024,))
 
+    def small_model():      # part d's report and numbers on the test model (the lab: the default config's)
+        from jaxpar.config import apply_overrides, load_config
+        config = load_config("configs/test.py")
+        apply_overrides(config, ["model.vocab_size=256"])
+        return config
+    monkeypatch.setattr(lab, "reality_config", small_model)
+
 
 def test_capstone_report(capsys, tmp_path, reduced, monkeypatch):
     """Part d measures through `call_with_kept_memory` (its fresh process: test_host_allocator.py); here in this
