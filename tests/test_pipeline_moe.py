@@ -23,7 +23,7 @@ MOE = ["train.warmup_steps=1", "model.layers=6", "model.moe.experts=4", "model.m
        "model.moe.dense_layers=2", "model.moe.router=sigmoid", "model.moe.bias_rate=0.01",
        "model.moe.balance_loss=0.1", "model.moe.z_loss=0.01"]
 CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's train.microbatches. A representative
-    # subset: `jaxpar lab pipeline --parts moe` runs the full matrix (labs/pipeline_moe.py)
+    # subset: `jaxpar lab pipeline --parts moe` runs 28 layouts (labs/pipeline_moe.py)
     "gpipe fsdp=2 x pipe=2 x expert=2, accumulation 2, rules": (
         ["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.expert=2", "parallel.expert=manual",
          "parallel.pipe=gpipe", "parallel.pipe_microbatches=2", "train.microbatches=2", "parallel.rules=embed="], 8),
