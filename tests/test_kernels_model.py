@@ -77,7 +77,7 @@ def test_xla_attention_and_chunked_loss_give_the_same_loss():
 def test_kernels_run_on_each_devices_shard():
     """Under fsdp=8 the automatic path hands the Pallas kernels each device's batch rows (shard_local),
     not the global batch the partitioner would otherwise gather onto every device."""
-    strategy = build(*MESHES["fsdp=8"], *KERNELS)
+    strategy = build("mesh.data=1", "mesh.fsdp=8", *KERNELS)
     with jax.set_mesh(strategy.mesh):
         jaxpr = strategy.step_fn.trace(strategy.abstract_state, strategy.abstract_batch()).jaxpr
 
