@@ -187,9 +187,21 @@ def test_aux_free_bias_moves_against_the_observed_load_after_each_step():
         before = np.asarray(state["params"]["moe_blocks"]["router_bias"])
         state, metrics = strategy.step(state, jax.device_put(batch, strategy.batch_sharding))
         routed = np.asarray(metrics["moe_routed"])
-        want = before + 0.01 * np.sign(routed.mean(-1, keepdims=True) - routed)
+        gap = routed.mean(-1, keepdims=True) - routed
+        want = before + 0.01 * np.where(np.abs(gap) <= moe.TIE, 0.0, np.sign(gap))
         np.testing.assert_allclose(np.asarray(state["params"]["moe_blocks"]["router_bias"]), want, atol=1e-7)
     assert np.abs(want).max() > 0                                               # it did move
+
+
+def test_aux_free_bias_stays_at_a_tie_whatever_the_rounding():
+    """Two layouts sum one expert's count in different orders: at a tie the loads differ by an ulp, not a sign."""
+    quarter = np.float32(0.25)
+    up, down = np.nextafter(quarter, np.float32(1)), np.nextafter(quarter, np.float32(0))
+    tied = jnp.asarray([[quarter, up, down, quarter], [down, down, up, up]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(moe.bias_update(tied, 0.01)), 0.0)
+    one_assignment = np.float32(1 / 4096)                        # a real difference: one of 4096 assignments
+    moved = jnp.asarray([[quarter + one_assignment, quarter - one_assignment, quarter, quarter]], jnp.float32)
+    np.testing.assert_allclose(np.asarray(moe.bias_update(moved, 0.01)), [[-0.01, 0.01, 0.0, 0.0]])
 
 
 def test_noisy_gating_is_off_in_evaluation():

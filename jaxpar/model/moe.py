@@ -183,14 +183,21 @@ def router_outputs(logits, probs, ids, kept, cfg: MoEConfig, batch_mean=None, se
             "moe_balance": balance, "moe_z": z}
 
 
+# A load within this of the mean is a tie. Loads are counts over N = tokens·k assignments, so two loads that
+# differ really differ by at least 1/(E·N): more than this below 2^20 assignment-experts per step. Layouts sum
+# the counts in different orders, so at a real tie they differ by an ulp, and a bare sign would split them.
+TIE = 2.0 ** -20
+
+
 def bias_update(routed, rate: float):
-    """DeepSeek-V3's aux-free balancing step: b_i += rate · sign(mean load - load_i), per layer.
+    """DeepSeek-V3's aux-free balancing step: b_i += rate · sign(mean load - load_i), per layer; 0 at a tie.
 
     `routed` [layers, E] is the observed load of the step; overloaded experts become less
     likely to be chosen, underloaded ones more. The strategies add this after their optimizer
     update (parallel/step.py `apply_outside_gradient`): the bias never sees a gradient.
     """
-    return rate * jnp.sign(jnp.mean(routed, axis=-1, keepdims=True) - routed)
+    gap = jnp.mean(routed, axis=-1, keepdims=True) - routed
+    return rate * jnp.where(jnp.abs(gap) <= TIE, 0.0, jnp.sign(gap))
 
 
 # ============================================================================ the experts
