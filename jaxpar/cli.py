@@ -22,6 +22,34 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but an unknown `--steps 10` that names a config field says `--set train.steps=10`."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            words = ["jaxpar", parsed.subcommand, getattr(parsed, NESTED_DEST.get(parsed.subcommand, ""), None)]
+            hint = set_hint(extra) if hasattr(parsed, "overrides") else ""
+            self.exit(EXIT_BAD_INPUT, f"error: unrecognized arguments: {' '.join(extra)}{hint} "
+                                      f"(see {' '.join(filter(None, words))} --help)\n")
+        return parsed
+
+
+def set_hint(extra: list[str]) -> str:
+    """`; train.steps is a config field: --set train.steps=10` for each unknown `--steps 10` naming a field."""
+    from jaxpar.config import base_config, field_paths
+    paths = field_paths(base_config())
+    hints = []
+    for i, word in enumerate(extra):
+        if not word.startswith("--"):
+            continue
+        name, _, value = word[2:].partition("=")
+        if not value:
+            value = extra[i + 1] if i + 1 < len(extra) and not extra[i + 1].startswith("--") else "VALUE"
+        fields = [p for p in paths if p.rsplit(".", 1)[-1] == name.replace("-", "_")]
+        if fields:
+            hints.append(f"{' or '.join(fields)} is a config field: "
+                         f"{' or '.join(f'--set {field}={value}' for field in fields)}")
+    return "".join(f"; {h}" for h in hints)
+
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     from jaxpar.checks import add_config_arguments

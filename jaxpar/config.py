@@ -8,6 +8,7 @@ re-exported here for the callers that import them with the config.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import json
 import math
@@ -33,9 +34,9 @@ from jaxpar.config_checks import (  # noqa: F401
     validate_moe,
 )
 
-# A source checkout (or editable install) keeps the presets in configs/ beside the package: `--config
-# configs/test.py` and the labs' default configs resolve there from any working directory.
-REPOSITORY = Path(__file__).resolve().parents[1]
+# The presets ship inside the package (jaxpar/configs/NAME.py): `--config test` and `--config configs/test.py`
+# (the spelling of the README and the lab sheets) load them from any working directory, installed or not.
+PRESETS = Path(__file__).resolve().parent / "configs"
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -157,7 +158,8 @@ def load_config(path: str | None) -> ml_collections.ConfigDict:
     else:
         file = config_file(path)
         if not file.is_file():
-            raise ConfigError("--config", f"no such config file '{path}'")
+            raise ConfigError("--config", f"no such config file '{path}'; presets (NAME or configs/NAME.py): "
+                              f"{', '.join(preset_names())}")
         if file.suffix != ".py":
             raise ConfigError("--config", f"'{path}' is not a Python file; give a .py file defining get_config()")
         spec = importlib.util.spec_from_file_location(f"jaxpar_config_{file.stem}", file)
@@ -180,12 +182,44 @@ def load_config(path: str | None) -> ml_collections.ConfigDict:
     return config
 
 
-def config_file(path: str) -> Path:
-    """`path` as given, or a preset path such as configs/test.py resolved from the repository jaxpar is in."""
-    file = Path(path)
-    if not file.exists() and not file.is_absolute() and (REPOSITORY / file).is_file():
-        return REPOSITORY / file
+def preset_names() -> list[str]:
+    """The presets shipped with the package (jaxpar/configs/NAME.py)."""
+    return sorted(f.stem for f in PRESETS.glob("*.py") if f.stem != "__init__")
+
+
+def preset(name: str) -> Path:
+    """The file of preset `name` (e.g. "test"), for callers that need a path rather than a `--config` value."""
+    file = _preset_file(name)
+    if file is None:
+        raise ConfigError("--config", f"no preset '{name}'; presets: {', '.join(preset_names())}")
     return file
+
+
+def _preset_file(path: str) -> Path | None:
+    """The preset `path` names: NAME, NAME.py or configs/NAME.py; None when it names none."""
+    given = Path(path)
+    if str(given.parent) not in (".", "configs") or given.suffix not in ("", ".py") or given.stem == "__init__":
+        return None
+    file = PRESETS / f"{given.stem}.py"
+    return file if file.is_file() else None
+
+
+def config_file(path: str) -> Path:
+    """The file `--config path` loads: `path` itself when it exists (a user's file wins), else the preset it names
+    (configs/test.py, test.py or test, from any working directory), else `path` (which then does not exist)."""
+    file = Path(path)
+    if file.exists():
+        return file
+    return _preset_file(path) or file
+
+
+def config_reference(path: str) -> str:
+    """`path` as another process in another working directory can load it: the preset's name, or an absolute
+    path to the user's file (a sweep's array task, a lab's subprocess)."""
+    file = config_file(path)
+    if file.parent.resolve() == PRESETS and file.is_file():
+        return file.stem
+    return str(file.resolve())
 
 
 def config_from_dict(values: dict) -> ml_collections.ConfigDict:
@@ -216,6 +250,17 @@ def _merge(config, values, prefix):
             config[key] = tuple(value) if isinstance(value, list) else value
 
 
+def field_paths(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Every field of `config` as `section.field` (what `--set` takes)."""
+    paths = []
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            paths += field_paths(value, f"{prefix}{key}.")
+        else:
+            paths.append(f"{prefix}{key}")
+    return paths
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> None:
     """Apply `field.path=value` overrides, each checked against the field's type."""
     for item in overrides:
@@ -228,7 +273,9 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: list[str]) -> 
             field = ".".join(parts[: depth + 1])
             if not isinstance(node, ml_collections.ConfigDict) or part not in node:
                 valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-                raise ConfigError(field, f"unknown config field; valid here: {', '.join(valid)}")
+                close = difflib.get_close_matches(part, valid, n=1)
+                hint = f"did you mean `{'.'.join([*parts[:depth], close[0]])}`? " if close else ""
+                raise ConfigError(field, f"unknown config field; {hint}valid here: {', '.join(valid)}")
             if depth < len(parts) - 1:
                 node = node[part]
         current = node[parts[-1]]

@@ -24,8 +24,9 @@ class ConfigError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-def mesh_shape(config, num_devices: int) -> dict[str, int]:
-    """Mesh axis sizes with a single -1 filled from the device count."""
+def mesh_shape(config, num_devices: int, platform: str | None = None) -> dict[str, int]:
+    """Mesh axis sizes with a single -1 filled from the device count. `platform`: the devices' (one process's
+    run), so that a CPU run is told the `--cpu-devices N` that gives it the devices the mesh asks for."""
     sizes = {axis: int(config.mesh[axis]) for axis in MESH_AXES}
     for axis, size in sizes.items():
         if size == 0 or size < -1:
@@ -43,8 +44,9 @@ def mesh_shape(config, num_devices: int) -> dict[str, int]:
         sizes[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         product = " x ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "1"
+        cpu = f", or on CPU run with --cpu-devices {fixed}" if platform == "cpu" else ""
         raise ConfigError("mesh", f"{product} uses {fixed} devices but {num_devices} are available; "
-                          "make the product equal the device count or set one axis to -1")
+                          f"make the product equal the device count or set one axis to -1{cpu}")
     return sizes
 
 
@@ -194,16 +196,17 @@ def validate_grad_buckets(config) -> None:
                           f"{config.model.moe.experts}; use parallel.grad_buckets=0 with MoE")
 
 
-def validate(config, num_devices: int, processes: int | None = None) -> dict[str, int]:
+def validate(config, num_devices: int, processes: int | None = None, platform: str | None = None) -> dict[str, int]:
     """Check everything that can be checked before compiling; return the mesh sizes.
 
-    `processes`: the job's process count, when the mesh is the run's own (bounds train.fault_process)."""
+    `processes`: the job's process count, when the mesh is the run's own (bounds train.fault_process);
+    `platform`: the devices' platform in a one-process run (the mesh error then names --cpu-devices on CPU)."""
     validate_fields(config)
     m, t, d = config.model, config.train, config.data
     if processes is not None and t.fault_process >= processes:
         raise ConfigError("train.fault_process", f"is {t.fault_process} but the job has {processes} process(es); "
                           f"use -1 (every process) or 0..{processes - 1}")
-    sizes = mesh_shape(config, num_devices)
+    sizes = mesh_shape(config, num_devices, platform)
     if sizes["pipe"] > 1 and config.parallel.pipe == "auto":
         raise ConfigError("parallel.pipe", f"is 'auto' but mesh.pipe={sizes['pipe']}; choose a schedule: "
                           "gpipe, 1f1b, interleaved, zb-h1, dualpipev, pipedream-2bw, or circular (the compiler-driven "

@@ -83,7 +83,8 @@ def make_mesh(config, devices=None, *, resumed: bool = False) -> Mesh:
     """
     whole_job = devices is None   # the run's own mesh: its process count bounds train.fault_process
     devices = list(jax.devices() if whole_job else devices)
-    sizes = validate(config, len(devices), processes=jax.process_count() if whole_job and not resumed else None)
+    sizes = validate(config, len(devices), processes=jax.process_count() if whole_job and not resumed else None,
+                     platform=devices[0].platform if whole_job and jax.process_count() == 1 else None)
     shape = tuple(sizes[axis] for axis in MESH_AXES)
     grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -14,8 +14,7 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.config import base_config, to_json
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = str(REPO / "configs" / "test.py")
+TINY = "configs/test.py"
 
 
 def train(*extra):
@@ -66,6 +65,12 @@ CASES = [
     # Run outside the repository (the working directory is {work}): the lab still finds its default
     # config, so the error is about the bad field, not a missing configs/mixtral_tiny.py.
     ("lab-moe-default-config-anywhere", ["lab", "moe", "--set", "model.layrs=1"], "model.layrs"),
+    # Errors that name the fix: a config field given as a flag, a misspelt field, a mesh CPU devices can give.
+    ("flag-is-a-config-field", train("--steps", "10"), "--set train.steps=10 (see jaxpar train --help)"),
+    ("set-field-misspelt", train_set("train.stesp=10"), "did you mean `train.steps`?"),
+    ("mesh-needs-cpu-devices", train_set("mesh.data=16"), "uses 16 devices but 8 are available; make the product "
+                                                          "equal the device count or set one axis to -1, or on CPU "
+                                                          "run with --cpu-devices 16"),
 ]
 
 

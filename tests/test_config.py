@@ -90,7 +90,27 @@ def test_automatic_vocabulary_is_refused_where_tensor_does_not_divide_it():
 
 
 def test_presets_resolve_from_any_working_directory(tmp_path, monkeypatch):
+    """The presets ship in the package: their path (the README's spelling) or their name loads them anywhere."""
+    from jaxpar.config import PRESETS, config_reference, preset_names
     monkeypatch.chdir(tmp_path)
     assert load_config("configs/mixtral_tiny.py").model.moe.experts == 8
-    with pytest.raises(ConfigError, match="no such config file 'configs/none.py'"):
+    for given in ("configs/test.py", "test", "test.py"):
+        assert load_config(given).name == "test" and config_reference(given) == "test"
+    assert {"default", "test", "llama_1b", "arabic_7b", "mixtral_tiny"} <= set(preset_names())
+    assert "__init__" not in preset_names() and PRESETS.parent.name == "jaxpar"
+    with pytest.raises(ConfigError, match="no such config file 'configs/none.py'; presets .*: arabic_7b, .*test"):
         load_config("configs/none.py")
+    with pytest.raises(ConfigError, match="no such config file 'nope'"):
+        load_config("nope")
+
+
+def test_a_users_file_wins_over_the_preset_of_its_name(tmp_path, monkeypatch):
+    from jaxpar.config import config_reference
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "test.py").write_text(
+        "from jaxpar.config import base_config\n\ndef get_config():\n    c = base_config()\n"
+        "    c.name = 'mine'\n    return c\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/test.py").name == "mine"
+    assert config_reference("configs/test.py") == str(tmp_path / "configs" / "test.py")   # loadable elsewhere
+    assert load_config("test").name == "test"         # a bare name is the preset (no file 'test' here)

@@ -26,8 +26,8 @@ from jaxpar.parallel.registry import make_strategy
 from jaxpar.units import fmt_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = str(ROOT / "configs" / "test.py")
-SEVEN_B = str(ROOT / "configs" / "arabic_7b.py")
+TINY = "configs/test.py"
+SEVEN_B = "configs/arabic_7b.py"
 HAS_GPU_PLUGIN = gpu_plugin_problem() is None
 
 

@@ -92,7 +92,7 @@ def test_lab_bad_input_exits_2(capsys, tmp_path):
 def test_lab_zero_smoke(capsys, tmp_path):
     """Every part on the tiny model, few steps: all files written, the numbers the lab sheet relies on hold."""
     out = tmp_path / "lab"
-    code, stdout, _ = run_main(capsys, ["lab", "zero", "--config", str(ROOT / "configs" / "test.py"), "--out", str(out),
+    code, stdout, _ = run_main(capsys, ["lab", "zero", "--config", "configs/test.py", "--out", str(out),
                                         "--steps", "3", "--precision-steps", "3",
                                         "--remat-repeats", "1"])
     assert code == 0

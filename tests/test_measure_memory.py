@@ -1,5 +1,4 @@
 """Per-device memory: the compiler's accounting vs the train state's shardings vs the ZeRO formula."""
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,11 +21,10 @@ from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_strategy
 
 N = 8
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def tiny(*overrides):
-    config = load_config(str(ROOT / "configs" / "test.py"))
+    config = load_config("configs/test.py")
     apply_overrides(config, ["model.vocab_size=512", *overrides])
     return config
 

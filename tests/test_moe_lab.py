@@ -21,7 +21,7 @@ from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_MOE = ["--config", str(ROOT / "configs" / "test.py"), "--set", "model.moe.experts=8", "--set", "model.moe.top_k=2",
+TINY_MOE = ["--config", "configs/test.py", "--set", "model.moe.experts=8", "--set", "model.moe.top_k=2",
             "--set", "data.seq_len=32"]
 
 
@@ -90,7 +90,7 @@ class RecordedLab:
 
     def build(self, label, overrides, devices=1):
         from jaxpar.model.transformer import ModelConfig
-        config = load_config(str(ROOT / "configs" / "test.py"))
+        config = load_config("configs/test.py")
         apply_overrides(config, ["model.moe.experts=8", *overrides])
         return types.SimpleNamespace(label=label, strategy=types.SimpleNamespace(
             model_cfg=ModelConfig.from_config(config.model, 512)))
@@ -102,7 +102,7 @@ class RecordedLab:
 def test_balance_part_tables_and_heatmaps(tmp_path):
     """Coefficient of variation and dropped fraction from per-step loads, per method; the plots draw them."""
     from jaxpar.labs import moe as lab_moe
-    config = load_config(str(ROOT / "configs" / "test.py"))
+    config = load_config("configs/test.py")
     apply_overrides(config, ["model.moe.experts=8"])
     balanced, skewed = np.full(8, 1 / 8), np.array([0.5, 0.5, 0, 0, 0, 0, 0, 0])
 
@@ -124,7 +124,7 @@ def test_balance_part_tables_and_heatmaps(tmp_path):
 
 def test_moe_vs_dense_compares_equal_active_flops(tmp_path):
     from jaxpar.labs import moe as lab_moe
-    config = load_config(str(ROOT / "configs" / "test.py"))
+    config = load_config("configs/test.py")
     apply_overrides(config, ["model.moe.experts=8", "model.moe.top_k=2"])
     def curve(label, steps):
         return {"ce": list(np.linspace(6, 4, steps)), "val_loss": 4.1, "losses": [0.0] * steps, "times": [0.1] * steps}
@@ -138,7 +138,7 @@ def test_moe_vs_dense_compares_equal_active_flops(tmp_path):
 
 def test_lab_bad_input_exits_2(capsys, tmp_path):
     for argv, flag in ((["--steps", "1"], "--steps"), (["--bias-rate", "0"], "--bias-rate"),
-                       (["--config", str(ROOT / "configs" / "test.py")], "model.moe.experts")):
+                       (["--config", "configs/test.py"], "model.moe.experts")):
         code, _, err = run_main(capsys, ["lab", "moe", "--out", str(tmp_path / "lab"), *argv])
         assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {flag}: "), err
     assert not (tmp_path / "lab").exists()

@@ -25,7 +25,7 @@ from jaxpar.plan.steptime import executed_flops_per_token, step_time
 from jaxpar.plan.verify import candidate_config, verify
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = {name: str(ROOT / "configs" / f"{name}.py") for name in ("test", "arabic_7b", "llama_1b")}
+CONFIGS = {name: f"configs/{name}.py" for name in ("test", "arabic_7b", "llama_1b")}
 HAS_GPU_PLUGIN = gpu_plugin_problem() is None
 
 

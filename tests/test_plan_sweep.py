@@ -27,6 +27,21 @@ def test_spearman():
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
 
 
+def test_sweep_records_a_config_its_tasks_can_load(capsys, tmp_path, monkeypatch):
+    """Planned outside the checkout with a preset's path: candidates.json names the preset, which an array task
+    (another working directory, no Slurm needed for the check) loads."""
+    from jaxpar.config import load_config
+    (tmp_path / "plan").mkdir()
+    monkeypatch.chdir(tmp_path / "plan")
+    code, _, err = run_cli(capsys, [
+        "plan", "--config", "configs/test.py", "--set", "model.vocab_size=256", "--cpu-devices", "8",
+        "--global-batch", "8", "--seq-len", "16", "--tokens", "1e6", "--sweep", "1", "--out", "sweep"])
+    assert code == 0, err
+    spec = json.loads((tmp_path / "plan" / "sweep" / "candidates.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert spec["config"] == "test" and load_config(spec["config"]).name == "test"
+
+
 @pytest.mark.skipif(bool(MISSING), reason=f"Slurm is not installed here (no {', '.join(MISSING)}); "
                     "`scripts/slurm/local-cluster.sh install` installs it (apt, root)")
 def test_sweep_runs_as_a_slurm_job_array(capsys, tmp_path):

@@ -14,12 +14,12 @@ from jaxpar.labs import pytorch as lab  # noqa: E402
 from jaxpar.labs.pytorch_jax import run_variants  # noqa: E402
 from jaxpar.labs.report import max_rel_dev  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "test.py"
+CONFIG = "configs/test.py"
 STEPS = 3
 
 
 def test_torch_ddp_losses_equal_jaxpar_ddp(tmp_path):
-    config = load_config(str(CONFIG))
+    config = load_config(CONFIG)
     config, inputs = lab.prepare(config, build_token_data(config.data), STEPS, tmp_path)
     batches = list(np.load(inputs["batches"])["batches"])
     jaxpar = run_variants(config, batches, {"ddp": ["mesh.data=2", "parallel.data=ddp"]}, log=lambda _: None)

@@ -1,6 +1,5 @@
 """A strategy owns its prediction: registered with it, a strategy is in the dry run's report and the planner's space
 with no other edit."""
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +12,7 @@ from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.planner import plan
 from jaxpar.plan.space import enumerate_candidates
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "test.py"
+CONFIG = "configs/test.py"
 TOY_BYTES = 123456.0
 
 
@@ -39,7 +38,7 @@ def test_a_registered_strategy_is_in_the_dry_run(toy):
     from jaxpar.plan.fleet import cpu_cluster
     from jaxpar.plan.planner import predict_config
     from jaxpar.plan.steptime import Calibration
-    c = load_config(str(CONFIG))
+    c = load_config(CONFIG)
     apply_overrides(c, ["model.vocab_size=512", "parallel.data=toy", "mesh.data=8"])
     r = dryrun(c, "cpu")
     assert r["collectives"]["by_axis"]["data"]["predicted_bytes"] == TOY_BYTES * 8
@@ -56,7 +55,7 @@ def test_a_registered_strategy_is_in_the_dry_run(toy):
 
 
 def test_a_registered_strategy_is_in_the_planners_space(toy):
-    c = load_config(str(CONFIG))
+    c = load_config(CONFIG)
     apply_overrides(c, ["model.vocab_size=512"])
     shape = ModelShape.from_config(c)
     toys = [x for x in enumerate_candidates(shape, 8, 16) if x.data_impl == "toy"]
@@ -68,7 +67,7 @@ def test_a_registered_strategy_is_in_the_planners_space(toy):
 def test_every_registered_strategy_predicts():
     """No registry line without its theory: each strategy answers `predict` for a candidate it runs (the MoE
     exchange needs an MoE model: tests/test_moe_parallel.py holds it against the compiler)."""
-    c = load_config(str(CONFIG))
+    c = load_config(CONFIG)
     apply_overrides(c, ["model.vocab_size=512"])
     shape = ModelShape.from_config(c)
     for cls in map(registry._load, registry.STRATEGIES):

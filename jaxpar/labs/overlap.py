@@ -23,12 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from jaxpar.config import preset
 from jaxpar.labs.arguments import OVERLAP_PARTS
 from jaxpar.labs.arguments import overlap as add_arguments
 from jaxpar.units import fmt_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
-SEVEN_B = str(ROOT / "configs" / "arabic_7b.py")
+SEVEN_B = str(preset("arabic_7b"))
 TOPOLOGY = "1x8x8"                      # 8 hosts x 8 H100s
 HAND_TP = ["mesh.fsdp=1", "mesh.data=8", "mesh.tensor=8", "parallel.tensor=manual", "parallel.sequence=true"]
 # name -> (overrides of the 7B config, the planner's strategy key: the candidate's data_impl, "+tensor" when

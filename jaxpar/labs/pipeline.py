@@ -40,7 +40,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.config import ConfigError, apply_overrides, load_config, preset, to_json
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
 from jaxpar.labs.pipeline_build import LAB_MODEL, MICRO, REPO, TABLE_CASES, VOCAB, Lab, _pipe
@@ -227,10 +227,7 @@ def p2p(lab: Lab, p: int, m: int) -> dict:
 
 def dryrun_7b(lab: Lab, out: Path) -> dict:
     from jaxpar.measure.targets import gpu_plugin_problem
-    config = REPO / "configs" / "arabic_7b.py"
-    if not config.is_file():
-        return {"markdown": "## f. Dry run of the 7B\n\nconfigs/arabic_7b.py is not here (an installed package "
-                            "without the repository): skipped."}
+    config = preset("arabic_7b")
     target = out / "dryrun_7b"
     sets = ["mesh.data=1", "mesh.pipe=4", "mesh.tensor=8", "mesh.fsdp=2", "parallel.pipe=1f1b",
             "parallel.pipe_microbatches=16"]
@@ -355,11 +352,7 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
     if len(jax.devices()) < 8:
         raise ConfigError("--cpu-devices", f"the lab needs 8 devices (3D layouts) but JAX has {len(jax.devices())}; "
                           "on CPU pass --cpu-devices 8")
-    config = load_config(str(REPO / "configs" / "test.py")) if (REPO / "configs" / "test.py").is_file() else None
-    if config is None:
-        from jaxpar.config import base_config
-        config = base_config()
-        config.lock()
+    config = load_config("configs/test.py")
     apply_overrides(config, LAB_MODEL + list(overrides))
     out = Path(out or f"runs/lab-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)

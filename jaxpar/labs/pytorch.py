@@ -302,7 +302,7 @@ def run_lab(config_path, overrides: list[str], out=None, *, steps: int = 10, pro
 # ============================================================================ command line
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", default=str(REPO / "configs" / "test.py"),
+    p.add_argument("--config", metavar="FILE", default="configs/test.py",
                    help="config file (default: configs/test.py, the tiny test model)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a config field (repeatable)")

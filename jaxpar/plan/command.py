@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from jaxpar.checks import add_config_arguments
-from jaxpar.config import REPOSITORY, ConfigError
+from jaxpar.config import ConfigError
 
-DEFAULT_CONFIG = REPOSITORY / "configs" / "arabic_7b.py"
+DEFAULT_CONFIG = "configs/arabic_7b.py"     # a preset (jaxpar/configs/arabic_7b.py), found from any working directory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,10 +58,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
 
 def load_model_config(args):
     from jaxpar.config import apply_overrides, load_config
-    path = args.config or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.is_file() else None)
-    if path is None:
-        raise ConfigError("--config", "configs/arabic_7b.py is not next to this installation; give --config FILE")
-    config = load_config(path)
+    config = load_config(args.config or DEFAULT_CONFIG)
     apply_overrides(config, args.overrides)
     if config.model.vocab_size <= 0:
         raise ConfigError("model.vocab_size", "is 0 (the tokenizer's); a plan needs it: --set model.vocab_size=N")
@@ -161,7 +158,7 @@ def run(args) -> int:
         print(f"\nwrote {out}/plan.md and plan.json")
         if args.sweep:
             from jaxpar.plan.sweep import write_sweep
-            script = write_sweep(p, args.config or str(DEFAULT_CONFIG), args.overrides, args.sweep, args.steps, out,
+            script = write_sweep(p, args.config or DEFAULT_CONFIG, args.overrides, args.sweep, args.steps, out,
                                  cluster.platform, args.host_devices, args.layout)
             print(f"wrote {script}: sbatch it, then `jaxpar plan collect {out}`")
     return 0

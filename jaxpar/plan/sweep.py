@@ -30,7 +30,7 @@ RESULTS = "results"
 def write_sweep(p, config_path: str, overrides: list[str], count: int, steps: int, out: Path,
                 platform: str, cpu_devices: int | None, layout: str = "jaxpar") -> Path:
     """candidates.json and sweep.sbatch for the `count` best candidates the checkout builds."""
-    from jaxpar.config import apply_overrides, load_config
+    from jaxpar.config import apply_overrides, config_reference, load_config
     from jaxpar.plan.verify import candidate_config, candidate_overrides
     if layout != "jaxpar":
         raise ConfigError("--layout", f"'{layout}' is formula only: a sweep trains jaxpar's own layout (jaxpar)")
@@ -51,7 +51,8 @@ def write_sweep(p, config_path: str, overrides: list[str], count: int, steps: in
                 "predicted_step_s": r.time.total_s, "predicted_memory": r.memory.total,
                 "predicted_tokens_per_s_per_device": r.tokens_per_s / r.cand.devices}
                for i, r in enumerate(chosen)]
-    spec = {"config": str(Path(config_path).resolve()), "overrides": overrides, "platform": platform,
+    # the array tasks run elsewhere: a preset by name, the user's own file by its absolute path
+    spec = {"config": config_reference(config_path), "overrides": overrides, "platform": platform,
             "cpu_devices": cpu_devices, "global_batch": p.global_batch, "seq_len": p.seq_len, "steps": steps,
             "cluster": p.cluster.describe(), "candidates": entries}
     out.mkdir(parents=True, exist_ok=True)
