@@ -76,6 +76,16 @@ def test_metrics_record_each_steps_own_time(run):
     assert f"  {mean_ms:.0f} ms/step" in line
 
 
+def test_metrics_time_is_each_steps_end(run):
+    """`time` is when the step finished, not when its burst was written: within a burst (steps 5-8) the times are
+    apart by about the steps' own times (written at once they were microseconds apart)."""
+    _, _, steps, _ = run
+    ends = [steps[s]["time"] for s in range(1, 9)]
+    assert all(a < b for a, b in zip(ends, ends[1:]))
+    for s in range(6, 9):
+        assert ends[s - 1] - ends[s - 2] > 0.5 * steps[s]["step_time_s"], s
+
+
 def test_mfu_never_above_100_percent_and_the_peak_is_stated(run):
     run_dir, printed, steps, _ = run
     mfus = [steps[s]["mfu"] for s in range(2, 9)]
