@@ -269,6 +269,16 @@ def train_config(args):
     return config
 
 
+def start_platform(args) -> None:
+    """JAX on the CPU platform alone where the command runs on CPU devices (jaxpar.env.cpu_platform_only); the
+    variable also reaches the processes the command starts."""
+    from jaxpar.env import cpu_platform_only
+    if cpu_platform_only(os.environ, bool(getattr(args, "cpu_devices", None)) or args.subcommand == "dryrun"):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        if "jax" in sys.modules:   # imported already: the variable is read at import, the setting still applies
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
 def check(args) -> None:
     """Refuse what can be refused before JAX or a lab is imported; `args.config_loaded`: train's config."""
     from jaxpar import checks
@@ -387,6 +397,7 @@ def main(argv=None) -> int:
         stop_listening()
         raise
     try:
+        start_platform(args)
         check(args)
         if args.subcommand not in LOCAL_COMMANDS:
             from jaxpar.mesh import init_distributed, set_cpu_devices

@@ -187,12 +187,15 @@ def _flops_and_time_lines(r: dict) -> list[str]:
         "",
         "Compiled > model: remat recomputation, the one-hot embedding matmul, softmax and norms.",
         "",
-        *(["## Time on these virtual CPU devices (not a prediction for any accelerator)", "",
-            f"{r['devices']} virtual devices share this host's cores and memory; the figures below are theirs."]
+        *(["## Time on these virtual CPU devices (an estimate for this host, not for any accelerator)", "",
+            f"{r['devices']} virtual devices share this host's cores and memory: compute divides this host's "
+            f"measured matmul peak among them, collectives run at its memory-copy rate. The figures below are "
+            "this host's, with no MFU: at η = 1 of a peak measured here it would only restate the ratio of model "
+            "to compiled FLOPs."]
           if cpu else ["## Predicted step time (prediction, not a measurement)"]),
         "",
         (f"The planner's step model (jaxpar.plan) for these {r['devices']} virtual CPU devices: "
-         f"{fmt_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}: " if cpu else
+         f"{fmt_seconds(cal['step_s'])} per step on this host (a CPU estimate): " if cpu else
          f"**The planner's step model (jaxpar.plan): {fmt_seconds(cal['step_s'])} per step, MFU {cal['mfu']:.1%}**: ")
         + "compute at "
         f"η = {cal['efficiency']:.2f} of peak, {cal['overlap']:.0%} of the hideable collectives overlapped "
@@ -202,12 +205,13 @@ def _flops_and_time_lines(r: dict) -> list[str]:
         f"Optimistic bound (100% of peak: {fl['peak_source']} = {fl['peak_per_device'] / 1e12:.3g} TFLOP/s per "
         "device, collectives at the full link bandwidth), for comparison only:",
         "",
-        "| | time | MFU |",
-        "|---|---:|---:|",
-        f"| compute (compiled FLOPs / peak) | {fmt_seconds(t['compute_s'])} | |",
-        f"| communication (bytes / link bandwidth, summed over axes) | {fmt_seconds(t['communication_s'])} | |",
-        f"| optimistic bound: perfect overlap, max | {fmt_seconds(t['overlapped_s'])} | {t['mfu_overlapped']:.1%} |",
-        f"| step, no overlap: sum | {fmt_seconds(t['serial_s'])} | {t['mfu_serial']:.1%} |",
+        *(["| | time |", "|---|---:|"] if cpu else ["| | time | MFU |", "|---|---:|---:|"]),
+        f"| compute (compiled FLOPs / peak) | {fmt_seconds(t['compute_s'])} |" + ("" if cpu else " |"),
+        f"| communication (bytes / link bandwidth, summed over axes) | {fmt_seconds(t['communication_s'])} |"
+        + ("" if cpu else " |"),
+        f"| optimistic bound: perfect overlap, max | {fmt_seconds(t['overlapped_s'])} |"
+        + ("" if cpu else f" {t['mfu_overlapped']:.1%} |"),
+        f"| step, no overlap: sum | {fmt_seconds(t['serial_s'])} |" + ("" if cpu else f" {t['mfu_serial']:.1%} |"),
     ]
 
 

@@ -327,7 +327,7 @@ def _log_interval(run: _Run, tally: _Tally, step: int) -> None:
         tally.losses[s_] = float(m["loss"])
         record = {"step": s_, **{k: np.asarray(v).tolist() for k, v in m.items()},
                   "lr": float(tally.schedule(s_ - 1)), **throughput.step(s_, times.get(s_)),
-                  "time": time.time()}
+                  "time": tally.clock.ended.pop(s_)}   # when the step finished, not when this was written
         run.metrics_log.write(record)
         if record["step_time_s"]:
             run.sinks.step_times(record["step_time_s"], 1)

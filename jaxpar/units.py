@@ -27,7 +27,9 @@ def ratio(measured, predicted) -> str:
 
 
 def fmt_seconds(x: float) -> str:
-    """µs below a millisecond, ms below a second, else s."""
+    """µs below a millisecond, ms below a second, s below an hour, then hours, then days."""
     if x < 1e-3:
         return f"{x * 1e6:.1f} µs"
-    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+    if x < 3600:
+        return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+    return f"{x / 3600:.1f} h" if x < 86400 else f"{x / 86400:,.1f} days"

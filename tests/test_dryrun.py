@@ -4,9 +4,11 @@ In-process tests use the 8 CPU devices conftest gives; 64-device and GPU-target 
 go through `python -m jaxpar.cli dryrun` in a subprocess (the device count and the
 platform are fixed when JAX starts).
 """
+import copy
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +126,20 @@ def test_cpu_headline_is_memory_and_communication_not_a_step_time(fsdp8):
     assert "for these 8 virtual CPU devices: " in text                   # still there, labelled as theirs
     gpu = {**fsdp8, "machine": {**fsdp8["machine"], "platform": "gpu"}}  # a GPU target's headline has the step
     assert "predicted step time" in markdown_report(gpu).split("\n")[4]
+
+
+def test_cpu_times_in_days_and_without_mfu(fsdp8):
+    """A 7B step on 64 virtual CPU devices takes weeks of this host: said in days, as this host's estimate, with
+    no MFU (it printed "1441980.63 s per step, MFU 77.9%" and "Replayed step ... 1529497401.912 ms")."""
+    slow = copy.deepcopy(fsdp8)
+    slow["time"]["calibrated"]["step_s"], slow["overlap"]["replayed_step_s"] = 1441980.63, 1529497.401912
+    cpu = markdown_report(slow)
+    assert "virtual CPU devices: 16.7 days per step on this host (a CPU estimate): compute at" in cpu
+    assert "Replayed step (compute at roofline + exposed waits): 17.7 days;" in cpu
+    timed = cpu[cpu.index("## Time on these virtual CPU devices"):cpu.index("## Communication hidden")]
+    assert not re.search(r"MFU|\d\.\d%", timed.replace("with no MFU", "")), timed
+    gpu = {**slow, "machine": {**slow["machine"], "platform": "gpu"}}    # a GPU target keeps its MFUs
+    assert re.search(r"16\.7 days per step, MFU [\d.]+%", markdown_report(gpu))
 
 
 def test_bad_inputs_raise_config_error():

@@ -76,6 +76,16 @@ def test_metrics_record_each_steps_own_time(run):
     assert f"  {mean_ms:.0f} ms/step" in line
 
 
+def test_metrics_time_is_each_steps_end(run):
+    """`time` is when the step finished, not when its burst was written: within a burst (steps 5-8) the times are
+    apart by about the steps' own times (written at once they were microseconds apart)."""
+    _, _, steps, _ = run
+    ends = [steps[s]["time"] for s in range(1, 9)]
+    assert all(a < b for a, b in zip(ends, ends[1:]))
+    for s in range(6, 9):
+        assert ends[s - 1] - ends[s - 2] > 0.5 * steps[s]["step_time_s"], s
+
+
 def test_mfu_never_above_100_percent_and_the_peak_is_stated(run):
     run_dir, printed, steps, _ = run
     mfus = [steps[s]["mfu"] for s in range(2, 9)]
@@ -134,3 +144,29 @@ def test_a_datasheet_peak_is_never_raised():
     assert throughput.step(2, 1.0)["mfu"] == 2.0 and throughput.step(3, 4.0)["mfu"] == 0.5
     assert throughput.peak == 1e12 and len(notices) == 1 and "FLOP count or the peak table is wrong" in notices[0]
     assert "step 2 ran above it" in throughput.describe()
+
+
+def test_the_cpu_peak_is_probed_once_per_host_and_kept(tmp_path, monkeypatch):
+    """Two runs' MFUs divide by one peak: the first probe is kept; a later, busier probe is not taken;
+    JAXPAR_REPROBE_PEAK=1 probes again and keeps the new figure. Each peak line says which it is."""
+    import dataclasses
+
+    import jax
+
+    from jaxpar.measure import hardware
+    monkeypatch.setenv("JAXPAR_CACHE", str(tmp_path))
+    monkeypatch.delenv(hardware.REPROBE_ENV, raising=False)
+    probes = iter([63.8e9, 35.8e9, 50e9])
+    host = hardware.Accelerator("cpu-host (test)", None, None, 0.0, None, None, None, None, None, "a test probe")
+    monkeypatch.setattr(hardware, "probe_host", lambda: dataclasses.replace(host, fp32_flops=next(probes)))
+    n = jax.local_device_count()
+    first = hardware.run_peak("float32")
+    assert first.per_device == 63.8e9 / n and "probed now and kept in" in first.source
+    second = hardware.run_peak("float32")                                   # the host is busier now: not probed
+    assert second.per_device == 63.8e9 / n and "kept from this host's probe of" in second.source
+    assert "JAXPAR_REPROBE_PEAK=1 probes again" in second.source and "a test probe" in second.source
+    monkeypatch.setenv(hardware.REPROBE_ENV, "1")
+    assert hardware.run_peak("float32").per_device == 35.8e9 / n            # asked for: probed and kept
+    monkeypatch.delenv(hardware.REPROBE_ENV)
+    assert hardware.run_peak("float32").per_device == 35.8e9 / n
+    assert len(list((tmp_path / "host_peak").iterdir())) == 1               # one file per host and device count

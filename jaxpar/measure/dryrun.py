@@ -52,8 +52,10 @@ def _peak_flops(config, machine, num_devices: int) -> tuple[float, str]:
     from jaxpar.measure import hardware
     if machine["platform"] == "cpu":
         host = hardware.probe_host()
+        dtype = config.train.compute_dtype
+        note = "" if dtype == "float32" else f" (float32 measured, used for {dtype})"
         return host.fp32_flops / num_devices, (f"host f32 matmul {host.fp32_flops / 1e9:.1f} GFLOP/s (measured) "
-                                                f"shared by {num_devices} virtual devices")
+                                                f"shared by {num_devices} virtual devices{note}")
     acc = hardware.ACCELERATORS[machine["accelerator"]]
     if config.train.compute_dtype == "float8" and acc.fp8_flops:
         return acc.fp8_flops, f"{acc.name} fp8 dense peak (only the weight matmuls run in fp8)"

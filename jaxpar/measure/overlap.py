@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxpar.measure import hlo
 from jaxpar.measure.hlo_module import matching_bracket, trip_count
+from jaxpar.units import fmt_seconds
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
         "replica-id", "opt-barrier", "add-dependency", "iota"}
@@ -257,9 +258,9 @@ def markdown(result: dict) -> list[str]:
              "| mesh axis | collectives (async) | α-β time | hidden | exposed | hidden fraction |",
              "|---|---:|---:|---:|---:|---:|"]
     for axis, a in sorted(result["by_axis"].items()):
-        lines.append(f"| {axis} | {a['collectives']} ({a['async']}) | {a['comm_s'] * 1e3:.3f} ms | "
-                     f"{a['hidden_s'] * 1e3:.3f} ms | {a['exposed_s'] * 1e3:.3f} ms | {a['hidden_fraction']:.1%} |")
-    lines += ["", (f"Replayed step (compute at roofline + exposed waits): {result['replayed_step_s'] * 1e3:.3f} ms; "
+        lines.append(f"| {axis} | {a['collectives']} ({a['async']}) | {fmt_seconds(a['comm_s'])} | "
+                     f"{fmt_seconds(a['hidden_s'])} | {fmt_seconds(a['exposed_s'])} | {a['hidden_fraction']:.1%} |")
+    lines += ["", (f"Replayed step (compute at roofline + exposed waits): {fmt_seconds(result['replayed_step_s'])}; "
               f"{result['hidden_fraction']:.1%} of the α-β collective time hidden. A model of the schedule "
               "(jaxpar/measure/overlap.py), not a measurement.")]
     return lines

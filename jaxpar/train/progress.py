@@ -7,6 +7,9 @@ from when the step before it finished (or from its dispatch, if that came later)
 when it finished. Before host work that belongs to no step (evaluation, saving,
 logging) the loop calls `wait`, so that work never counts in a step.
 
+Each step's end is also kept as wall-clock time (`ended`, seconds since the epoch): metrics.jsonl
+records it as the step's `time`, not the time its logging interval was written.
+
 The first step a process runs compiles: it gets no step time (the loop reports it
 as the compile time). `on_finished(step)` runs as each step finishes: it moves the
 progress bar every step, which is what gives the bar a real ETA.
@@ -27,6 +30,7 @@ class StepClock:
         self._in_flight = None          # (step, outputs, dispatched at)
         self._last_finished = None      # perf_counter time the previous step was seen finished
         self._times: dict[int, float | None] = {}
+        self.ended: dict[int, float] = {}   # step -> time.time() when it was seen finished; the loop pops them
 
     def dispatched(self, step: int, outputs, at: float) -> None:
         """`step` was dispatched at `at` (perf_counter) and yields `outputs`; waits for the step before it."""
@@ -41,6 +45,7 @@ class StepClock:
         self._in_flight = None
         jax.block_until_ready(outputs)
         finished = time.perf_counter()
+        self.ended[step] = time.time()
         first = self._last_finished is None
         self._times[step] = None if first else finished - max(at, self._last_finished)
         self._last_finished = finished
