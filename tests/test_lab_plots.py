@@ -91,5 +91,5 @@ def test_replot_redraws_a_run_from_its_results(tmp_path, capsys):
     assert replot(["zero", str(tmp_path)]) == 0
     assert (tmp_path / "equivalence.png").stat().st_size > 0 and not (tmp_path / "memory.png").exists()
     assert replot(["nope", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == "error: lab: unknown 'nope'; valid: zero, tensor, pipeline, moe, kernels"
+    assert capsys.readouterr().err.strip() == "error: lab: unknown 'nope'; valid: zero, tensor, pipeline, moe, kernels, pytorch"
     assert set(lab_zero.PLOTS) == {"equivalence.png", "memory.png", "communication.png", "remat.png", "precision.png"}

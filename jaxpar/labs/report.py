@@ -137,14 +137,28 @@ def write_report(out, sections: list[str], results: dict, start: float, part_sec
     return footer
 
 
-def draw_plots(results: dict, out, plots: dict) -> list[str]:
+class PlotError(RuntimeError):
+    """A figure failed after the lab wrote report.md and results.json: one line (the CLI prints it), exit 1."""
+    exit_code = 1
+
+
+def draw_plots(results: dict, out, plots: dict, lab: str = "LAB") -> list[str]:
     """Write each figure of `plots` ({file name: (results key, plot(result, path))}) whose part is in
-    `results` (key None: the whole results); the lab's run and `jaxpar.labs.replot` both call this."""
-    written = []
+    `results` (key None: the whole results); the lab's run and `jaxpar.labs.replot` both call this, the run
+    after writing results.json, so that a figure that fails loses nothing: the others are still drawn, then
+    PlotError names the failures in one line and how to draw them again (`lab`: the name replot takes)."""
+    written, failed = [], []
     for name, (key, plot) in plots.items():
         if key is None or key in results:
-            plot(results if key is None else results[key], Path(out) / name)
+            try:
+                plot(results if key is None else results[key], Path(out) / name)
+            except Exception as err:   # any plotting bug: named below, the results are kept
+                failed.append(f"{name} ({type(err).__name__}: {' '.join(str(err).split())})")
+                continue
             written.append(name)
+    if failed:
+        raise PlotError(f"error: drawing {', '.join(failed)} failed; results.json and report.md are in {out} "
+                        f"(`python -m jaxpar.labs.replot {lab} {out}` draws the figures again)")
     return written
 
 
@@ -162,3 +176,6 @@ def standalone_main(description: str, add_arguments, run_from_args, argv=None) -
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except PlotError as err:
+        print(err, file=sys.stderr)
+        return err.exit_code
