@@ -47,7 +47,7 @@ from jaxpar.labs.pytorch_sheet import (
 
 PROFILED_STEP = 2          # the torch step run under the profiler (bytes, memory), left out of the times
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"     # PyTorch's own index of its CPU-only wheels
-QUICK_PAIRS = tuple(PAIRS)
+QUICK_PAIRS = ("tp-sp", "1f1b")     # a DTensor strategy with both jaxpar counterparts, a pipeline with one
 
 
 # ============================================================================ 1. the shared inputs
