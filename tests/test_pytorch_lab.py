@@ -13,6 +13,7 @@ from jaxpar.labs import pytorch as lab
 HAS_TORCH = all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
 
 
+@pytest.mark.slow       # 2 gloo processes and 4 jaxpar compiles: 66 CPU-s, 293 s wall at load 16 on 2 cores
 @pytest.mark.skipif(not HAS_TORCH, reason="the optional extra torch (torch, transformers) is not installed")
 def test_quick_lab_writes_raw_results_sheet_then_figures(tmp_path, monkeypatch):
     out = tmp_path / "out"
@@ -36,10 +37,10 @@ def test_quick_lab_writes_raw_results_sheet_then_figures(tmp_path, monkeypatch):
     assert (results["steps"], results["processes"], results["microbatches"]) == (4, 2, 2)
     rows = results["rows"]
     assert list(rows) == ["single", "tp-sp", "1f1b"] and [len(rows[k]) for k in rows] == [2, 3, 2]
-    for row in (r for group in rows.values() for r in group):
+    for key, row in ((key, r) for key, group in rows.items() for r in group):
         assert row["within"] and row["losses"][-1] < row["losses"][0]       # trained, and to the same losses
         assert f"| {row['losses'][-1]:.6f} | {row['dev_own']:.1e} |" in sheet   # the sheet prints what was measured
-        assert units.fmt_bytes(sum(row["sent"].values())) in sheet or row["kind"] == "single"
+        assert key == "single" or units.fmt_bytes(sum(row["sent"].values())) in sheet
     ranks = [json.loads((out / "raw" / f"torch-rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["tp-sp"]["losses"] == ranks[1]["tp-sp"]["losses"]        # every rank reports the global mean
     torch_1f1b, formula = sum(rows["1f1b"][0]["sent"].values()), results["formulas"]["1f1b"][1][0]

@@ -204,15 +204,15 @@ def formulas(pairs, counts: dict, config, n: int) -> dict:
 def compare(pairs, torch_runs: dict, jax_runs: dict, n: int) -> dict:
     """Every row of every table: per pair the PyTorch run and jaxpar's automatic and hand-written one."""
     t_single, j_single = torch_runs["single"], jax_runs["single"]
-    rows = {"single": [dict(side="PyTorch", kind="torch", name="one process", **t_single),
-                       dict(side="jaxpar", kind="single", name="one device", **j_single)]}
+    rows = {"single": [dict(side="PyTorch", name="one process", **t_single),
+                       dict(side="jaxpar", name="one device", **j_single)]}
     for key in pairs:
         api = PAIRS[key][0]
-        rows[key] = [dict(side="PyTorch", kind="torch", name=api, **torch_runs[key])]
+        rows[key] = [dict(side="PyTorch", name=api, **torch_runs[key])]
         for kind in ("auto", "manual"):
             if f"{key}/{kind}" in jax_runs:
                 run = jax_runs[f"{key}/{kind}"]
-                rows[key].append(dict(side="jaxpar", kind=kind, name=" ".join(run["overrides"]), **run))
+                rows[key].append(dict(side="jaxpar", name=" ".join(run["overrides"]), **run))
     for group in rows.values():
         for row in group:
             own, other = (t_single, j_single) if row["side"] == "PyTorch" else (j_single, t_single)

@@ -177,6 +177,12 @@ NOTES = """## f. What runs, what does not, and why
   placements reconciled first, which `torch_train.clip_by_global_norm` does."""
 
 
+def kinds(group: list[dict]) -> tuple[str, ...]:
+    """What each row of a pair is: PyTorch's run first, then jaxpar's automatic (where the pair has one) and
+    hand-written counterpart (`compare`'s order)."""
+    return ("torch", "auto", "manual") if len(group) == 3 else ("torch", "manual")
+
+
 def plot_losses(rows: dict, path: Path):
     """Each side against its own one-device run, and PyTorch's one process against jaxpar's one device."""
     ref = {"PyTorch": "PyTorch one process", "jaxpar": "jaxpar one device"}
@@ -184,8 +190,8 @@ def plot_losses(rows: dict, path: Path):
             ("PyTorch one process vs jaxpar's", rows["single"][0]["losses"], ref["jaxpar"])]
     for key, group in rows.items():
         if key != "single":
-            runs += [(f"{r['side']} {key}" + (f" {r['kind']}" if r["side"] == "jaxpar" else ""), r["losses"],
-                      ref[r["side"]]) for r in group]
+            runs += [(f"{r['side']} {key}" + (f" {kind}" if kind != "torch" else ""), r["losses"], ref[r["side"]])
+                     for r, kind in zip(group, kinds(group))]
     return report.plot_equivalence(path, runs, TOLERANCE, reference="oracle",
                                    title="PyTorch and jaxpar: same batches, weights and optimizer, same losses?")
 
@@ -200,19 +206,19 @@ def plot_bytes(results: dict, path: Path):
     """Per pair: PyTorch, jaxpar automatic and hand-written (stacked by kind), and the course's formula."""
     rows, predicted = results["rows"], results["formulas"]
     pairs = [k for k in rows if k != "single"]
-    kinds = sorted({k for key in pairs for r in rows[key] for k in r["sent"]})
+    collectives = sorted({k for key in pairs for r in rows[key] for k in r["sent"]})
     fig = figures.figure(10, 5.2)
     ax = fig.add_subplot()
     width, labelled = 0.2, set()
     for i, key in enumerate(pairs):
-        for r in rows[key]:
-            name, slot = SLOTS[r["kind"]]
+        for r, kind in zip(rows[key], kinds(rows[key])):
+            name, slot = SLOTS[kind]
             x, bottom = i + (slot - 1.5) * width, 0.0
-            for kind in kinds:
-                value = r["sent"].get(kind, 0.0) / 2**10
-                ax.bar(x, value, width, bottom=bottom, color=KIND_COLOURS.get(kind, "C5"), edgecolor="k",
-                       linewidth=0.3, label=None if kind in labelled or not value else kind)
-                labelled |= {kind} if value else set()
+            for op in collectives:
+                value = r["sent"].get(op, 0.0) / 2**10
+                ax.bar(x, value, width, bottom=bottom, color=KIND_COLOURS.get(op, "C5"), edgecolor="k",
+                       linewidth=0.3, label=None if op in labelled or not value else op)
+                labelled |= {op} if value else set()
                 bottom += value
             ax.text(x, bottom, name, fontsize=10, ha="center", va="bottom")
         ax.bar(i + 1.5 * width, predicted[key][0][0] / 2**10, width, color="0.85", hatch="//", edgecolor="0.4",

@@ -3,6 +3,7 @@ that `experiments/NN_*/run.py` calls (parse, set the CPU devices, run; bad input
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import textwrap
@@ -96,7 +97,7 @@ def plot_equivalence(path, runs: list[tuple[str, list[float], str | None]], tole
     ax.set(xlabel="step", ylabel="training loss", title="loss")
     legend_below(ax)
     integer_steps(ax, dev)
-    for (names, curve), marker in zip(_groups(list(deviations.items())), "osD^v<>ph*"):
+    for (names, curve), marker in zip(_groups(list(deviations.items())), itertools.cycle("osD^v<>ph")):
         label = ", ".join(names) + (" (overlapping)" if len(names) > 1 else "")
         dev.plot(np.arange(1, len(curve) + 1), curve, marker=marker, label=_wrap(label))
     top = max([10 * d.max() for d in deviations.values()] + ([10 * tolerance] if tolerance else []) + [1e-6])
@@ -108,7 +109,7 @@ def plot_equivalence(path, runs: list[tuple[str, list[float], str | None]], tole
     legend_below(dev)
     fig.suptitle(title)
     rows = max(sum(t.get_text().count("\n") + 1 for t in a.get_legend().get_texts()) for a in (ax, dev))
-    fig.set_figheight(4 + 0.3 * rows)          # room for the legends' rows under the axes
+    fig.set_figheight(4.3 + 0.35 * rows)       # room for the legends' rows under the axes
     return save(fig, path)
 
 
