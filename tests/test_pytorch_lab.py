@@ -13,7 +13,7 @@ from jaxpar.labs import pytorch as lab
 HAS_TORCH = all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
 
 
-@pytest.mark.slow       # 2 gloo processes and 4 jaxpar compiles: 66 CPU-s, 293 s wall at load 16 on 2 cores
+@pytest.mark.slow       # 2 gloo processes, 4 jaxpar compiles: 61-66 CPU-s, 177-293 s wall at load 11-16 on 2 cores
 @pytest.mark.skipif(not HAS_TORCH, reason="the optional extra torch (torch, transformers) is not installed")
 def test_quick_lab_writes_raw_results_sheet_then_figures(tmp_path, monkeypatch):
     out = tmp_path / "out"
