@@ -91,5 +91,23 @@ def test_replot_redraws_a_run_from_its_results(tmp_path, capsys):
     assert replot(["zero", str(tmp_path)]) == 0
     assert (tmp_path / "equivalence.png").stat().st_size > 0 and not (tmp_path / "memory.png").exists()
     assert replot(["nope", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == "error: lab: unknown 'nope'; valid: zero, tensor, pipeline, moe, kernels"
+    assert capsys.readouterr().err.strip() == ("error: lab: unknown 'nope'; valid: zero, tensor, pipeline, moe, "
+                                               "kernels, pytorch")
     assert set(lab_zero.PLOTS) == {"equivalence.png", "memory.png", "communication.png", "remat.png", "precision.png"}
+
+
+def test_a_failing_figure_keeps_the_others_and_is_one_line(tmp_path, monkeypatch, capsys):
+    """report.draw_plots, every lab's last step (after results.json): a plot that raises does not stop the
+    others, and the failure is one line that says where the results are and how to draw them again."""
+    def broken(result, path):
+        raise ValueError("figure width 11 in:\n at most 10")
+
+    runs = {"single": {"label": "single device", "losses": [6.0, 5.0]}}
+    (tmp_path / "results.json").write_text(json.dumps({"equivalence": {"tolerance": 1e-4, "runs": runs}}))
+    monkeypatch.setattr(lab_zero, "PLOTS", {"broken.png": (None, broken), **lab_zero.PLOTS})
+    assert replot(["zero", str(tmp_path)]) == 1
+    assert (tmp_path / "equivalence.png").stat().st_size > 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: drawing broken.png (ValueError: figure width 11 in: at "
+                                                   "most 10) failed; results.json and report.md are in "), err
+    assert f"python -m jaxpar.labs.replot zero {tmp_path}" in err

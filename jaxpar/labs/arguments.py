@@ -7,6 +7,7 @@ whose module imports nothing heavy keeps `add_arguments` in its own module (ops,
 from __future__ import annotations
 
 import argparse
+import sys
 
 from jaxpar.checks import add_config_arguments
 
@@ -17,6 +18,30 @@ MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dens
 ZERO_PARTS = ("equivalence", "memory", "communication", "remat", "precision")
 TENSOR_PARTS = ("equivalence", "communication", "memory", "layouts")
 PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "dualpipev", "pipedream", "moe")
+# --quick runs on the tiny test model (configs/test.py) wherever a lab takes a config
+TEST_CONFIG = "configs/test.py"
+
+
+def add_quick(p: argparse.ArgumentParser, **values) -> None:
+    """`--quick`: every part, every plot and the sheet at the smallest sizes, for a smoke run (CI's journeys).
+
+    `values` ({dest: value}) become the parser's defaults when the command line holds --quick, so an option
+    given explicitly still wins; `overrides` (the --set list) go first, before the user's own --set.
+    """
+    flags = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+    shown = [f"{flags[dest]} {v}" for dest, value in values.items()
+             for v in (value if isinstance(value, list | tuple) else [value])]
+    p.add_argument("--quick", action="store_true",
+                   help=f"a quick run of every part at the smallest sizes: {' '.join(shown)} (flags given win)")
+    parse = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        words = sys.argv[1:] if args is None else list(args)
+        if "--quick" in (words[:words.index("--")] if "--" in words else words):
+            p.set_defaults(**{dest: list(v) if dest == "overrides" else v for dest, v in values.items()})
+        return parse(args, namespace)
+
+    p.parse_known_args = parse_known_args   # the one parser this lab's arguments were added to
 
 
 def zero(p: argparse.ArgumentParser) -> None:

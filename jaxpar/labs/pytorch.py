@@ -10,13 +10,14 @@ experiments/08_pytorch/README.md is the sheet. The lab:
    jaxpar side (`pytorch_jax`: one process with N virtual CPU devices), each in a subprocess;
 3. compares per pair: losses (fp32, against each side's one-device run and across frameworks), bytes
    per collective kind beside the formula, memory per rank, step time (CPU), and the lines of
-   parallelism-specific code each side's user writes. Files: report.md, results.json, losses.png,
-   bytes.png in --out.
+   parallelism-specific code each side's user writes. Files in --out: raw/ (the inputs and each side's
+   results, written as they come), report.md and results.json, then losses.png and bytes.png.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import socket
@@ -30,21 +31,23 @@ import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size
 from jaxpar.labs import report
+from jaxpar.labs.arguments import add_quick
 from jaxpar.labs.pytorch_pairs import PAIRS, REPO, TOLERANCE, TORCH_CODE, code_lines  # noqa: F401 (old names)
 from jaxpar.labs.pytorch_sheet import (
     NOTES,
+    PLOTS,
     header,
     md_communication,
     md_equivalence,
     md_lines,
     md_memory,
     md_time,
-    plot_bytes,
-    plot_losses,
     rss_line,
 )
 
 PROFILED_STEP = 2          # the torch step run under the profiler (bytes, memory), left out of the times
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"     # PyTorch's own index of its CPU-only wheels
+QUICK_PAIRS = ("tp-sp", "1f1b")     # a DTensor strategy with both jaxpar counterparts, a pipeline with one
 
 
 # ============================================================================ 1. the shared inputs
@@ -251,9 +254,8 @@ def check(config, pairs, steps: int, n: int, m: int, vocab: int) -> None:
 
 def run_lab(config_path, overrides: list[str], out=None, *, steps: int = 10, processes: int = 2,
             microbatches: int = 4, pairs=tuple(PAIRS), log=print) -> dict:
-    """Run both sides of every pair; write report.md, results.json, losses.png, bytes.png into `out`."""
-    import tempfile
-
+    """Run both sides of every pair; write raw/ (inputs, each side's results), report.md, results.json, then
+    losses.png and bytes.png into `out`."""
     from jaxpar.data.pipeline import build_token_data
     from jaxpar.model.counting import param_count
     from jaxpar.model.transformer import ModelConfig
@@ -264,19 +266,18 @@ def run_lab(config_path, overrides: list[str], out=None, *, steps: int = 10, pro
     vocab = model_vocab_size(config, data.stats["vocab_size"], 1)
     check(config, pairs, steps, n, m, vocab)
     out = Path(out or f"runs/lab-pytorch-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    work = out / "raw"                 # the inputs and each side's raw results stay: a failure later loses nothing
+    work.mkdir(parents=True, exist_ok=True)
     parts = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        t0 = time.perf_counter()
-        config, inputs = prepare(config, data, steps, work)
-        parts["inputs"] = time.perf_counter() - t0
-        log(f"lab pytorch: {n} processes / devices, {steps} steps, pairs {', '.join(pairs)}")
-        torch_side = run_torch(inputs, ["single", *(PAIRS[k][1] for k in pairs)], n, m, work, log)
-        parts["PyTorch side"] = torch_side["seconds"]
-        lab_sets = [*overrides, *lab_overrides(steps, vocab)]
-        jax_side = run_jaxpar(config_path, lab_sets, inputs, variants(pairs, n, m), n, work, log)
-        parts["jaxpar side"] = jax_side["seconds"]
+    t0 = time.perf_counter()
+    config, inputs = prepare(config, data, steps, work)
+    parts["inputs"] = time.perf_counter() - t0
+    log(f"lab pytorch: {n} processes / devices, {steps} steps, pairs {', '.join(pairs)}")
+    torch_side = run_torch(inputs, ["single", *(PAIRS[k][1] for k in pairs)], n, m, work, log)
+    parts["PyTorch side"] = torch_side["seconds"]
+    lab_sets = [*overrides, *lab_overrides(steps, vocab)]
+    jax_side = run_jaxpar(config_path, lab_sets, inputs, variants(pairs, n, m), n, work, log)
+    parts["jaxpar side"] = jax_side["seconds"]
     torch_runs = {key: torch_summary(torch_side["ranks"], PAIRS[key][1] if key != "single" else key, n)
                   for key in ["single", *pairs]}
     jax_runs = {key: jax_summary(run) for key, run in jax_side["runs"].items() if key != "_process"}
@@ -292,10 +293,9 @@ def run_lab(config_path, overrides: list[str], out=None, *, steps: int = 10, pro
                "code_lines": code_lines(), "hyper": inputs["hyper"]}
     sections = [header(results, config, cfg), md_equivalence(rows, steps), md_communication(rows, predicted, n),
                 md_memory(rows) + "\n\n" + rss_line(results), md_time(rows), md_lines(pairs, n, m), NOTES]
-    plot_losses(rows, out / "losses.png")
-    plot_bytes(rows, predicted, out / "bytes.png")
     log(report.write_report(out, sections, results, start, parts))
-    log(f"wrote {out / 'report.md'}, results.json, losses.png, bytes.png")
+    report.draw_plots(results, out, PLOTS, "pytorch")     # after results.json: a failed plot can be redrawn
+    log(f"wrote {out / 'report.md'}, results.json, {', '.join(PLOTS)} and the inputs and raw results in {work}")
     return results
 
 
@@ -312,10 +312,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="PyTorch processes = jaxpar virtual devices = the mesh size (default 2)")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches (default 4)")
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"comma-separated subset of {','.join(PAIRS)}")
+    add_quick(p, steps=PROFILED_STEP + 2, microbatches=2, pairs=",".join(QUICK_PAIRS))
+
+
+def require_torch() -> None:
+    """torch and transformers are the optional extra `torch`: without them one line says what to install (the
+    CPU-only wheel: the default one from the package index is CUDA's, gigabytes), before anything runs."""
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(" and ".join(missing), "not installed; the PyTorch lab needs torch and transformers: "
+                          f"pip install torch --index-url {TORCH_CPU_INDEX} (CPU-only), then pip install transformers")
 
 
 def run_from_args(args) -> int:
     """`jaxpar lab pytorch` and run.py: both sides run in subprocesses, so this process's devices do not matter."""
+    require_torch()
     run_lab(args.config, args.overrides, args.out, steps=args.steps, processes=args.processes,
             microbatches=args.microbatches, pairs=[p for p in args.pairs.split(",") if p])
     return 0

@@ -4,13 +4,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jaxpar import figures
+from jaxpar import figures, units
 from jaxpar.labs import report
 from jaxpar.labs.pytorch_pairs import PAIRS, TOLERANCE, code_lines
 
 
 def _kinds(sent: dict, calls: dict) -> str:
-    return ", ".join(f"{k} {report.fmt_bytes(v)} ({calls.get(k, 0):g}x)" for k, v in sorted(sent.items())
+    return ", ".join(f"{k} {units.fmt_bytes(v)} ({calls.get(k, 0):g}x)" for k, v in sorted(sent.items())
                      if v or calls.get(k)) or "none"
 
 
@@ -50,12 +50,12 @@ def md_communication(rows: dict, predicted: dict, n: int) -> str:
                 asked = ", ".join(f"{k} {v:g}x" for k, v in sorted(r["asked"].items()))
             want = gloo if torch_side else course
             table.append([r["side"], r["name"] if torch_side else f"`{r['name']}`", _kinds(r["sent"], r["calls"]),
-                          asked, report.fmt_bytes(total), report.fmt_bytes(want), report.ratio(total, want)])
+                          asked, units.fmt_bytes(total), units.fmt_bytes(want), units.ratio(total, want)])
         table.append(["", f"*course: {how}; PyTorch on gloo: {gloo_how}*", "", "", "", "", ""])
     return "\n".join([
         f"## b. Bytes sent per rank per step, by collective kind (ring model, N = {n}, fp32)",
         "",
-        f"4Ψ = {report.fmt_bytes(predicted['_W'])}, u = (N-1)/N·4·b·s·h = {report.fmt_bytes(predicted['_u'])}. "
+        f"4Ψ = {units.fmt_bytes(predicted['_W'])}, u = (N-1)/N·4·b·s·h = {units.fmt_bytes(predicted['_u'])}. "
         "PyTorch: the gloo calls of one profiled step (torch.profiler: `gloo:*` events are what ran, `c10d::*` "
         "what the torch.distributed API was asked for; for the DTensor strategies the counts of DTensor's "
         "`CommDebugMode` instead, rank 0), mean over ranks. jaxpar: the compiled step's collectives "
@@ -79,7 +79,7 @@ def md_memory(rows: dict) -> str:
                 state, step = r["memory"]["argument"], r["memory"]["temp"]
                 what = "compiled arguments (params + Adam + batch)", "compiled temp (activations, grads)"
             table.append([r["side"], f"`{r['name']}`" if r["side"] == "jaxpar" else r["name"],
-                          report.fmt_bytes(state), what[0], report.fmt_bytes(step), what[1]])
+                          units.fmt_bytes(state), what[0], units.fmt_bytes(step), what[1]])
     return "\n".join([
         "## c. Memory per rank",
         "",
@@ -177,49 +177,62 @@ NOTES = """## f. What runs, what does not, and why
   placements reconciled first, which `torch_train.clip_by_global_norm` does."""
 
 
-def plot_losses(rows: dict, path: Path) -> None:
-    t_single, j_single = rows["single"][0]["losses"], rows["single"][1]["losses"]
-    runs = [("jaxpar one device", j_single, None), ("PyTorch one process (vs jaxpar's)", t_single, j_single)]
+def kinds(group: list[dict]) -> tuple[str, ...]:
+    """What each row of a pair is: PyTorch's run first, then jaxpar's automatic (where the pair has one) and
+    hand-written counterpart (`compare`'s order)."""
+    return ("torch", "auto", "manual") if len(group) == 3 else ("torch", "manual")
+
+
+def plot_losses(rows: dict, path: Path):
+    """Each side against its own one-device run, and PyTorch's one process against jaxpar's one device."""
+    ref = {"PyTorch": "PyTorch one process", "jaxpar": "jaxpar one device"}
+    runs = [(ref["jaxpar"], rows["single"][1]["losses"], None), (ref["PyTorch"], rows["single"][0]["losses"], None),
+            ("PyTorch one process vs jaxpar's", rows["single"][0]["losses"], ref["jaxpar"])]
     for key, group in rows.items():
         if key != "single":
-            runs += [(f"{r['side']} {key}" + ("" if r["side"] == "PyTorch" else
-                                              (" auto" if r is group[1] and len(group) == 3 else " manual")),
-                      r["losses"], t_single if r["side"] == "PyTorch" else j_single) for r in group]
-    report.plot_equivalence(path, runs, TOLERANCE)
+            runs += [(f"{r['side']} {key}" + (f" {kind}" if kind != "torch" else ""), r["losses"], ref[r["side"]])
+                     for r, kind in zip(group, kinds(group))]
+    return report.plot_equivalence(path, runs, TOLERANCE, reference="oracle",
+                                   title="PyTorch and jaxpar: same batches, weights and optimizer, same losses?")
 
 
 KIND_COLOURS = {"all-reduce": "C1", "all-gather": "C0", "reduce-scatter": "C6", "all-to-all": "C2",
                 "collective-permute": "C4", "send": "C9", "broadcast": "C3"}
+SLOTS = {"torch": ("T", 0), "auto": ("A", 1), "manual": ("M", 2)}     # a pair's bars, left to right; the formula last
 
 
-def plot_bytes(rows: dict, predicted: dict, path: Path) -> None:
-    """Per pair: PyTorch, jaxpar automatic and hand-written (stacked by kind), and the formula."""
+@figures.styled
+def plot_bytes(results: dict, path: Path):
+    """Per pair: PyTorch, jaxpar automatic and hand-written (stacked by kind), and the course's formula."""
+    rows, predicted = results["rows"], results["formulas"]
     pairs = [k for k in rows if k != "single"]
-    kinds = sorted({k for key in pairs for r in rows[key] for k in r["sent"]})
-    colours = {kind: KIND_COLOURS.get(kind, "C5") for kind in kinds}
-    fig = figures.figure(11, 4.8)
+    collectives = sorted({k for key in pairs for r in rows[key] for k in r["sent"]})
+    fig = figures.figure(10, 5.2)
     ax = fig.add_subplot()
     width, labelled = 0.2, set()
     for i, key in enumerate(pairs):
-        names = ("torch", "auto", "manual") if len(rows[key]) == 3 else ("torch", "manual")
-        for j, (r, name) in enumerate(zip(rows[key], names)):
-            x, bottom = i + (j - 1.5) * width, 0.0
-            for kind in kinds:
-                value = r["sent"].get(kind, 0.0) / 2**10
-                ax.bar(x, value, width, bottom=bottom, color=colours[kind], edgecolor="k", linewidth=0.3,
-                       label=None if kind in labelled or not value else kind)
-                labelled |= {kind} if value else set()
+        for r, kind in zip(rows[key], kinds(rows[key])):
+            name, slot = SLOTS[kind]
+            x, bottom = i + (slot - 1.5) * width, 0.0
+            for op in collectives:
+                value = r["sent"].get(op, 0.0) / 2**10
+                ax.bar(x, value, width, bottom=bottom, color=KIND_COLOURS.get(op, "C5"), edgecolor="k",
+                       linewidth=0.3, label=None if op in labelled or not value else op)
+                labelled |= {op} if value else set()
                 bottom += value
-            ax.text(x, bottom, name, rotation=90, fontsize=6, ha="center", va="bottom")
+            ax.text(x, bottom, name, fontsize=10, ha="center", va="bottom")
         ax.bar(i + 1.5 * width, predicted[key][0][0] / 2**10, width, color="0.85", hatch="//", edgecolor="0.4",
                label="course formula" if i == 0 else None)
     ax.set_xticks(range(len(pairs)), pairs)
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)       # room for the bar names
-    ax.set(ylabel="KiB sent per rank per step",
-           title="bytes per collective kind: PyTorch, jaxpar auto, jaxpar hand-written, course formula (hatched)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.1)       # room for the bar names
+    ax.set(ylabel="KiB sent per rank per step", title="Bytes per collective kind and pair: T PyTorch, "
+           "A jaxpar automatic,\nM jaxpar hand-written, hatched: the course's formula")
+    figures.legend_below(ax, ncols=4, gap=0.1)
+    return figures.save(fig, path)
+
+
+# The sheet's figures for report.draw_plots ({file: (results key, plot)}): the lab and `jaxpar.labs.replot` draw them.
+PLOTS = {"losses.png": ("rows", plot_losses), "bytes.png": (None, plot_bytes)}
 
 
 # ============================================================================ the whole lab
@@ -243,6 +256,6 @@ def header(results: dict, config, cfg) -> str:
 def rss_line(results: dict) -> str:
     rss = results["ru_maxrss_bytes"]
     return (f"Process peak RSS (`ru_maxrss`, whole process: interpreter, libraries, every strategy of the run): "
-            f"PyTorch ranks {', '.join(report.fmt_bytes(b) for b in rss['torch_ranks'])}; the jaxpar process "
-            f"(all {results['processes']} virtual devices) {report.fmt_bytes(rss['jaxpar_process'])}. For a model "
+            f"PyTorch ranks {', '.join(units.fmt_bytes(b) for b in rss['torch_ranks'])}; the jaxpar process "
+            f"(all {results['processes']} virtual devices) {units.fmt_bytes(rss['jaxpar_process'])}. For a model "
             "this small the libraries dominate.")

@@ -8,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-from jaxpar.labs.report import draw_plots
+from jaxpar.labs.report import PlotError, draw_plots
 
-LABS = ("zero", "tensor", "pipeline", "moe", "kernels")
+LABS = ("zero", "tensor", "pipeline", "moe", "kernels", "pytorch")
 
 
 def main(argv=None) -> int:
@@ -26,7 +26,11 @@ def main(argv=None) -> int:
         print(f"error: run_dir: no results.json in {args.run_dir}", file=sys.stderr)
         return 2
     lab = importlib.import_module(f"jaxpar.labs.{args.lab}")
-    written = draw_plots(json.loads(path.read_text()), args.run_dir, lab.PLOTS)
+    try:
+        written = draw_plots(json.loads(path.read_text()), args.run_dir, lab.PLOTS, args.lab)
+    except PlotError as err:
+        print(err, file=sys.stderr)
+        return err.exit_code
     print(f"wrote {', '.join(written)} in {args.run_dir}")
     return 0
 

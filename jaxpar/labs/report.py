@@ -3,6 +3,7 @@ that `experiments/NN_*/run.py` calls (parse, set the CPU devices, run; bad input
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import textwrap
@@ -96,7 +97,7 @@ def plot_equivalence(path, runs: list[tuple[str, list[float], str | None]], tole
     ax.set(xlabel="step", ylabel="training loss", title="loss")
     legend_below(ax)
     integer_steps(ax, dev)
-    for (names, curve), marker in zip(_groups(list(deviations.items())), "osD^v<>ph*"):
+    for (names, curve), marker in zip(_groups(list(deviations.items())), itertools.cycle("osD^v<>ph")):
         label = ", ".join(names) + (" (overlapping)" if len(names) > 1 else "")
         dev.plot(np.arange(1, len(curve) + 1), curve, marker=marker, label=_wrap(label))
     top = max([10 * d.max() for d in deviations.values()] + ([10 * tolerance] if tolerance else []) + [1e-6])
@@ -108,7 +109,7 @@ def plot_equivalence(path, runs: list[tuple[str, list[float], str | None]], tole
     legend_below(dev)
     fig.suptitle(title)
     rows = max(sum(t.get_text().count("\n") + 1 for t in a.get_legend().get_texts()) for a in (ax, dev))
-    fig.set_figheight(4 + 0.3 * rows)          # room for the legends' rows under the axes
+    fig.set_figheight(4.3 + 0.35 * rows)       # room for the legends' rows under the axes
     return save(fig, path)
 
 
@@ -137,14 +138,28 @@ def write_report(out, sections: list[str], results: dict, start: float, part_sec
     return footer
 
 
-def draw_plots(results: dict, out, plots: dict) -> list[str]:
+class PlotError(RuntimeError):
+    """A figure failed after the lab wrote report.md and results.json: one line (the CLI prints it), exit 1."""
+    exit_code = 1
+
+
+def draw_plots(results: dict, out, plots: dict, lab: str = "LAB") -> list[str]:
     """Write each figure of `plots` ({file name: (results key, plot(result, path))}) whose part is in
-    `results` (key None: the whole results); the lab's run and `jaxpar.labs.replot` both call this."""
-    written = []
+    `results` (key None: the whole results); the lab's run and `jaxpar.labs.replot` both call this, the run
+    after writing results.json, so that a figure that fails loses nothing: the others are still drawn, then
+    PlotError names the failures in one line and how to draw them again (`lab`: the name replot takes)."""
+    written, failed = [], []
     for name, (key, plot) in plots.items():
         if key is None or key in results:
-            plot(results if key is None else results[key], Path(out) / name)
+            try:
+                plot(results if key is None else results[key], Path(out) / name)
+            except Exception as err:   # any plotting bug: named below, the results are kept
+                failed.append(f"{name} ({type(err).__name__}: {' '.join(str(err).split())})")
+                continue
             written.append(name)
+    if failed:
+        raise PlotError(f"error: drawing {', '.join(failed)} failed; results.json and report.md are in {out} "
+                        f"(`python -m jaxpar.labs.replot {lab} {out}` draws the figures again)")
     return written
 
 
@@ -162,3 +177,6 @@ def standalone_main(description: str, add_arguments, run_from_args, argv=None) -
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except PlotError as err:
+        print(err, file=sys.stderr)
+        return err.exit_code
