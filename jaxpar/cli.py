@@ -412,9 +412,9 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
         return 128 + 13   # SIGPIPE
     except BaseException as err:
-        if isinstance(getattr(err, "exit_code", None), int):   # Preempted, NonFiniteError: one line, own status
+        if isinstance(code := getattr(err, "exit_code", None), int):   # Preempted, NonFiniteError: one line, own status
             print(err, file=sys.stderr)
-            return _exit(err.exit_code)
+            return _exit(code)
         if _multi_process():
             traceback.print_exc()
             _exit(1)

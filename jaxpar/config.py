@@ -163,6 +163,7 @@ def load_config(path: str | None) -> ml_collections.ConfigDict:
         if file.suffix != ".py":
             raise ConfigError("--config", f"'{path}' is not a Python file; give a .py file defining get_config()")
         spec = importlib.util.spec_from_file_location(f"jaxpar_config_{file.stem}", file)
+        assert spec is not None and spec.loader is not None   # a .py file always has a loader
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)

@@ -21,6 +21,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,14 @@ from jaxpar.train.preemption import Preempted, Preemption
 from jaxpar.train.progress import StepClock
 from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
 from jaxpar.train.sample import END_OF_RUN, complete, sample_command
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ml_collections import ConfigDict
+
+    from jaxpar.data.pipeline import TokenData
+    from jaxpar.parallel.strategy import Strategy
 
 console = Console(highlight=False, soft_wrap=True)   # no hard wraps: long lines stay one line under `launch`
 
@@ -174,10 +183,10 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
 @dataclasses.dataclass
 class _Run:
     """Everything the step loop works with, built and checked by `_train` before the first step."""
-    config: object
+    config: ConfigDict
     run_dir: Path
-    strategy: object
-    data: object
+    strategy: Strategy
+    data: TokenData
     model_cfg: ModelConfig
     validation: list
     checkpoints: Checkpoints
@@ -194,8 +203,8 @@ class _Tally:
     """The loop's running state: losses so far, the steps not logged yet, and the current logging interval
     (its start, its steps, and the host time spent beside the steps, which stays out of the step times)."""
     throughput: Throughput
-    schedule: object
-    clock: StepClock | None = None
+    schedule: Callable[[int], float]
+    clock: StepClock = dataclasses.field(init=False)   # set by `_loop` once its progress bar exists
     losses: dict = dataclasses.field(default_factory=dict)
     pending: list = dataclasses.field(default_factory=list)
     val_loss: float | None = None

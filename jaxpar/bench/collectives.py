@@ -119,7 +119,8 @@ def build(op: str, mesh, size_bytes: int):
     cols = elements // n if op == "all-gather" else elements     # all-gather's input is 1/N of its output
     sharding = NamedSharding(mesh, P(AXIS, None))
     x = jax.make_array_from_callback(
-        (n, cols), sharding, lambda index: np.full((1, cols), (index[0].start or 0) + 1, DTYPE))
+        (n, cols), sharding,
+        lambda index: np.full((1, cols), (index[0].start or 0) + 1, DTYPE))  # type: ignore[index]  # a sharded array's index
     note = ""
     if op == "all-reduce":
         def body(a):

@@ -65,7 +65,7 @@ class Goodput:
         self.job_start = self.start
         self.committed: dict = {}   # earlier attempts' seconds, reclassified
         previous = json.loads(ledger.read_text()) if resume_step is not None and ledger and ledger.exists() else None
-        if previous:
+        if previous and resume_step is not None:
             self._take_over(previous, resume_step)
 
     def _take_over(self, previous: dict, resume_step: int) -> None:

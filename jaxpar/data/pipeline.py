@@ -11,6 +11,7 @@ data order exactly, on the same or on a different number of processes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import grain
 import jax
@@ -56,10 +57,12 @@ def build_token_data(data_cfg) -> TokenData:
         multihost_utils.sync_global_devices("jaxpar-tokenizer")
     tokenizer = get_tokenizer(docs, data_cfg.tokenizer, data_cfg.vocab_size)
     ids = [enc.ids for enc in tokenizer.encode_batch(docs)]
-    sequences = pack(ids, tokenizer.token_to_id(EOS), data_cfg.seq_len)
+    eos = tokenizer.token_to_id(EOS)
+    assert eos is not None, f"the tokenizer has no {EOS}"   # get_tokenizer always adds it
+    sequences = pack(ids, eos, data_cfg.seq_len)
     order = np.random.default_rng(_SPLIT_SEED).permutation(len(sequences))
     n_val = max(1, int(round(len(sequences) * data_cfg.val_fraction)))
-    stats = corpus_stats(docs)
+    stats: dict[str, Any] = corpus_stats(docs)
     stats["tokens"] = sum(len(i) for i in ids)
     stats["tokens_per_word"] = stats["tokens"] / max(1, stats["words"])
     stats["vocab_size"] = tokenizer.get_vocab_size()

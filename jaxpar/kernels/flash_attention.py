@@ -114,6 +114,7 @@ def _compiler_params(head_dim: int, interpret: bool):
 
 def _key_range(i, c: Blocks):
     """Key blocks query block i walks: [0, unmasked) need no mask, [unmasked, end) do."""
+    end: jax.Array | int
     if c.causal:
         unmasked = (i * c.block_q + 1) // c.block_k                   # last key <= first query of the block
         end = jnp.minimum(((i + 1) * c.block_q + c.block_k - 1) // c.block_k, c.k_blocks)

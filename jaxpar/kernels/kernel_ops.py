@@ -26,6 +26,7 @@ their (local) sizes from the shapes.
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
 import jax
 
@@ -111,7 +112,7 @@ def kernel_ops(base: Ops, config, platform: str, rules=None) -> Ops:
 
 # ----------------------------------------------------------------------------- the implementations
 
-def library_attention(q, k, v, *, implementation: str):
+def library_attention(q, k, v, *, implementation: Literal["xla", "cudnn"]):
     """jax.nn.dot_product_attention, causal, grouped-query (it takes KV heads dividing the query heads)."""
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 

@@ -34,6 +34,6 @@ def struct(shape, dtype, axes: frozenset) -> jax.ShapeDtypeStruct:
     if manual_axis_type is not None:
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual_axis_type(varying=axes))
     try:
-        return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
+        return jax.ShapeDtypeStruct(shape, dtype, vma=axes)  # type: ignore[call-arg]  # the older jax spelling
     except TypeError:
         return jax.ShapeDtypeStruct(shape, dtype)

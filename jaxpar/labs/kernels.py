@@ -22,6 +22,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +64,7 @@ def kernel_agreement() -> dict:
     from jaxpar.kernels.rms_norm import rms_norm, rms_norm_reference
     from jaxpar.model.ops import Ops
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     cases = (("float32", (2, 40, 4, 2, 64), True), ("float32", (1, 48, 4, 1, 128), True),
              ("bfloat16", (1, 64, 4, 2, 128), True), ("bfloat16", (2, 40, 8, 2, 64), True),
              ("float32", (1, 40, 2, 2, 16), False))
@@ -79,10 +80,10 @@ def kernel_agreement() -> dict:
                      "shape": f"B{B} S{S} H{H} KV{KV} Dh{Dh}", "parts": "out, dq, dk, dv", "errors": errors})
     for dtype, shape in (("float32", (4, 33, 96)), ("bfloat16", (3, 40, 256))):
         dt = jnp.dtype(dtype)
-        args = (_rand(shape, dt, 0), 1 + 0.1 * _rand(shape[-1:], jnp.float32, 1))
+        norm_args = (_rand(shape, dt, 0), 1 + 0.1 * _rand(shape[-1:], jnp.float32, 1))
         cot = _rand(shape, jnp.float32, 2)
-        got = jax.jit(lambda *a: _grads(lambda x, s: rms_norm(x, s, 1e-5), a, cot))(*args)  # noqa: B023 (called in this iteration)
-        want = jax.jit(lambda *a: _grads(lambda x, s: rms_norm_reference(x, s, 1e-5), a, cot))(*args)  # noqa: B023 (called in this iteration)
+        got = jax.jit(lambda *a: _grads(lambda x, s: rms_norm(x, s, 1e-5), a, cot))(*norm_args)  # noqa: B023 (called in this iteration)
+        want = jax.jit(lambda *a: _grads(lambda x, s: rms_norm_reference(x, s, 1e-5), a, cot))(*norm_args)  # noqa: B023 (called in this iteration)
         rows.append({"kernel": "fused RMSNorm", "dtype": dtype, "shape": "x".join(map(str, shape)),
                      "parts": "y, dx, dscale", "errors": [relative_error(g, w) for g, w in zip(got, want)]})
     x, head = _rand((2, 37, 16), jnp.float32, 0), _rand((16, 64), jnp.float32, 1)
@@ -117,7 +118,7 @@ def model_agreement(base: list[str], vocab: int, steps: int, log) -> dict:
         runs += [("pallas + fused norm + chunked loss", "fsdp=8", ["mesh.data=1", "mesh.fsdp=8", *KERNELS], 8),
                  ("pallas + fused norm + chunked loss", "tensor=4 x data=2",
                   ["mesh.data=2", "mesh.tensor=4", *KERNELS], 8)]
-    results = []
+    results: list[dict[str, Any]] = []
     for label, mesh, overrides, devices in runs:
         strategy = _strategy([*base, *overrides], jax.devices()[:devices], vocab)
         batches = counting_batches(strategy.config.train.batch_size, strategy.config.data.seq_len, vocab, steps)

@@ -118,7 +118,7 @@ def equivalence(lab: Lab, steps: int) -> dict:
 # ============================================================================ b. communication
 
 def _by_op(found, axis_filter=None) -> dict:
-    out = defaultdict(lambda: {"instructions": 0, "runs": 0, "bytes": 0.0})
+    out: defaultdict[str, dict[str, float]] = defaultdict(lambda: {"instructions": 0, "runs": 0, "bytes": 0.0})
     for c in found:
         if axis_filter is None or axis_filter(c):
             out[c.op]["instructions"] += 1
@@ -128,7 +128,7 @@ def _by_op(found, axis_filter=None) -> dict:
 
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.measure.hlo import collectives
+    from jaxpar.measure.hlo import collectives, compiled_hlo
     from jaxpar.parallel.registry import workload
     from jaxpar.parallel.theory import moe_all_to_all_bytes
 
@@ -137,7 +137,7 @@ def communication(lab: Lab) -> dict:
         if devices == 1:
             continue
         built = lab.build(label, overrides, devices)
-        found = collectives(built.compiled.as_text(), built.strategy.mesh)
+        found = collectives(compiled_hlo(built.compiled), built.strategy.mesh)
         theory = moe_all_to_all_bytes(*workload(built.config, built.strategy.model_cfg, built.sizes,
                                                lab.devices[0].platform))
         on_expert = _by_op(found, lambda c: "expert" in (c.axes or ()))
@@ -228,7 +228,7 @@ def balance(lab: Lab, steps: int, bias_rate: float) -> dict:
 # ============================================================================ d. capacity factor
 
 def capacity(lab: Lab, steps: int) -> dict:
-    from jaxpar.measure.hlo import collectives
+    from jaxpar.measure.hlo import collectives, compiled_hlo
     from jaxpar.parallel.registry import workload
     from jaxpar.parallel.theory import moe_all_to_all_bytes
 
@@ -238,7 +238,7 @@ def capacity(lab: Lab, steps: int) -> dict:
     for label, dispatch in settings:
         built = lab.build(f"manual EP expert={n}, {label}", [*dispatch, f"mesh.expert={n}", _ep(True)], n)
         r = lab.run(built, steps)
-        a2a = sum(c.bytes_per_step for c in collectives(built.compiled.as_text(), built.strategy.mesh)
+        a2a = sum(c.bytes_per_step for c in collectives(compiled_hlo(built.compiled), built.strategy.mesh)
                   if c.op == "all-to-all")
         theory = moe_all_to_all_bytes(*workload(built.config, built.strategy.model_cfg, built.sizes,
                                                lab.devices[0].platform))

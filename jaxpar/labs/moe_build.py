@@ -4,11 +4,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from jaxpar.config import apply_overrides, model_vocab_size
+
+if TYPE_CHECKING:
+    from ml_collections import ConfigDict
+
+    from jaxpar.parallel.strategy import Strategy
 
 
 @dataclasses.dataclass
@@ -16,9 +22,9 @@ class Built:
     """One configuration's strategy and its compiled step (compiled once: run, timed and inspected)."""
 
     label: str
-    config: object
-    strategy: object
-    compiled: object
+    config: ConfigDict
+    strategy: Strategy
+    compiled: jax.stages.Compiled
     compile_s: float
 
     @property
@@ -27,7 +33,7 @@ class Built:
 
 
 class Lab:
-    def __init__(self, config, devices, log=print):
+    def __init__(self, config, devices, log=print) -> None:
         from jaxpar.data.pipeline import build_token_data, train_dataset, val_batches
 
         self.base, self.devices, self.n, self.log = config, devices, len(devices), log
@@ -77,7 +83,7 @@ class Lab:
         """Train from the initial state over the first `steps` batches: losses, times, kept metrics per step,
         and with `evaluate` the validation cross-entropy at the end."""
         state = self.initial_state(built)
-        out = {"losses": [], "ce": [], "times": [], **{k: [] for k in keep}}
+        out: dict[str, Any] = {"losses": [], "ce": [], "times": [], **{k: [] for k in keep}}
         with jax.set_mesh(built.strategy.mesh):
             for batch in self.batches(steps):
                 tokens = jax.device_put(batch, built.strategy.batch_sharding)

@@ -67,7 +67,8 @@ def moe_layouts(out: Path, steps: int, devices: int, log) -> dict:
 
     config = load_config(None)
     apply_overrides(config, MODEL)
-    lab, initial, runs, rows = Lab(config, out, log), {}, {}, []
+    initial: dict = {}
+    lab, runs, rows = Lab(config, out, log), {}, []
     for label, (overrides, need, micro) in LAYOUTS:
         if need > devices:
             continue

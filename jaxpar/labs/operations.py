@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -216,7 +217,7 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
     out.mkdir(parents=True, exist_ok=True)
     args = _train_args(config, overrides)
     steps, every, fault_step = _fault_step(overrides, seed)
-    results = {"fault_step": fault_step, "checkpoint_every": every, "steps": steps}
+    results: dict[str, Any] = {"fault_step": fault_step, "checkpoint_every": every, "steps": steps}
     results["baseline"] = _baseline(out, args)
     results["failure"] = _failure_drill(out, args, results)
     results["reshard"] = _reshard_drill(out, args, steps)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from jaxpar.config import preset
 from jaxpar.labs.arguments import OVERLAP_PARTS
@@ -106,7 +107,7 @@ def gpu_part(out: Path, layouts, log=print) -> list[dict]:
 def measured_fractions(rows: list[dict]) -> dict:
     """The planner's table (jaxpar/plan/overlap_measured.json): hidden fraction per strategy and axis,
     with XLA's scheduler on (what a run gets by default)."""
-    table = {}
+    table: dict[str, dict[str, float]] = {}
     for r in rows:
         if r.get("error") or r["flags"] != "scheduler on":
             continue
@@ -243,7 +244,7 @@ def cpu_part(out: Path, steps: int, overrides: list[str], log=print) -> dict:
     B = base.train.batch_size
     stream = iter(train_dataset(data.train, B, base.data.shuffle_seed, slice(0, B)))
     batches = [np.asarray(next(stream)) for _ in range(steps)]
-    results = {}
+    results: dict[str, Any] = {}
     for name, extra in {"one device": ["mesh.data=1"], **CPU_VARIANTS}.items():
         config = load_config(None)
         apply_overrides(config, ["train.warmup_steps=1", *overrides, *extra])
@@ -314,7 +315,8 @@ times and roofline compute times (jaxpar/measure/overlap.py): a model of the sch
 def run_lab(out, parts, layouts, steps: int, overrides: list[str], log=print) -> dict:
     out = Path(out or f"runs/lab-overlap-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    results, lines = {}, [SHEET_HEADER]
+    results: dict[str, Any] = {}
+    lines = [SHEET_HEADER]
     if "gpu" in parts:
         log(f"GPU part: the 7B on {TOPOLOGY} H100s, deviceless")
         results["gpu"] = gpu_part(out, layouts, log)

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -136,9 +137,10 @@ MEMORY = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("circula
 
 def memory(lab: Lab, p: int) -> dict:
     from jaxpar.measure.memory import compiled_memory
-    out, rows = {}, []
+    out: dict[str, dict[str, Any]] = {}
+    rows = []
     for name, v in MEMORY:
-        series = []
+        series: list[dict[str, Any]] = []
         for m in (p, 2 * p, 4 * p):
             strategy, step = lab.compiled(_pipe(name, p, m, v), p)
             cm = compiled_memory(step, "cpu")
@@ -367,7 +369,7 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
         "pipeline microbatch. Measured values come from the compiled program, the profiler or the clock; "
         "predicted ones from the formulas named beside them."])
     log(header + "\n")
-    results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "devices": len(jax.devices())}
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "devices": len(jax.devices())}
     report = [header]
     plan = {"tables": lambda: tables(lab), "equivalence": lambda: equivalence(lab, steps),
             "timeline": lambda: timeline(lab, p, m, warmup), "memory": lambda: memory(lab, p),

@@ -127,7 +127,7 @@ def compare(lab, overrides, devices: int, micro: int, moe: bool, steps: int, ini
 def moe_pipelines(lab, steps: int) -> dict:
     """Each case against its oracle: max relative deviation per metric group."""
     rows, out = [], {}
-    initial = {}
+    initial: dict = {}
     for label, (overrides, devices, micro), moe in CASES:
         r = compare(lab, overrides, devices, micro, moe, steps, initial)
         dev, telemetry, bias = r["deviation"], r["telemetry"], r["bias_dev"]

@@ -126,10 +126,10 @@ def timeline(lab: Lab, p: int, m: int, warmup: int) -> dict:
         formula = float(bubble_fraction(name, p, m, v))
         # the lock-step model: each tick lasts as long as its slowest cell, each cell its kind's median time
         median = {k: float(np.median(d)) for k, d in by_kind.items()}
-        tick_len = [max((median[KIND[int(c)]] for c in program.table["branch"][t] if KIND[int(c)]), default=0.0)
+        tick_len = [max((median[kind] for c in program.table["branch"][t] if (kind := KIND[int(c)])), default=0.0)
                     for t in range(T)]
-        model = 1 - sum(median[KIND[int(c)]] for c in program.table["branch"].flat
-                        if KIND[int(c)]) / (p * sum(tick_len))
+        model = 1 - sum(median[kind] for c in program.table["branch"].flat
+                        if (kind := KIND[int(c)])) / (p * sum(tick_len))
         out[name] = {"p": p, "m": m, "v": v, "ticks": T, "span_ms": span / 1e3, "busy_ms": busy / 1e3,
                      "measured_idle": measured, "table_bubble": float(schedule.bubble()), "formula": formula,
                      "lockstep_model_idle": model, "median_ms": {k: x / 1e3 for k, x in median.items()},

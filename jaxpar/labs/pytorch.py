@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from ml_collections import ConfigDict
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size
 from jaxpar.labs import report
@@ -68,7 +69,7 @@ def lab_overrides(steps: int, vocab: int) -> list[str]:
 
 def variants(pairs, n: int, m: int) -> dict[str, list[str]]:
     """jaxpar's runs: the one-device oracle, then each pair's automatic and hand-written counterpart."""
-    out = {"single": []}
+    out: dict[str, list[str]] = {"single": []}
     for key in pairs:
         _, _, auto, manual = PAIRS[key]
         for kind, overrides in (("auto", auto), ("manual", manual)):
@@ -88,7 +89,7 @@ def decayed_names(params, cfg) -> list[str]:
                     if decayed for i in range(cfg.layers)]
 
 
-def prepare(config, data, steps: int, out: Path) -> tuple[object, dict]:
+def prepare(config, data, steps: int, out: Path) -> tuple[ConfigDict, dict]:
     """The lab's config and what both sides read (`data`: jaxpar's TokenData): batches.npz and hf/ in `out`,
     jaxpar's optimizer as numbers."""
     from jaxpar.data.pipeline import train_dataset
@@ -160,7 +161,9 @@ def median_ms(times: list[float]) -> float:
 def torch_summary(ranks: list[dict], key: str, n: int) -> dict:
     """One torch strategy across ranks: rank 0's losses, the mean bytes per rank, the largest memory."""
     runs = [r[key] for r in ranks if key in r]
-    sent, calls, asked = {}, {}, {}
+    sent: dict[str, float] = {}
+    calls: dict[str, float] = {}
+    asked: dict[str, float] = {}
     for r in runs:
         for kind, value in r["trace"]["sent"].items():
             sent[kind] = sent.get(kind, 0.0) + value / len(runs)

@@ -29,7 +29,8 @@ def collective_bytes(strategy, compiled) -> dict:
     from jaxpar.measure.executed import executed_collectives
 
     text, n = compiled.as_text(), strategy.mesh.size
-    sent, runs = defaultdict(float), defaultdict(float)
+    sent: defaultdict[str, float] = defaultdict(float)
+    runs: defaultdict[str, float] = defaultdict(float)
     if not hasattr(strategy, "program"):
         for c in hlo.collectives(text, strategy.mesh):
             sent[c.op] += c.bytes_per_step

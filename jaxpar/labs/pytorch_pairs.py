@@ -31,7 +31,8 @@ def code_lines(paths=TORCH_CODE) -> dict[str, int]:
     """Lines a PyTorch user writes per strategy: between `# parallel: NAME` and `# end parallel` (every
     block of that name) in torch_parallel.py, and the process group's (`setup`) in torch_worker.py;
     blank and comment-only lines left out."""
-    counts, name = {}, None
+    counts: dict[str, int] = {}
+    name = None
     for line in (line for path in paths for line in path.read_text().splitlines()):
         marker = re.match(r"\s*# parallel: (\S+)", line)
         if marker:

@@ -27,6 +27,7 @@ import copy
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +78,7 @@ def layer_activations(strategy) -> dict:
     cfg, c = strategy.model_cfg, strategy.config
     L, b, s, h, t = cfg.layers, c.train.batch_size // strategy.d, c.data.seq_len, cfg.d_model, strategy.t
     weights = {leaf.sharding.shard_shape(leaf.shape) for leaf in jax.tree.leaves(strategy.abstract_state["params"])}
-    out = {"sequence_region": 0, "tensor_region": 0, "sequence_shapes": []}
+    out: dict[str, Any] = {"sequence_region": 0, "tensor_region": 0, "sequence_shapes": []}
     for r in saved_residuals(strategy):
         if len(r.shape) < 3 or r.shape[:2] != (L, b) or r.shape in weights:
             continue
@@ -95,7 +96,7 @@ def layer_activations(strategy) -> dict:
 
 def equivalence(lab: Lab, steps: int) -> dict:
     batches = lab.batches(steps)
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for key in ("single", "auto", *MANUAL):
         built = lab.step(key)
         runs[key] = {"label": built.label, "losses": lab.run(built, batches), "compile_s": built.compile_s}
@@ -131,7 +132,7 @@ def equivalence(lab: Lab, steps: int) -> dict:
 # ============================================================================ b. communication
 
 def communication(lab: Lab) -> dict:
-    from jaxpar.measure.hlo import collectives
+    from jaxpar.measure.hlo import collectives, compiled_hlo
     from jaxpar.parallel.registry import predicted_collective_bytes, workload
     from jaxpar.parallel.tensor import layer_units as manual_layer_units
     from jaxpar.parallel.tensor import predict as manual_tensor
@@ -140,18 +141,19 @@ def communication(lab: Lab) -> dict:
     L = cfg.layers
     b, s, h, t = lab.base.train.batch_size // lab.d, lab.base.data.seq_len, cfg.d_model, lab.t
     u = (t - 1) / t * 4 * b * s * h          # an all-gather / reduce-scatter of b·s·h fp32; an all-reduce is 2u
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for key in ("auto", "auto-sp", *MANUAL):
         built = lab.step(key)
-        found = collectives(built.compiled.as_text(), built.strategy.mesh)
-        layer, total = defaultdict(float), defaultdict(float)
+        found = collectives(compiled_hlo(built.compiled), built.strategy.mesh)
+        layer: defaultdict[str, float] = defaultdict(float)
+        total: defaultdict[str, float] = defaultdict(float)
         for c in found:
             total[f"{c.op} ({c.axis_label})"] += c.bytes_per_step
             if c.runs_per_step == L and c.axes == ("tensor",):
                 layer[c.op] += c.bytes_per_run
         sizes = dict(built.strategy.mesh.shape)
         if key in MANUAL:
-            regather = VARIANTS[key][2].get("regather", True)
+            regather = (VARIANTS[key][2] or {}).get("regather", True)
             theory = workload(built.config, built.strategy.model_cfg, sizes, "cpu")
             predicted = manual_tensor(*theory, regather=regather).bytes_by_axis()
             layer_units = manual_layer_units("none", built.config.parallel.sequence, regather)
@@ -215,7 +217,7 @@ def memory(lab: Lab) -> dict:
                                               sequence_parallel=sp)
         ours = jaxpar_layer_bytes(seq_len=s, micro_batch=b, d_model=h, heads=cfg.heads, kv_heads=cfg.kv_heads,
                                   head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim, tensor=t, sequence_parallel=sp,
-                                  gathered_kept=VARIANTS[key][2].get("regather") is False)
+                                  gathered_kept=(VARIANTS[key][2] or {}).get("regather") is False)
         rows[key] = {"label": small.label, "temp": temps, "layers": [L, 2 * L],
                      "compiled_per_layer": (temps[1] - temps[0]) / L, "saved": saved,
                      "saved_consistent": saved_big["per_layer"] == saved["per_layer"],
@@ -383,7 +385,7 @@ def layouts(lab: Lab, steps: int) -> dict:
             oracles[tuple(model)] = build(["parallel.tensor=auto", *model], 1)[3:]
         want, want_norms = oracles[tuple(model)]
         config, strategy, compiled, losses, norms = build(["parallel.tensor=manual", *mesh, *model], n)
-        measured = defaultdict(float)
+        measured: defaultdict[str, float] = defaultdict(float)
         for c in collectives(compiled.as_text(), strategy.mesh):
             measured[c.axis_label] += c.bytes_per_step
         predicted = predicted_collective_bytes(config, strategy.model_cfg, dict(strategy.mesh.shape),

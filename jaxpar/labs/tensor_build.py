@@ -5,11 +5,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from jaxpar.config import ConfigError, apply_overrides, model_vocab_size
+
+if TYPE_CHECKING:
+    from ml_collections import ConfigDict
+
+    from jaxpar.parallel.strategy import Strategy
+
 
 # variant key -> (label, config overrides, TensorStrategy keyword arguments)
 VARIANTS = {
@@ -27,9 +34,9 @@ VARIANTS = {
 class Built:
     key: str
     label: str
-    config: object
-    strategy: object
-    compiled: object
+    config: ConfigDict
+    strategy: Strategy
+    compiled: jax.stages.Compiled
     compile_s: float
 
 

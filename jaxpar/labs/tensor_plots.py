@@ -65,8 +65,8 @@ def plot_memory(result: dict, path: Path):
     fig = figure(10, 6)
     ax = fig.add_subplot()
     x, w = np.arange(len(rows)), 0.2
-    for i, (name, color, seq, ten) in enumerate(sources):
-        seq, ten = np.array(seq) / scale, np.array(ten) / scale
+    for i, (name, color, seq_bytes, ten_bytes) in enumerate(sources):
+        seq, ten = np.array(seq_bytes) / scale, np.array(ten_bytes) / scale
         ax.bar(x + (i - 1.5) * w, seq, w, color=color, label=name)
         ax.bar(x + (i - 1.5) * w, ten, w, bottom=seq, color=color, alpha=0.35, hatch="//", edgecolor=color)
     ax.bar([0], [0], color="0.5", label="solid: sequence region (SP divides it by t)")

@@ -107,9 +107,9 @@ class Llama(nn.Module):
         for name in names[:stage * per] + names[(stage + 1) * per:]:
             del self.model.layers[name]
         if stage > 0:
-            self.model.embed_tokens = None
+            self.model.embed_tokens = None   # type: ignore[assignment]  # nn.Module takes None: the part is dropped
         if stage < stages - 1:
-            self.model.norm, self.lm_head = None, None
+            self.model.norm, self.lm_head = None, None   # type: ignore[assignment]  # as embed_tokens
         return self
 
 

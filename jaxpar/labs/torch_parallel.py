@@ -24,7 +24,7 @@ from jaxpar.labs.torch_llama import loss_fn
 class Parallel:
     module: nn.Module                                   # holds the parameters the optimizer sees
     loss_and_backward: Callable[[torch.Tensor], torch.Tensor]
-    norm_group: object = None                           # ranks whose gradients are disjoint parts (pipeline)
+    norm_group: dist.ProcessGroup | None = None         # ranks whose gradients are disjoint parts (pipeline)
 
 
 def forward_backward(model, tokens):
@@ -84,6 +84,7 @@ def tensor(model, sequence: bool = False) -> Parallel:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        ParallelStyle,
         PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
@@ -97,8 +98,9 @@ def tensor(model, sequence: bool = False) -> Parallel:
         "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False),
         **({"model.norm": SequenceParallel()} if sequence else {})})
     for block in model.model.layers.values():
-        plan = {name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                     "mlp.gate_proj", "mlp.up_proj")}
+        plan: dict[str, ParallelStyle] = {
+            name: ColwiseParallel()
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
         plan.update({name: RowwiseParallel(output_layouts=stream) for name in ("self_attn.o_proj", "mlp.down_proj")})
         # one input DTensor per attention / MLP (Megatron's f: one all-reduce of its gradient, not one per
         # projection); with SP the norms run on s/t tokens and this is the all-gather before q/k/v, gate/up

@@ -99,7 +99,9 @@ def step_trace(events: list[dict], n: int) -> dict:
     of its own: it runs an all-reduce and keeps a slice). "[memory]" events give the peak."""
     kinds = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
              "send": "send", "broadcast": "broadcast", "alltoall": "all-to-all"}
-    sent, calls, asked = defaultdict(float), defaultdict(int), defaultdict(int)
+    sent: defaultdict[str, float] = defaultdict(float)
+    calls: defaultdict[str, int] = defaultdict(int)
+    asked: defaultdict[str, int] = defaultdict(int)
     allocated = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
     for e in events:
         name = e.get("name", "")
@@ -133,7 +135,8 @@ def profiled(fn, n: int, dtensor: bool = False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
-    counted = {str(op).split(".")[-1]: count for op, count in comm.get_comm_counts().items()} if dtensor else None
+    counted = ({str(op).split(".")[-1]: count for op, count in comm.get_comm_counts().items()}
+               if dtensor and comm is not None else None)
     return {**step_trace(events, n), "comm_debug_mode": counted}
 
 

@@ -16,6 +16,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ def run_rank(rank: int, spec: dict, out: str) -> None:
     # end parallel
     batches = [torch.from_numpy(b.astype(np.int64)) for b in np.load(spec["batches"])["batches"]]
     hp = Hyper(**spec["hyper"])
-    results = {}
+    results: dict[str, Any] = {}
     if rank == 0 and spec["check_transformers"]:   # our torch module against LlamaForCausalLM, same weights
         results["_transformers_max_abs_logit_dev"] = torch_llama.transformers_deviation(
             spec["hf_dir"], batches[0][:, :-1])

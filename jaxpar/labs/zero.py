@@ -22,6 +22,7 @@ import contextlib
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -59,7 +60,7 @@ def equivalence(lab: Lab, steps: int) -> dict:
     default-precision compiles). XLA:CPU computes fp32 dots in fp32 either way.
     """
     batches = lab.batches(steps)
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     exact = contextlib.nullcontext() if lab.platform == "cpu" else jax.default_matmul_precision("highest")
     with exact:
         for built in lab.strategies():
@@ -206,7 +207,7 @@ def remat(lab: Lab, repeats: int) -> dict:
     any_built = builts["none"]
     state = lab.initial_state(any_built)                 # the same shardings for all four: one state goes round
     tokens = jax.device_put(batch, any_built.strategy.batch_sharding)
-    times = {p: [] for p in REMATS}
+    times: dict[str, list[float]] = {p: [] for p in REMATS}
     with jax.set_mesh(any_built.strategy.mesh):
         for policy in REMATS:                            # warm-up: first call of each executable
             state, metrics = builts[policy].compiled(state, tokens)
@@ -268,7 +269,7 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
 
     chosen = [(dtype, label) for dtype, label in PRECISIONS if wanted is None or dtype in wanted]
     batches = lab.batches(steps)
-    runs = {}
+    runs: dict[str, dict[str, Any]] = {}
     for dtype, label in chosen:
         built = lab.variant("auto-fsdp", fsdp=lab.n, dtype=dtype)
         losses, times = lab.run(built, batches)

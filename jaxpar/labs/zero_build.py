@@ -6,12 +6,19 @@ import copy
 import dataclasses
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 
 from jaxpar.config import apply_overrides, model_vocab_size
+from jaxpar.measure.hlo import compiled_hlo
 from jaxpar.parallel.zero import STAGE_NAMES
+
+if TYPE_CHECKING:
+    from ml_collections import ConfigDict
+
+    from jaxpar.parallel.strategy import Strategy
 
 MANUAL = ("ddp", "zero1", "zero2", "zero3")
 
@@ -24,15 +31,15 @@ class Built:
 
     key: str
     label: str
-    config: object
-    strategy: object
-    compiled: object
+    config: ConfigDict
+    strategy: Strategy
+    compiled: jax.stages.Compiled
     compile_s: float
     sizes: dict
 
     @property
     def hlo(self) -> str:
-        return self.compiled.as_text()
+        return compiled_hlo(self.compiled)
 
 
 class Lab:
@@ -69,7 +76,7 @@ class Lab:
 
         remat = remat or self.base.train.remat
         layers = layers or self.base.model.layers
-        settings = (impl, data, fsdp, remat, dtype, layers, jax.config.jax_default_matmul_precision)
+        settings = (impl, data, fsdp, remat, dtype, layers, jax.config.jax_default_matmul_precision)  # type: ignore[attr-defined]  # dynamic
         if settings in self.builds:
             return self.builds[settings]
         config = copy.deepcopy(self.base)

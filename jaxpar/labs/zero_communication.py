@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from jaxpar.units import fmt_bytes, ratio
 
 
 def _by_op(found) -> dict:
-    out = defaultdict(lambda: {"instructions": 0, "runs": 0, "bytes": 0.0})
+    out: defaultdict[str, dict[str, float]] = defaultdict(lambda: {"instructions": 0, "runs": 0, "bytes": 0.0})
     for c in found:
         out[c.op]["instructions"] += 1
         out[c.op]["runs"] += c.runs_per_step
@@ -34,7 +35,8 @@ def reduce_then_slice(hlo_text: str, runs: dict[str, int] | None = None) -> dict
     """
     from jaxpar.measure.hlo import dtype_bytes, parse_shapes
 
-    computations, current = {}, None
+    computations: dict[str, list[str]] = {}
+    current = None
     instrs, users = {}, defaultdict(list)
     for line in hlo_text.splitlines():
         if line and not line[0].isspace():
@@ -64,7 +66,8 @@ def reduce_then_slice(hlo_text: str, runs: dict[str, int] | None = None) -> dict
         sliced = op == "dynamic-slice" or (op == "fusion" and calls and calls.group(1) in slicing)
         return sliced and elements(shape) < size
 
-    reduced, sliced, sliced_bytes, example, whole = 0, 0, 0.0, None, []
+    reduced, sliced, sliced_bytes, whole = 0, 0, 0.0, []
+    example: dict[str, Any] | None = None
     for name, (shape, op, line, _) in instrs.items():
         if op not in ("all-reduce", "all-reduce-start"):
             continue

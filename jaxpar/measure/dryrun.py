@@ -39,7 +39,7 @@ def _links(found, mesh, machine) -> dict[str, tuple[str, float]]:
         bw = hardware.probe_host().link_bw
         return {c.axis_label: ("host memory", bw) for c in found}
     acc = hardware.ACCELERATORS[machine["accelerator"]]
-    links = {}
+    links: dict[str, tuple[str, float]] = {}
     for c in found:
         crosses = any(len({flat[i].process_index for i in g}) > 1 for g in c.replica_groups)
         link = ("InfiniBand", acc.scaleout_bw) if crosses else ("NVLink", acc.link_bw)
@@ -185,7 +185,7 @@ def _collectives(config, model_cfg, sizes, strategy, hlo_text, machine) -> dict:
     found = step_collectives(strategy, hlo_text)   # a pipeline stage runs each tick's branches on some ticks only
     predicted = predicted_collective_bytes(config, model_cfg, sizes, machine["platform"])
     links = _links(found, strategy.mesh, machine)
-    axes = {}
+    axes: dict[str, dict] = {}
     for c in found:
         link, bw = links[c.axis_label]
         row = axes.setdefault(c.axis_label, {"instructions": 0, "runs": 0, "bytes": 0.0, "link": link,

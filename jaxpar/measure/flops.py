@@ -174,7 +174,8 @@ class Throughput:
     def __init__(self, flops_per_step: float, tokens_per_step: int, devices: int, peak, notice=print):
         self.flops_per_step, self.tokens_per_step, self.devices = flops_per_step, tokens_per_step, devices
         self.peak, self.source, self.measured = peak.per_device, peak.source, peak.measured
-        self.notice, self.above_at = notice, None
+        self.notice = notice
+        self.above_at: int | None = None
 
     def step(self, step: int, seconds: float | None) -> dict:
         """step_time_s, tokens_per_s and mfu of one step (None for an untimed step)."""

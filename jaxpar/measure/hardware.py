@@ -59,10 +59,23 @@ class Accelerator:
     kinds: tuple[str, ...] = ()   # regexes matched against jax's `device.device_kind` (lower-cased)
 
 
-ACCELERATORS: dict[str, Accelerator] = {
+@dataclasses.dataclass(frozen=True)
+class GPU(Accelerator):
+    """A datasheet GPU: every figure but fp8 is published."""
+
+    bf16_flops: float
+    fp32_flops: float
+    tf32_flops: float
+    hbm_bytes: float
+    hbm_bw: float
+    link_bw: float
+    scaleout_bw: float
+
+
+ACCELERATORS: dict[str, GPU] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 column): FP32 67 TF, TF32 989 TF*, BF16 1,979 TF*,
     # FP8 3,958 TF* (* with sparsity, halved here), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (bidirectional).
-    "H100-SXM": Accelerator(
+    "H100-SXM": GPU(
         name="NVIDIA H100 SXM5 80GB", bf16_flops=989 * TERA, fp8_flops=1979 * TERA,
         fp32_flops=67 * TERA, tf32_flops=494.5 * TERA, hbm_bytes=80 * GB, hbm_bw=3.35 * TERA,
         link_bw=450 * GB, scaleout_bw=INFINIBAND_NDR_PER_GPU,
@@ -70,7 +83,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         kinds=(r"h100.*(sxm|hbm3)",)),
     # Same datasheet, PCIe column: BF16 1,513 TF*, FP8 3,026 TF*, FP32 51 TF, TF32 756 TF*, 80 GB HBM2e at
     # 2 TB/s, NVLink bridge 600 GB/s (bidirectional).
-    "H100-PCIe": Accelerator(
+    "H100-PCIe": GPU(
         name="NVIDIA H100 PCIe 80GB", bf16_flops=756 * TERA, fp8_flops=1513 * TERA,
         fp32_flops=51 * TERA, tf32_flops=378 * TERA, hbm_bytes=80 * GB, hbm_bw=2.0 * TERA,
         link_bw=300 * GB, scaleout_bw=INFINIBAND_NDR_PER_GPU,
@@ -78,7 +91,7 @@ ACCELERATORS: dict[str, Accelerator] = {
         kinds=(r"h100.*pcie",)),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s,
     # NVLink 900 GB/s (bidirectional).
-    "H200-SXM": Accelerator(
+    "H200-SXM": GPU(
         name="NVIDIA H200 SXM 141GB", bf16_flops=989 * TERA, fp8_flops=1979 * TERA,
         fp32_flops=67 * TERA, tf32_flops=494.5 * TERA, hbm_bytes=141 * GB, hbm_bw=4.8 * TERA,
         link_bw=450 * GB, scaleout_bw=INFINIBAND_NDR_PER_GPU,
@@ -86,14 +99,14 @@ ACCELERATORS: dict[str, Accelerator] = {
         kinds=(r"h200(?!.*nvl)",)),
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): FP32 19.5 TF, TF32 156 TF (312*), BF16 312 TF (624*),
     # no FP8, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s (bidirectional). HDR InfiniBand 200 Gb/s = 25 GB/s.
-    "A100-SXM-80GB": Accelerator(
+    "A100-SXM-80GB": GPU(
         name="NVIDIA A100 SXM4 80GB", bf16_flops=312 * TERA, fp8_flops=None,
         fp32_flops=19.5 * TERA, tf32_flops=156 * TERA, hbm_bytes=80 * GB, hbm_bw=2.039 * TERA,
         link_bw=300 * GB, scaleout_bw=25 * GB,
         source="NVIDIA A100 datasheet, 80GB SXM: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink 600 GB/s bidir",
         kinds=(r"a100.*sxm.*80gb",)),
     # Same datasheet, 40GB SXM: 40 GB HBM2 at 1,555 GB/s, otherwise as the 80GB part.
-    "A100-SXM-40GB": Accelerator(
+    "A100-SXM-40GB": GPU(
         name="NVIDIA A100 SXM4 40GB", bf16_flops=312 * TERA, fp8_flops=None,
         fp32_flops=19.5 * TERA, tf32_flops=156 * TERA, hbm_bytes=40 * GB, hbm_bw=1.555 * TERA,
         link_bw=300 * GB, scaleout_bw=25 * GB,
@@ -102,7 +115,7 @@ ACCELERATORS: dict[str, Accelerator] = {
 }
 
 
-def lookup(device_kind: str) -> Accelerator | None:
+def lookup(device_kind: str) -> GPU | None:
     """The table entry for a `jax.Device.device_kind` string ("NVIDIA H100 80GB HBM3", "NVIDIA H200", ...)."""
     kind = device_kind.lower()
     for acc in ACCELERATORS.values():
@@ -117,7 +130,7 @@ def _best_time(fn, budget_s: float, min_reps: int = 5, max_reps: int = 200) -> t
     A peak is what the host can do, so the best run counts: on a shared host every other
     run is slowed by whatever else was running (the median under load is not a peak).
     """
-    times = []
+    times: list[float] = []
     deadline = time.perf_counter() + budget_s
     while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < max_reps):
         start = time.perf_counter()
@@ -133,8 +146,17 @@ def _host_memory_bytes() -> float | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class HostProbe(Accelerator):
+    """`probe_host`'s figures: the rates it measures are always there (the memory size may be unknown)."""
+
+    fp32_flops: float
+    hbm_bw: float
+    link_bw: float
+
+
 @functools.cache
-def probe_host(seconds_budget: float = 1.0) -> Accelerator:
+def probe_host(seconds_budget: float = 1.0) -> HostProbe:
     """Measure this host: float32 matmul FLOP/s (jitted 1024^3 jnp.dot on one device) and memcpy bytes/s.
 
     Each is the best of several short runs (`_best_time`). memcpy bandwidth counts each byte
@@ -161,7 +183,7 @@ def probe_host(seconds_budget: float = 1.0) -> Accelerator:
     t_copy, copies = _best_time(lambda: np.copyto(dst, src), seconds_budget / 2)
     flops = 2 * n**3 / t_dot
     copy_bw = src.nbytes / t_copy
-    return Accelerator(
+    return HostProbe(
         name="cpu-host (measured)", bf16_flops=None, fp8_flops=None, fp32_flops=flops, tf32_flops=None,
         hbm_bytes=_host_memory_bytes(), hbm_bw=copy_bw, link_bw=copy_bw, scaleout_bw=None,
         source=f"measured on this host: f32 {n}^3 jnp.dot {flops / 1e9:.1f} GFLOP/s (best of {dots}), "

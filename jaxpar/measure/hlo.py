@@ -30,10 +30,14 @@ import dataclasses
 import itertools
 import re
 from collections import defaultdict
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxpar.measure.hlo_module import matching_bracket, parse_module, runs_per_computation
+
+if TYPE_CHECKING:
+    import jax
 
 # HLO opcode -> our name. `-start` variants are the async form (GPU); counted once.
 COLLECTIVE_OPS = (
@@ -183,25 +187,26 @@ def _mesh_axes_groups(text: str) -> list[list[int]]:
             devices = np.array(_ints(inner))
         rest = rest[matching_bracket(rest, d.end() - 1):]
     brace = rest.index("{")
-    refs = []
+    refs: list[tuple[int, Any, Any]] = []   # (mesh axis, pre-size, sub-axis size); both None: the whole axis
     for item in rest[brace + 1:matching_bracket(rest, brace) - 1].split(","):
         item = item.strip()
         if not item:
             continue
-        sub = re.fullmatch(r"'?([^':]+)'?:\((\d+)\)(\d+)", item)
-        if sub:
-            refs.append((names.index(sub.group(1)), int(sub.group(2)), int(sub.group(3))))
+        sub_axis = re.fullmatch(r"'?([^':]+)'?:\((\d+)\)(\d+)", item)
+        if sub_axis:
+            refs.append((names.index(sub_axis.group(1)), int(sub_axis.group(2)), int(sub_axis.group(3))))
         else:
             refs.append((names.index(item.strip("'")), None, None))
     # split every mesh axis into the factors the sub-axes need (major to minor)
-    dims, grouped_dims = [], {}
+    dims: list[int] = []
+    grouped_dims: dict[int, list[int]] = {}
     for axis, size in enumerate(sizes):
         cuts = {1, size}
         for a, pre, sub in refs:
             if a == axis and pre is not None:
                 cuts |= {pre, pre * sub}
-        cuts = sorted(cuts)
-        for lo, hi in zip(cuts, cuts[1:]):
+        bounds = sorted(cuts)
+        for lo, hi in zip(bounds, bounds[1:]):
             for i, (a, pre, sub) in enumerate(refs):
                 if a == axis and (pre is None or (pre <= lo and hi <= pre * sub)):
                     grouped_dims.setdefault(i, []).append(len(dims))
@@ -243,6 +248,8 @@ def _replica_groups_text(line: str) -> str | None:
         return line[start:matching_bracket(line, start)]
     if line[start] == "[":
         m = _IOTA.match(line, start)
+        if m is None:
+            raise ValueError(f"unrecognised replica_groups: {line[start:start + 80]!r}")
         return m.group(0)
     if line.startswith("mesh", start):
         end = matching_bracket(line, line.index("[", start))          # mesh[...]
@@ -285,7 +292,7 @@ def mesh_axis_groups(mesh) -> dict[tuple[str, ...], frozenset[frozenset[int]]]:
     sizes = [int(mesh.shape[n]) for n in names]
     ids = np.arange(int(np.prod(sizes))).reshape(sizes)
     live = [i for i, s in enumerate(sizes) if s > 1]
-    table = {}
+    table: dict[frozenset, tuple[str, ...]] = {}
     for r in range(1, len(live) + 1):
         for subset in itertools.combinations(live, r):
             others = [i for i in range(len(sizes)) if i not in subset]
@@ -310,6 +317,15 @@ def _num_devices(hlo_text: str) -> int:
     partitions = re.search(r"num_partitions=(\d+)", hlo_text)
     replicas = re.search(r"replica_count=(\d+)", hlo_text)
     return (int(partitions.group(1)) if partitions else 1) * (int(replicas.group(1)) if replicas else 1)
+
+
+def compiled_hlo(compiled: jax.stages.Compiled) -> str:
+    """The compiled program's HLO text (jax types it optional: a backend may keep none, and then there is nothing
+    to read)."""
+    text = compiled.as_text()
+    if text is None:
+        raise ValueError("this backend keeps no HLO text of the compiled program")
+    return text
 
 
 def collectives(hlo_text: str, mesh=None) -> list[Collective]:
@@ -356,13 +372,15 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
 
 # ----------------------------------------------------------------------------- reports
 
-def _bucket():
+def _bucket() -> dict[str, float]:
     return {"instructions": 0, "count": 0, "bytes": 0.0}
 
 
 def summarize(found: list[Collective]) -> dict:
     """Totals per op type, per mesh axis and overall: runs per step and bytes sent per device per step."""
-    by_op, by_axis, total = defaultdict(_bucket), defaultdict(_bucket), _bucket()
+    by_op: defaultdict[str, dict[str, float]] = defaultdict(_bucket)
+    by_axis: defaultdict[str, dict[str, float]] = defaultdict(_bucket)
+    total = _bucket()
     for c in found:
         for bucket in (by_op[c.op], by_axis[c.axis_label], total):
             bucket["instructions"] += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import defaultdict
+from collections.abc import Callable
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -67,12 +68,12 @@ def trip_count(loop: _Instruction, by_computation) -> int | None:
     return None
 
 
-def runs_per_computation(instructions, entry):
+def runs_per_computation(instructions, entry: str) -> Callable[[str], tuple[int, bool]]:
     """How many times each computation runs per execution of `entry`, and whether every trip count was known."""
-    by_computation = defaultdict(list)
+    by_computation: defaultdict[str, list] = defaultdict(list)
     for ins in instructions:
         by_computation[ins.computation].append(ins)
-    callers = defaultdict(list)  # callee -> [(caller computation, factor, known)]
+    callers: defaultdict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # callee -> [(caller, factor, known)]
     for ins in instructions:
         trips, known = 1, True
         if ins.opcode == "while":

@@ -131,7 +131,7 @@ def shard_counts(config, sizes: dict[str, int]) -> dict[str, int]:
     return dict.fromkeys(("params", "grads", "optimizer"), model)
 
 
-def zero_formula(psi: int, shards: dict[str, int], *, param_bytes: int = 4, grad_bytes: int = 4,
+def zero_formula(psi: float, shards: dict[str, int], *, param_bytes: int = 4, grad_bytes: int = 4,
                  optimizer_bytes: int = 8) -> dict:
     """Closed-form model-state bytes per device: K·Ψ/N for each part (ZeRO, Rajbhandari et al. 2020).
 
@@ -198,7 +198,7 @@ def jaxpar_layer_bytes(*, seq_len: int, micro_batch: int, d_model: int, heads: i
     s, b, h, t = seq_len, micro_batch, d_model, tensor
     tokens = b * s
     if not sequence_parallel:
-        sequence_region = 4 * tokens * (6 * h + 4)
+        sequence_region: float = 4 * tokens * (6 * h + 4)
     elif gathered_kept:
         sequence_region = 4 * tokens * ((4 * h + 4) / t + 2 * h)
     else:
@@ -321,7 +321,7 @@ def model_state_table(params: float, devices: int, optimizer: str = "adam", prec
     """
     from types import SimpleNamespace
     psi = parse_count(params, "--params")
-    n = parse_count(devices, "--devices", integer=True)
+    n = int(parse_count(devices, "--devices", integer=True))
     out = {"params": psi, "devices": n, "optimizer": optimizer, "precision": precision, "unit": "GB (1e9 bytes)"}
     for accounting in ("paper", "jaxpar"):
         sizes = bytes_per_param(optimizer, precision, accounting)

@@ -153,15 +153,17 @@ class _Replay:
 
     def _cost(self, ins) -> float:
         if ins.opcode == "while":
-            body = re.search(r"\bbody=%?([\w.\-]+)", ins.line).group(1)
+            body = re.search(r"\bbody=%?([\w.\-]+)", ins.line)
+            if body is None:
+                raise ValueError(f"a while loop without its body: {ins.line.strip()[:80]!r}")
             trips = trip_count(ins, self.s.by_computation) or 1
-            return trips * self.time(body)
+            return trips * self.time(body.group(1))
         if ins.opcode == "conditional":
             listed = re.search(r"branch_computations=\{([^}]*)\}", ins.line)
             names = re.findall(r"%?([\w.\-]+)", listed.group(1)) if listed else []
             return max((self.time(n) for n in names), default=0.0)
-        if ins.opcode in ("call", "async-start") and _CALLS.search(ins.line):
-            return self.time(_CALLS.search(ins.line).group(1))
+        if ins.opcode in ("call", "async-start") and (called := _CALLS.search(ins.line)):
+            return self.time(called.group(1))
         if ins.opcode in FREE or ins.opcode.endswith(("-start", "-done")):
             return 0.0
         return self.s.kernel_s(ins)

@@ -51,10 +51,10 @@ class StepProfiler:
         return jax.profiler.StepTraceAnnotation("train", step_num=step)
 
     def stops_after(self, step: int) -> bool:
-        return self.active and step == self.window[1]
+        return self.active and self.window is not None and step == self.window[1]
 
     def after(self, step: int, state) -> dict | None:
-        if self.active and step == self.window[1]:
+        if self.active and self.window is not None and step == self.window[1]:
             jax.block_until_ready(state)
             jax.profiler.stop_trace()
             self.active = False
@@ -116,8 +116,8 @@ def summarize(profile_dir: Path, steps: int, top: int = 15) -> dict:
     A collective's time includes what is nested in it (rendezvous, waiting for peers).
     """
     events = trace_events(profile_dir)
-    total = defaultdict(float)
-    count = defaultdict(int)
+    total: defaultdict[str, float] = defaultdict(float)
+    count: defaultdict[str, int] = defaultdict(int)
     for e, exclusive in self_times(events):
         name = re.sub(r"=\d+/\d+", "", e["name"])  # "Wait: pending_threads=3/8" -> one row
         total[name] += exclusive

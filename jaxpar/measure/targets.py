@@ -28,14 +28,15 @@ def parse_topology(text: str) -> tuple[int, int, int]:
     m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", text or "")
     if not m or min(int(g) for g in m.groups()) < 1:
         raise ConfigError("--topology", f"'{text}' is not PxHxG (partitions x hosts x gpus_per_host), e.g. 1x8x8")
-    return tuple(int(g) for g in m.groups())
+    partitions, hosts, gpus = (int(g) for g in m.groups())
+    return partitions, hosts, gpus
 
 
 def gpu_plugin_problem() -> str | None:
     """Why a deviceless GPU compile cannot run here (None: it can): the CUDA plugin wheels must match jaxlib."""
     jaxlib = metadata.version("jaxlib")
     for cuda in ("cuda12", "cuda13"):
-        versions = []
+        versions: list[str | None] = []
         for dist in (f"jax-{cuda}-plugin", f"jax-{cuda}-pjrt"):
             try:
                 versions.append(metadata.version(dist))

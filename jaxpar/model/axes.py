@@ -6,8 +6,10 @@ such as `length=tensor` (sequence parallelism) reaches every place that role occ
 """
 from __future__ import annotations
 
+from typing import Any
+
 # The leading "layers" axis of `blocks` is the scan axis (and what pipeline stages split).
-PARAM_AXES = {
+PARAM_AXES: dict[str, Any] = {   # a parameter name -> its axes; "blocks" -> the same for each block
     "embed": ("vocab", "embed"),
     "final_norm": ("norm",),
     "lm_head": ("embed", "vocab"),
@@ -65,7 +67,8 @@ ACTIVATION_AXES = {
 
 def moe_param_axes(router: str, shared_experts: int) -> dict:
     """Logical names of the MoE stack's parameters for this router and shared-expert choice."""
-    skip = {"noisy": ("router_bias",), "sigmoid": ("router_noise",)}.get(router, ("router_noise", "router_bias"))
+    skip: tuple[str, ...] = {"noisy": ("router_bias",), "sigmoid": ("router_noise",)}.get(
+        router, ("router_noise", "router_bias"))
     skip += () if shared_experts else ("shared_gate", "shared_up", "shared_down")
     return {name: names for name, names in MOE_PARAM_AXES.items() if name not in skip}
 

@@ -23,6 +23,7 @@ def block_params(cfg: ModelConfig) -> int:
 def moe_block_params(cfg: ModelConfig) -> dict[str, int]:
     """One MoE block by part: attention + norms, router (+ noise weights, + bias), routed and shared experts."""
     moe, D = cfg.moe, cfg.d_model
+    assert moe is not None, "moe_block_params counts an MoE model's block"
     router = D * moe.experts * (2 if moe.router == "noisy" else 1) + (moe.experts if moe.router == "sigmoid" else 0)
     return {"attention": attention_params(cfg) + 2 * D, "router": router,
             "experts": moe.experts * 3 * D * moe.expert_mlp_dim,

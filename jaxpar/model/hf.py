@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +160,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
 
 def _mixtral_layer(take, i: int, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Layer i's router and experts in jaxpar's layout, from whichever layout the checkpoint uses."""
+    assert cfg.moe is not None, "a Mixtral layer belongs to an MoE model"
     D, E, F = cfg.d_model, cfg.moe.experts, cfg.moe.expert_mlp_dim
     prefix = f"model.layers.{i}."
     if take.has(prefix + "mlp.gate.weight"):                  # transformers >= 5: fused experts
@@ -231,8 +233,9 @@ def load_hf_llama(path) -> tuple[ModelConfig, dict]:
         layers = [_mixtral_layer(take, i, cfg) for i in range(cfg.layers)]
         blocks.update({key: np.stack([layer[key] for layer in layers]) for key in layers[0]})
 
-    params = {"embed": take("model.embed_tokens.weight", (V, D)), "moe_blocks" if cfg.moe else "blocks": blocks,
-              "final_norm": take("model.norm.weight", (D,))}
+    params: dict[str, Any] = {"embed": take("model.embed_tokens.weight", (V, D)),
+                              "moe_blocks" if cfg.moe else "blocks": blocks,
+                              "final_norm": take("model.norm.weight", (D,))}
     if cfg.tie_embeddings:
         head = tensors.pop("lm_head.weight", None)  # some writers store the tied copy too; it must be a copy
         if head is not None and not np.array_equal(head, params["embed"]):
@@ -250,6 +253,7 @@ def load_hf_llama(path) -> tuple[ModelConfig, dict]:
 def _check_mixtral_export(cfg: ModelConfig) -> None:
     """Refuse (ValueError, one line) an MoE model MixtralForCausalLM would compute differently."""
     moe = cfg.moe
+    assert moe is not None, "only an MoE model exports as Mixtral"
     for field, value, wanted in (("dense_layers", moe.dense_layers, 0), ("shared_experts", moe.shared_experts, 0),
                                  ("router", moe.router, "softmax"), ("normalize_top_k", moe.normalize_top_k, True)):
         if value != wanted:
@@ -289,6 +293,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 def _mixtral_config_to_hf(cfg: ModelConfig) -> dict:
     _check_mixtral_export(cfg)
+    assert cfg.moe is not None, "only an MoE model exports as Mixtral"
     dense = config_to_hf(ModelConfig(**{**cfg.__dict__, "moe": None, "mlp_dim": cfg.moe.expert_mlp_dim}))
     drop = ("attention_bias", "mlp_bias")
     return {**{k: v for k, v in dense.items() if k not in drop}, "architectures": ["MixtralForCausalLM"],

@@ -110,6 +110,7 @@ class MoEBlocks(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         moe, L, D = cfg.moe, cfg.moe_layers, cfg.d_model
+        assert moe is not None, "MoEBlocks is built for an MoE model"
         E, F, shared = moe.experts, moe.expert_mlp_dim, moe.shared_experts * moe.expert_mlp_dim
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.layers) ** 0.5
         ax = cfg.param_axes()["moe_blocks"]
@@ -191,6 +192,7 @@ def feed_forward(x, w, cfg: ModelConfig, ops: Ops, noise=None):
     if "router" not in w:
         return mlp(x, w, ops), {}
     ops = moe_layer_ops(ops)
+    assert cfg.moe is not None, "a router weight means an MoE model"
     out, aux = moe_feed_forward(x, w, cfg.moe, ops, noise)
     if "shared_gate" in w:
         out = out + mlp(x, {"w_gate": w["shared_gate"], "w_up": w["shared_up"], "w_down": w["shared_down"]}, ops)

@@ -50,9 +50,9 @@ def reduce_flat(tree, dims: tuple | None, n: int):
     leaves, treedef = jax.tree.flatten(tree)
     if dims is None:
         flat = jax.lax.psum(jnp.concatenate([g.ravel() for g in leaves]), AXIS)
-        return treedef.unflatten(_unpack(flat, leaves, (0,) * len(leaves), 1))
+        return jax.tree.unflatten(treedef, _unpack(flat, leaves, (0,) * len(leaves), 1))
     mine = jax.lax.psum_scatter(_pack(leaves, dims, n), AXIS, scatter_dimension=0, tiled=True)[0]
-    return treedef.unflatten(_unpack(mine, leaves, dims, n))
+    return jax.tree.unflatten(treedef, _unpack(mine, leaves, dims, n))
 
 
 def _cut(tree, buckets):

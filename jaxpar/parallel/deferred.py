@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxpar.model.moe import MoEOps
 from jaxpar.model.ops import Ops
 
 
@@ -92,8 +93,9 @@ def deferred_ops(base: Ops, sites: dict[str, Site]) -> Ops:
         return tapped_matmul(base.matmul, spec, x, w.weight, w.tap)
 
     ops = base.replace(fetch=fetch, matmul=matmul)
-    if getattr(base, "layer_ops", None) is not None:   # collective matmul's MoE feed-forward: its dW in B
-        ops = ops.replace(layer_ops=lambda outer: _untapped(base.layer_ops(outer)))
+    if isinstance(base, MoEOps) and base.layer_ops is not None:   # collective matmul's MoE feed-forward: its dW in B
+        layer_ops = base.layer_ops
+        ops = ops.replace(layer_ops=lambda outer: _untapped(layer_ops(outer)))
     return ops
 
 

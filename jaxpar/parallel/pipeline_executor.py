@@ -7,6 +7,8 @@ loop needs (its branches, buffers and sends). Split out of pipeline.py, which bu
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,7 +245,8 @@ class _TickLoop:
     def initial_carry(self) -> dict:
         """The scan's carry: received activations (and, training, gradients, stash, accumulators, aux)."""
         slots, stage, shape, dtype = self.program.slots, self.stage, self.act_shape.shape, self.dtype
-        carry = {"acts": jnp.zeros((slots["act"] + 1, *shape), dtype), "loss": jnp.zeros((), jnp.float32)}
+        carry: dict[str, Any] = {"acts": jnp.zeros((slots["act"] + 1, *shape), dtype),
+                                 "loss": jnp.zeros((), jnp.float32)}
         if self.train:
             carry["grads_in"] = jnp.zeros((slots["grad"] + 1, *shape), dtype)
             carry["stash"] = [jnp.zeros((max(slots["stash"], 1), *a.shape), a.dtype) for a in stage.kept]

@@ -30,7 +30,7 @@ def forward_only(schedule: Schedule) -> Schedule:
 class _Slots:
     """The slots of one stage's buffer: a new item takes the lowest free slot; `size` is the most used."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.held: dict = {}
         self.size = 0
 

@@ -73,7 +73,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     return strategy_for(cand.impls).predict(shape, cand, global_batch, seq_len, platform)
 
 
-def workload(config, model_cfg, sizes: dict[str, int], platform: str) -> tuple:
+def workload(config, model_cfg, sizes: dict[str, int], platform: str) -> tuple[ModelShape, Candidate, int, int, str]:
     """A config on a mesh of `sizes` as every `predict` takes it: (shape, candidate, global batch, seq_len,
     platform)."""
     return (ModelShape(model_cfg), candidate_from_config(config, sizes, platform), config.train.batch_size,

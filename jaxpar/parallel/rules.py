@@ -79,7 +79,7 @@ class AxisRules:
 
     def spec(self, names: tuple[str | None, ...], mesh_axes: Iterable[str] | None = None) -> P:
         """PartitionSpec of one array from its logical names; mesh axes not in `mesh_axes` are dropped."""
-        spec, used = [], set()
+        spec, used = [], set[str]()
         for name in names:
             if name is not None and name not in self.table:
                 raise KeyError(f"logical axis '{name}' has no rule in jaxpar.parallel.rules.DEFAULT_RULES")

@@ -154,7 +154,7 @@ def run_orders(orders: list[list], v: int, split: bool, shape: str = "loop") -> 
     items = [[(item,) if isinstance(item, Action) else tuple(item) for item in order] for order in orders]
     done: dict[tuple[Action, int], int] = {}
     position, inside = [0] * p, [0] * p            # the current item, and how far into it the stage is
-    grid = []
+    grid: list[tuple] = []
     total = sum(len(item) for order in items for item in order)
     while any(position[s] < len(items[s]) for s in range(p)):
         tick = len(grid)
@@ -258,7 +258,9 @@ def dualpipev(p: int, m: int, blocks: bool = True) -> Schedule:
         raise ScheduleError(f"dualpipev needs at least 2p = {2 * p} microbatches, got {m}")
     orders = []
     for r in range(p):
-        order, count, pending = [], Counter(), deque()
+        count: Counter = Counter()
+        pending: deque = deque()
+        order = []
 
         def run(kind, chunk):
             i = count[kind, chunk]

@@ -21,6 +21,8 @@ shardings differ), so a checkpoint written by one restores into any other.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -40,6 +42,14 @@ class Strategy:
     RUNS: dict[str, tuple[str, ...]] = {}
     #: the part of RUNS the planner ranks (None: all of it)
     PLANNED: dict[str, tuple[str, ...]] | None = None
+
+    # set by every subclass's constructor (the module docstring says what each holds)
+    param_shardings: Any
+    state_shardings: Any
+    abstract_state: Any
+    batch_sharding: jax.sharding.NamedSharding
+    step_fn: jax.stages.Wrapped
+    eval_fn: jax.stages.Wrapped
 
     @staticmethod
     def predict(shape, cand, global_batch: int, seq_len: int, platform: str):

@@ -20,6 +20,7 @@ sequence         Under SP the router sees this rank's s/t tokens (Megatron-Core'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -52,7 +53,7 @@ class SequenceShards:
 def tensor_moe_ops(ops, moe_cfg, sizes: dict[str, int], batch_axes: tuple[str, ...], sequence: bool):
     """`ops` (Megatron's, over `tensor`) with the MoE pieces: the balance statistics over `batch_axes`, with
     mesh.expert > 1 the all_to_all exchange, under SP the router's view of the sequence's parts."""
-    changes = {}
+    changes: dict[str, Any] = {}
     if batch_axes:
         changes["batch_mean"] = lambda x: jax.lax.pmean(x, batch_axes)
     if sizes["expert"] > 1:

@@ -173,7 +173,7 @@ def split_dims(abstract_params, n: int, stage: str) -> dict:
             return -1
         return dims[0]
 
-    unsplittable = []
+    unsplittable: list[str] = []
     dims = jax.tree_util.tree_map_with_path(pick, abstract_params)
     if unsplittable:
         raise ConfigError("mesh.data", f"{STAGE_NAMES[stage]} splits every parameter over mesh.data={n}, but no "
@@ -243,7 +243,9 @@ class ZeroStrategy(Strategy):
 
     def _dims(self, name: str):
         """Split dims of one top-level entry; a layer inside the scan has lost its leading `layers` axis."""
-        return jax.tree.map(lambda d: d - 1, self.dims[name]) if name in STACKS else self.dims[name]
+        dims = self.dims
+        assert dims is not None, "ddp splits no dimension"
+        return jax.tree.map(lambda d: d - 1, dims[name]) if name in STACKS else dims[name]
 
     # ---------------------------------------------------------------- weight fetches (Ops.fetch)
     def gather(self, name, shards):

@@ -121,9 +121,9 @@ def gpu_cluster(gpu: str, nodes: int, per_node: int, *, nvlink_gbps: float | Non
     for field, value in (("--nodes", nodes), ("--gpus-per-node", per_node)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(field, f"is {value}; must be a positive whole number")
-    for field, value in (("--nvlink-gbps", nvlink_gbps), ("--ib-gbps", ib_gbps), ("--price", price_per_gpu_hour)):
-        if value is not None and not value > 0:
-            raise ConfigError(field, f"is {value}; must be positive")
+    for field, rate in (("--nvlink-gbps", nvlink_gbps), ("--ib-gbps", ib_gbps), ("--price", price_per_gpu_hour)):
+        if rate is not None and not rate > 0:
+            raise ConfigError(field, f"is {rate}; must be positive")
     acc = hardware.ACCELERATORS[key]
     nvlink = (nvlink_gbps * GB if nvlink_gbps else acc.link_bw) * LINK_EFFICIENCY
     ib = (ib_gbps * GB if ib_gbps else acc.scaleout_bw) * LINK_EFFICIENCY

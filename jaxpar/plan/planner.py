@@ -185,7 +185,7 @@ def defence(p: Plan, runners_up: int = 2) -> str:
              f"{best.memory.limit / GB:.0f} usable GB per device."]
     exposed = {k: v for k, v in t.exposed_s.items() if v > 0}
     if exposed:
-        worst = max(exposed, key=exposed.get)
+        worst = max(exposed, key=lambda op: exposed[op])
         lines.append(f"Its largest exposed collective is on {worst} ({exposed[worst]:.3f} s of "
                      f"{t.comm_s[worst]:.3f} s, on {p.cluster.axis_link(c, worst).name}).")
     named = p.ranked[1:1 + runners_up]

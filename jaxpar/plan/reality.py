@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ PROBE_SECONDS = 4.0                  # the host probe's timing budget (medians: 
 
 def default_strategies() -> list[Candidate]:
     """Strategies of the default config jaxpar builds on 8 devices; the first calibrates η."""
-    c = dict(remat="none", precision="float32", attention="dot")
+    c: dict[str, Any] = dict(remat="none", precision="float32", attention="dot")
     return [
         Candidate(data=8, **c),
         Candidate(fsdp=8, **c),

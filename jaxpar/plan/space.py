@@ -83,6 +83,6 @@ def enumerate_candidates(shape: ModelShape, devices: int, global_batch: int, *, 
                 for impl, remat, precision, attention in itertools.product(impls, remats, precisions, attentions):
                     if precision == "float8" and (sizes["tensor"] > 1 or pipe > 1):
                         continue          # not modelled: see FP8_NOT_MODELLED
-                    out.append(Candidate(**sizes, microbatches=m, schedule=schedule, remat=remat,
+                    out.append(Candidate(**sizes, microbatches=m, schedule=schedule, remat=remat,  # type: ignore[arg-type]  # sizes: the int mesh axes
                                          precision=precision, attention=attention, data_impl=impl))
     return out

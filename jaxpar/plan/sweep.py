@@ -36,7 +36,7 @@ def write_sweep(p, config_path: str, overrides: list[str], count: int, steps: in
         raise ConfigError("--layout", f"'{layout}' is formula only: a sweep trains jaxpar's own layout (jaxpar)")
     base = load_config(config_path)
     apply_overrides(base, overrides)
-    chosen = []
+    chosen: list = []
     for r in p.ranked:
         if len(chosen) == count:
             break

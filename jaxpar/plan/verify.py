@@ -115,7 +115,8 @@ def verify(plan, base_config, count: int, target: str = "h100", log=print) -> tu
     from jaxpar.measure.dryrun import dryrun
     cluster = plan.cluster
     topology = f"1x{cluster.nodes}x{cluster.per_node}"
-    verified, skipped = [], {}
+    verified: list = []
+    skipped: dict = {}
     for rank, r in enumerate(list(plan.ranked), 1):
         if len(verified) >= count:
             break

@@ -213,7 +213,7 @@ def _silence_orbax_leftovers() -> None:
         if not _on_closed_loop(error):
             except_hook(kind, error, tb)
 
-    quiet_unraisable.silences_orbax_leftovers = True
+    quiet_unraisable.silences_orbax_leftovers = True   # type: ignore[attr-defined]  # a marker read with getattr
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_except
     logging.getLogger("asyncio").addFilter(
         lambda record: "exception was never retrieved" not in str(record.msg))

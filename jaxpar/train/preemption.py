@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 from jaxpar.env import EXIT_PREEMPTED
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
-_early = {"requested": False, "previous": {}}   # what listen_from_start has seen and replaced
+_early: dict[str, Any] = {"requested": False, "previous": {}}   # what listen_from_start has seen and replaced
 
 
 class Preempted(Exception):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,8 +28,8 @@ from jax.experimental import multihost_utils
 class StepClock:
     def __init__(self, on_finished: Callable[[int], None] | None = None):
         self.on_finished = on_finished
-        self._in_flight = None          # (step, outputs, dispatched at)
-        self._last_finished = None      # perf_counter time the previous step was seen finished
+        self._in_flight: tuple[int, Any, float] | None = None   # (step, outputs, dispatched at)
+        self._last_finished: float | None = None   # perf_counter time the previous step was seen finished
         self._times: dict[int, float | None] = {}
         self.ended: dict[int, float] = {}   # step -> time.time() when it was seen finished; the loop pops them
 
@@ -46,8 +47,8 @@ class StepClock:
         jax.block_until_ready(outputs)
         finished = time.perf_counter()
         self.ended[step] = time.time()
-        first = self._last_finished is None
-        self._times[step] = None if first else finished - max(at, self._last_finished)
+        last = self._last_finished
+        self._times[step] = None if last is None else finished - max(at, last)
         self._last_finished = finished
         if self.on_finished:
             self.on_finished(step)

@@ -5,6 +5,7 @@ import json
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from jax.experimental import multihost_utils
@@ -64,7 +65,8 @@ def check_resume_config(config, saved: dict) -> None:
     new = _without_free(json.loads(to_json(config)))
     saved = _without_free(json.loads(to_json(config_from_dict(saved))))
     for field in RESUME_LOCKED:
-        old_value, new_value = saved, new
+        old_value: Any = saved
+        new_value: Any = new
         for part in field.split("."):
             old_value, new_value = old_value.get(part), new_value.get(part)
         if old_value != new_value:
