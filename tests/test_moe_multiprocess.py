@@ -1,83 +1,50 @@
-"""On 2 processes x 4 devices (one global mesh, `jaxpar launch`'s runtime), dropless MoE with manual expert
-parallelism reproduces one device's losses and gradient norms, alone and inside a 1F1B pipeline (the
-4-axis layout data x pipe x expert, its oracle one device accumulating the pipeline's microbatches).
-This file is also the worker the test launches: `python -m test_moe_multiprocess worker --cpu-devices 4`
-(tests/ on PYTHONPATH)."""
-import io
+"""`jaxpar launch --nproc 2 --cpu-devices 4 -- train ...` with dropless MoE and manual expert parallelism
+reproduces the one-device run's losses, through the CLI's own data path: each process loads only the batch
+rows its devices hold, which here are not one block (the batch is split expert-outermost, the processes
+split data). Alone (data x expert) and inside a 1F1B pipeline (data x pipe x expert, its oracle one device
+accumulating the pipeline's microbatches)."""
 import json
-import os
+import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-RUNS = {   # name: (overrides, the single device's). expert=8 spans both processes: half of every all_to_all
-    # crosses the process boundary; in the pipeline, data (outermost) does, and each stage's all_to_alls stay inside
-    "expert=8": (["mesh.data=1", "mesh.expert=8", "parallel.expert=manual"], []),
-    "data=2 x pipe=2 x expert=2 1f1b": (["mesh.data=2", "mesh.pipe=2", "mesh.expert=2", "parallel.expert=manual",
-                                         "parallel.pipe=1f1b", "parallel.pipe_microbatches=2"],
-                                        ["train.microbatches=2"]),
+from jaxpar.launch import launch
+
+MOE = ["--config", "configs/test.py", "--set", "train.steps=4", "--set", "train.warmup_steps=1",
+       "--set", "train.sample_tokens=0", "--set", "model.moe.experts=8", "--set", "model.moe.top_k=2",
+       "--set", "model.moe.dispatch=dropless"]
+RUNS = {   # name: (the 2-process run's overrides, the single device's)
+    "data2-expert4": (["mesh.data=2", "mesh.expert=4", "parallel.expert=manual"], []),
+    "data2-pipe2-expert2-1f1b": (["mesh.data=2", "mesh.pipe=2", "mesh.expert=2", "parallel.expert=manual",
+                                  "parallel.pipe=1f1b", "parallel.pipe_microbatches=2"], ["train.microbatches=2"]),
 }
-BASE = ["train.warmup_steps=1", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.dispatch=dropless"]
-STEPS, VOCAB = 5, 512
-TESTS_DIR = str(Path(__file__).parent)
 
 
-def train(overrides, devices=None) -> list[list[float]]:
-    """[loss, grad_norm] of each step."""
-    import jax
-    from synthetic import counting_batches
-
-    from jaxpar.config import apply_overrides, load_config
-    from jaxpar.mesh import make_mesh
-    from jaxpar.model.transformer import ModelConfig
-    from jaxpar.parallel.registry import make_strategy
-
-    config = load_config("configs/test.py")
-    apply_overrides(config, [*BASE, *overrides])
-    strategy = make_strategy(config, ModelConfig.from_config(config.model, VOCAB), make_mesh(config, devices))
-    state, losses = strategy.init_state(), []
-    for batch in counting_batches(config, STEPS, VOCAB):
-        tokens = jax.make_array_from_callback(batch.shape, strategy.batch_sharding,
-                                              lambda index, batch=batch: batch[index])
-        state, metrics = strategy.step(state, tokens)
-        losses.append([float(metrics["loss"]), float(metrics["grad_norm"])])
-    return losses
+def records(run_dir) -> dict[str, list[float]]:
+    """The training losses of each step and the validation losses (step 4) from metrics.jsonl."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {key: [r[key] for r in lines if key in r] for key in ("loss", "val_loss")}
 
 
-def worker(argv: list[str]) -> int:
-    from jaxpar import mesh as jmesh
-    jmesh.set_cpu_devices(int(argv[argv.index("--cpu-devices") + 1]))
-    jmesh.init_distributed()
-    import jax
-    for name, (overrides, _) in RUNS.items():
-        losses = train(overrides)
-        if jax.process_index() == 0:
-            print(f"LOSSES {name} {json.dumps(losses)}", flush=True)
-    return 0
+def sets(overrides: list[str]) -> list[str]:
+    return [arg for item in overrides for arg in ("--set", item)]
 
 
 @pytest.mark.slow
-def test_manual_expert_parallel_on_two_processes_matches_one_device(monkeypatch):
-    import jax
-
-    from jaxpar.launch import launch
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [TESTS_DIR, os.environ.get("PYTHONPATH")])))
-    out = io.StringIO()
-    assert launch(2, 4, ["worker"], module="test_moe_multiprocess", out=out, timeout=600) == 0, out.getvalue()[-3000:]
-    found = {}
-    for line in out.getvalue().splitlines():
-        if line.startswith("[p0] LOSSES "):
-            name, values = line[len("[p0] LOSSES "):].split(" [", 1)
-            found[name] = np.array(json.loads("[" + values))
-    assert set(found) == set(RUNS)
-    for name, losses in found.items():
-        oracle = np.array(train(["mesh.data=1", *RUNS[name][1]], jax.devices()[:1]))
-        assert oracle[-1, 0] < oracle[0, 0]
-        np.testing.assert_allclose(losses, oracle, rtol=1e-4, err_msg=name)
-
-
-if __name__ == "__main__":
-    sys.exit(worker(sys.argv[1:]))
+@pytest.mark.parametrize("name", RUNS)
+def test_two_processes_with_expert_parallelism_match_one_device(name, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    overrides, oracle = RUNS[name]
+    out = tmp_path / "launch.log"
+    with open(out, "w") as log:
+        code = launch(2, 4, ["train", *MOE, "--run-dir", str(two), *sets(overrides)], out=log, timeout=300)
+    assert code == 0, out.read_text()[-3000:]
+    done = subprocess.run([sys.executable, "-m", "jaxpar.cli", "train", "--cpu-devices", "1", *MOE,
+                           "--run-dir", str(one), *sets(["mesh.data=1", *oracle])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got, want = records(two), records(one)
+    assert len(want["loss"]) == 4 and len(want["val_loss"]) == 1 and want["loss"][-1] < want["loss"][0]
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{name}: {key}")

@@ -71,19 +71,19 @@ def build_token_data(data_cfg) -> TokenData:
     return TokenData(tokenizer, sequences[np.sort(order[n_val:])], sequences[np.sort(order[:n_val])], stats)
 
 
-def local_rows(sharding, global_batch: int, seq_len: int) -> slice:
-    """The contiguous block of batch rows this process's devices hold under `sharding`."""
+def local_rows(sharding, global_batch: int, seq_len: int) -> np.ndarray:
+    """The indices of the batch rows this process's devices hold under `sharding`, ascending.
+
+    They need not be one block: an MoE batch is split expert-outermost (parallel/rules.py's `batch`) while
+    the processes split the mesh's leading axes, so on data=2 x expert=4 each of 2 processes holds every
+    other eighth. `to_global` accepts exactly this: it maps the local blocks, in order, to the devices' rows.
+    """
     index_map = sharding.addressable_devices_indices_map((global_batch, seq_len))
-    starts = sorted({idx[0].indices(global_batch)[0] for idx in index_map.values()})
-    stops = sorted({idx[0].indices(global_batch)[1] for idx in index_map.values()})
-    rows = slice(starts[0], stops[-1])
-    covered = sum(stop - start for start, stop in zip(starts, stops))
-    if covered != rows.stop - rows.start:
-        raise ValueError("this process's batch rows are not contiguous; lay out the mesh process-major")
-    return rows
+    blocks = sorted({idx[0].indices(global_batch)[:2] for idx in index_map.values()})
+    return np.concatenate([np.arange(start, stop) for start, stop in blocks])
 
 
-def train_dataset(sequences: np.ndarray, global_batch: int, seed: int, rows: slice,
+def train_dataset(sequences: np.ndarray, global_batch: int, seed: int, rows: slice | np.ndarray,
                   start: int = 0) -> grain.IterDataset:
     """Infinite, seeded, reshuffled-each-epoch batches from global batch `start` on; this process keeps `rows`."""
     ds = (grain.MapDataset.source(sequences).shuffle(seed=seed).repeat(None)
@@ -93,11 +93,13 @@ def train_dataset(sequences: np.ndarray, global_batch: int, seed: int, rows: sli
 
 
 def to_global(local: np.ndarray, sharding, global_batch: int) -> jax.Array:
-    """Assemble the per-process rows into one global array laid out as `sharding` says."""
+    """Assemble each process's `local_rows` into one global array laid out as `sharding` says.
+
+    JAX packs a process's device blocks in ascending order into its local data, whether or not they touch."""
     return jax.make_array_from_process_local_data(sharding, local, (global_batch, local.shape[1]))
 
 
-def val_batches(sequences: np.ndarray, global_batch: int, count: int, rows: slice) -> list[np.ndarray]:
+def val_batches(sequences: np.ndarray, global_batch: int, count: int, rows: slice | np.ndarray) -> list[np.ndarray]:
     """A fixed list of validation batches (the same every evaluation, so the curves compare)."""
     usable = min(count, len(sequences) // global_batch)
     if usable == 0:  # fewer validation sequences than one batch: repeat them to fill one
