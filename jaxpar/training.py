@@ -115,9 +115,6 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     window = parse_window(profile, config.train.steps)
     run_dir = Path(run_dir) if run_dir else default_run_dir(config.name)
     restart = check_run_dir(run_dir, resume, overwrite, restart)
-    lock_run_dir(lock, run_dir)   # an existing run directory: no other run may use it from here on
-    if restart:
-        say(f"no checkpoint in {run_dir}: the run stopped before its first save; starting it again from step 0")
     saved_config = json.loads((run_dir / "config.json").read_text()) if resume or restart else None
     if saved_config is not None:
         check_resume_config(config, saved_config)
@@ -133,7 +130,9 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     preemption.stop_if_requested("before the run directory was written")
     if is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
-    lock_run_dir(lock, run_dir)   # a new one: locked before anything is written into it
+    lock_run_dir(lock, run_dir)   # no other run may use it from here on; nothing was written into it yet
+    if restart:
+        say(f"no checkpoint in {run_dir}: the run stopped before its first save; starting it again from step 0")
     # A changed config (e.g. more steps, --set) is written with the first checkpoint saved under it: a resume
     # that fails before that leaves config.json as it was, so the next resume does not repeat the failure.
     config_changed = saved_config is not None and json.loads(to_json(config)) != saved_config

@@ -80,8 +80,8 @@ def metrics_records(path: Path) -> tuple[list[tuple[str, dict]], int]:
 
 
 def lock_run_dir(lock: RunLock, run_dir: Path) -> None:
-    """Process 0 takes `run_dir`'s lock if the folder exists (every process calls this at the same point); a
-    lock held by another run is refused on every process, in one line."""
+    """Process 0 takes `run_dir`'s lock (every process calls this, once every input is checked and before
+    anything is written into the folder); a lock held by another run is refused on every process, in one line."""
     refusal = None
     if jax.process_index() == 0 and run_dir.is_dir():
         try:
