@@ -195,3 +195,17 @@ def test_automatic_vocabulary_that_tensor_does_not_divide_is_refused_before_the_
     assert result.returncode == 2 and len(err) == 1, err
     assert err[0].startswith("error: model.vocab_size: ") and "model.vocab_size=768" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_deleted_working_folder_is_one_line(tmp_path):
+    """The shell's folder deleted under it (a cleaned scratch space): `Path.absolute()` used to raise a traceback."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (f"import os, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); from jaxpar.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, "train", "--config", TINY, "--run-dir", "run"],
+                            capture_output=True, text=True, timeout=120)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and err == [
+        "error: --run-dir: 'run' cannot be used: the working folder was deleted; cd to an existing folder or give an "
+        "absolute path; choose another --run-dir"], result.stderr[-2000:]
