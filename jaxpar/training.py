@@ -182,7 +182,10 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
                    guard, preemption, counts, config_changed)
         return _loop(run, state, start, iterator, window, peak)
     except OSError as err:   # e.g. the run directory deleted mid-run: one line, exit 74
-        raise write_failed(err, run_dir) from None
+        failed = write_failed(err, run_dir)
+        if failed is err:   # not a file of the run directory
+            raise
+        raise failed from None
     finally:
         checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
         sinks.close(metrics_linger_s)

@@ -16,9 +16,9 @@ from jaxpar.checks import writable_dir
 from jaxpar.config import ConfigError, config_from_dict, to_json
 from jaxpar.train.runlock import LOCK_FILE, RunLock
 
+METRICS = "metrics.jsonl"
 # Fields a resumed run may not change: they change array shapes or the data order. Which kernel computes
 # attention, the norm or the loss changes neither, so those may change.
-METRICS = "metrics.jsonl"
 RESUME_LOCKED = ("model", "data", "train.batch_size", "seed")
 RESUME_FREE = ("model.attention", "model.norm", "model.loss", "model.attention_block_q", "model.attention_block_kv",
                "model.loss_chunk")
