@@ -17,7 +17,14 @@ from jaxpar.config import ConfigError
 def writable_dir(path, field: str) -> None:
     """`path` is, or can become, a directory this process may write (probed with a temporary file)."""
     path = Path(path)
-    nearest = next(p for p in (path, *path.absolute().parents) if p.exists())
+    try:
+        nearest = next(p for p in (path, *path.absolute().parents) if p.exists())
+    except OSError as err:   # a name too long for the file system; a working folder deleted under this process
+        shown = f"{str(path)[:40]}...' ({len(str(path))} characters)" if len(str(path)) > 60 else f"{path}'"
+        cause = err.strerror or type(err).__name__
+        if isinstance(err, FileNotFoundError):   # only os.getcwd() raises it here (exists() says False)
+            cause = "the working folder was deleted; cd to an existing folder or give an absolute path"
+        raise ConfigError(field, f"'{shown} cannot be used: {cause}; choose another {field}") from None
     try:
         if not nearest.is_dir():
             raise NotADirectoryError(nearest)

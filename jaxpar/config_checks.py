@@ -108,6 +108,9 @@ def _validate_optimizer(t) -> None:
 def _validate_run_options(config) -> None:
     """Fault injection, the end-of-run sample, the data order, the distributed timeouts."""
     t = config.train
+    if not config.name or config.name.startswith(".") or any(c in config.name for c in "/\\\0"):
+        raise ConfigError("name", f"is {config.name!r}; the run's folder under runs/ is named after it: give a "
+                          "plain name (no '/', not starting with '.'), or choose the folder with --run-dir")
     if t.fault_at_step < 0:
         raise ConfigError("train.fault_at_step", f"is {t.fault_at_step}; must be 0 (off) or a step number")
     if t.fault_process < -1:
@@ -144,6 +147,8 @@ def validate_fields(config) -> None:
         raise ConfigError("model.head_dim", f"is {head_dim(m)}; RoPE needs an even head dimension")
     _finite_in(m.rope_theta, "model.rope_theta", 0, low_open=True, valid="RoPE's base must be positive, e.g. 1e4")
     _finite_in(m.norm_eps, "model.norm_eps", 0, low_open=True, valid="must be positive, e.g. 1e-5")
+    _finite_in(m.init_std, "model.init_std", 0, low_open=True, valid="the weights' initial spread must be positive, "
+               "e.g. 0.02")
     _validate_kernels(m)
     if d.seq_len <= 0 or d.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", f"is {d.seq_len}; must be in 1..model.max_seq_len={m.max_seq_len}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -42,11 +41,20 @@ from jaxpar.model.counting import param_count, train_flops_per_token
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_strategy, select
 from jaxpar.parallel.step import learning_rate
-from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.checkpoint import Checkpoints, write_failed
 from jaxpar.train.guard import NonFiniteGuard
 from jaxpar.train.preemption import Preempted, Preemption
 from jaxpar.train.progress import StepClock
-from jaxpar.train.rundir import check_resume_config, check_run_dir, default_run_dir
+from jaxpar.train.rundir import (
+    check_resume_config,
+    check_run_dir,
+    clear_run_dir,
+    default_run_dir,
+    lock_run_dir,
+    metrics_records,
+    record_config,
+)
+from jaxpar.train.runlock import RunLock
 from jaxpar.train.sample import END_OF_RUN, complete, sample_command
 
 if TYPE_CHECKING:
@@ -75,9 +83,11 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int | None):
         self.path = path
         if is_main() and resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line and json.loads(line).get("step", 0) <= resume_step]
-            dropped = len([line for line in path.read_text().splitlines() if line]) - len(kept)
+            records, torn = metrics_records(path)
+            if torn:
+                say(f"{path}: left out its torn last line ({torn} bytes written as the run stopped)")
+            kept = [line for line, record in records if record.get("step", 0) <= resume_step]
+            dropped = len(records) - len(kept)
             path.write_text("".join(line + "\n" for line in kept))
             if dropped:
                 say(f"resumed at step {resume_step}: dropped {dropped} metrics lines logged after it")
@@ -102,19 +112,18 @@ def train(config, run_dir: Path | None = None, *, resume: bool = False, overwrit
     (a run that stopped before its first save, started again by `--auto-resume`): it starts again from step 0.
     """
     entered = time.time()
-    with Preemption() as preemption:   # from the first line: a notice during start-up is not lost
+    # from the first line: a notice during start-up is not lost; the run directory's lock is let go on any exit
+    with Preemption() as preemption, RunLock() as lock:
         return _train(config, run_dir, resume, overwrite, restart, profile, (metrics_port, metrics_host),
-                      metrics_linger_s, entered, preemption)
+                      metrics_linger_s, entered, preemption, lock)
 
 
 def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address, metrics_linger_s, entered,
-           preemption) -> dict:
+           preemption, lock) -> dict:
     """`train` once its preemption handlers are in place."""
     window = parse_window(profile, config.train.steps)
     run_dir = Path(run_dir) if run_dir else default_run_dir(config.name)
     restart = check_run_dir(run_dir, resume, overwrite, restart)
-    if restart:
-        say(f"no checkpoint in {run_dir}: the run stopped before its first save; starting it again from step 0")
     saved_config = json.loads((run_dir / "config.json").read_text()) if resume or restart else None
     if saved_config is not None:
         check_resume_config(config, saved_config)
@@ -129,12 +138,18 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     multihost_utils.sync_global_devices("jaxpar-inputs-checked")
     preemption.stop_if_requested("before the run directory was written")
     if is_main():
-        if overwrite and run_dir.exists() and not resume:
-            shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        if saved_config is not None and json.loads(to_json(config)) != saved_config:  # e.g. more steps: keep it
-            (run_dir / "config.json").rename(run_dir / f"config.before-resume-{int(time.time())}.json")
-        (run_dir / "config.json").write_text(to_json(config))
+    lock_run_dir(lock, run_dir)   # no other run may use it from here on; nothing was written into it yet
+    if restart:
+        say(f"no checkpoint in {run_dir}: the run stopped before its first save; starting it again from step 0")
+    # A changed config (e.g. more steps, --set) is written with the first checkpoint saved under it: a resume
+    # that fails before that leaves config.json as it was, so the next resume does not repeat the failure.
+    config_changed = saved_config is not None and json.loads(to_json(config)) != saved_config
+    if is_main():
+        if overwrite and not resume:
+            clear_run_dir(run_dir)
+        if not config_changed:
+            (run_dir / "config.json").write_text(to_json(config))
         data.tokenizer.save(str(run_dir / "tokenizer.json"))
     multihost_utils.sync_global_devices("jaxpar-run-dir-ready")
     s = data.stats
@@ -173,8 +188,13 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     try:
         preemption.stop_if_requested(f"before step {start + 1}")
         run = _Run(config, run_dir, strategy, data, model_cfg, validation, checkpoints, metrics_log, goodput, sinks,
-                   guard, preemption, counts)
+                   guard, preemption, counts, config_changed)
         return _loop(run, state, start, iterator, window, peak)
+    except OSError as err:   # e.g. the run directory deleted mid-run: one line, exit 74
+        failed = write_failed(err, run_dir)
+        if failed is err:   # not a file of the run directory
+            raise
+        raise failed from None
     finally:
         checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
         sinks.close(metrics_linger_s)
@@ -196,6 +216,7 @@ class _Run:
     guard: NonFiniteGuard
     preemption: Preemption
     counts: dict
+    config_changed: bool = False   # config.json still holds the resumed run's config: written at the first save
 
 
 @dataclasses.dataclass
@@ -317,6 +338,11 @@ def _evaluate_and_save(run: _Run, tally: _Tally, state, step: int, evaluate: boo
         run.guard.check_state(step, state)   # nor an exploded one
         save_start = time.perf_counter()
         run.checkpoints.save(step, state, run.config.train.batch_size)
+        if run.config_changed:
+            run.checkpoints.wait()   # the first step saved under the changed config is on disk: record it
+            if is_main():
+                record_config(run.run_dir, run.config)
+            run.config_changed = False
         saved_s = time.perf_counter() - save_start
         run.goodput.add("checkpoint", saved_s)
         run.goodput.saved(step)

@@ -4,6 +4,7 @@ The cases run the CLI in-process (the checks are the same code a shell reaches);
 representative few run as real subprocesses, which also shows that refusing them never
 imports JAX (the checks come before anything heavy is loaded or built).
 """
+import json
 import socket
 import subprocess
 import sys
@@ -62,6 +63,31 @@ CASES = [
                                "/proc/jaxpar-x"], "--out"),
     ("plan-out-unwritable", ["plan", "--tokens", "1e9", "--out", "/proc/jaxpar-x"], "--out"),
     ("lab-ops-out-unwritable", ["lab", "operations", "--config", TINY, "--out", "/proc/jaxpar-x"], "--out"),
+    # Issue 32: the last escapes (tracebacks, jobs written for a config that cannot run, values accepted silently).
+    ("collect-candidates-garbage", ["plan", "collect", "{inputs}/sweep-garbage"], "collect"),
+    ("collect-candidates-empty-object", ["plan", "collect", "{inputs}/sweep-empty"], "collect"),
+    ("collect-results-half-written-and-empty", ["plan", "collect", "{inputs}/sweep"], "collect"),
+    ("plan-ep-on-a-dense-model", ["plan", "--tokens", "1e9", "--strategy", "ep=64"], "--strategy"),
+    ("plan-strategy-two-precisions", ["plan", "--tokens", "1e9", "--strategy", "fsdp=64 bf16 fp32"], "--strategy"),
+    ("plan-strategy-two-schedules", ["plan", "--tokens", "1e9", "--strategy", "fsdp=32 pipe=2 1f1b gpipe"],
+     "--strategy"),
+    ("plan-strategy-two-microbatches", ["plan", "--tokens", "1e9", "--strategy", "fsdp=64 m=2 m=4"], "--strategy"),
+    ("run-dir-name-too-long", ["train", "--config", TINY, "--run-dir", "{work}/" + "r" * 300], "--run-dir"),
+    ("name-leaves-runs", ["train", "--config", TINY, "--set", "name=../../escape"], "name"),
+    ("name-absolute", ["train", "--config", TINY, "--set", "name={work}/escape"], "name"),
+    ("init-std-negative", train_set("model.init_std=-0.1"), "model.init_std"),
+    ("slurm-config-missing", ["slurm", "--out", "{work}/job.sbatch", "--", "--config", "{inputs}/nope.py"],
+     "--config"),
+    ("slurm-unknown-set-field", ["slurm", "--out", "{work}/job.sbatch", "--", "--config", TINY,
+                                 "--set", "train.nosuch=1"], "train.nosuch"),
+    ("slurm-negative-steps", ["slurm", "--out", "{work}/job.sbatch", "--", "--config", TINY,
+                              "--set", "train.steps=-1"], "train.steps"),
+    ("k8s-config-missing", ["k8s", "--image", "reg/jaxpar:1", "--out", "{work}/job.yaml", "--", "--config",
+                            "{inputs}/nope.py"], "--config"),
+    ("k8s-existing-claim-with-size", ["k8s", "--image", "reg/jaxpar:1", "--out", "{work}/job.yaml",
+                                      "--existing-claim", "--claim-size", "5Gi"], "--existing-claim"),
+    ("k8s-existing-claim-with-class", ["k8s", "--image", "reg/jaxpar:1", "--out", "{work}/job.yaml",
+                                       "--existing-claim", "--storage-class", "fast"], "--existing-claim"),
     # Run outside the repository (the working directory is {work}): the lab still finds its default
     # config, so the error is about the bad field, not a missing configs/mixtral_tiny.py.
     ("lab-moe-default-config-anywhere", ["lab", "moe", "--set", "model.layrs=1"], "model.layrs"),
@@ -88,6 +114,18 @@ def make_inputs(inputs: Path) -> None:
     tokenizer = Tokenizer(WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = Whitespace()
     tokenizer.save(str(run / "tokenizer.json"))
+    for name, text in (("sweep-garbage", "\x00garbage{"), ("sweep-empty", "{}"), ("sweep", json.dumps(SWEEP))):
+        (inputs / name).mkdir()
+        (inputs / name / "candidates.json").write_text(text)
+    (inputs / "sweep" / "results").mkdir()
+    (inputs / "sweep" / "results" / "0.json").write_text('{"index": 0, "strategy": "data=8", "times_s": [0.1')
+    (inputs / "sweep" / "results" / "1.json").write_text("{}")   # what a killed array task leaves
+
+
+# A sweep's candidate list (as `jaxpar plan --sweep` writes it) whose two tasks left a torn file and `{}`.
+SWEEP = {"cluster": "8 CPU devices", "global_batch": 8, "seq_len": 16, "steps": 3,
+         "candidates": [{"index": i, "strategy": s, "predicted_step_s": 0.1, "predicted_memory": 1e6}
+                        for i, s in enumerate(("data=8", "fsdp=8"))]}
 
 
 def snapshot(folder: Path) -> dict:
@@ -162,3 +200,17 @@ def test_automatic_vocabulary_that_tensor_does_not_divide_is_refused_before_the_
     assert result.returncode == 2 and len(err) == 1, err
     assert err[0].startswith("error: model.vocab_size: ") and "model.vocab_size=768" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_deleted_working_folder_is_one_line(tmp_path):
+    """The shell's folder deleted under it (a cleaned scratch space): `Path.absolute()` used to raise a traceback."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (f"import os, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); from jaxpar.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, "train", "--config", TINY, "--run-dir", "run"],
+                            capture_output=True, text=True, timeout=120)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and err == [
+        "error: --run-dir: 'run' cannot be used: the working folder was deleted; cd to an existing folder or give an "
+        "absolute path; choose another --run-dir"], result.stderr[-2000:]

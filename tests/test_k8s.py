@@ -164,6 +164,14 @@ def test_the_image_is_required_and_the_output_says_what_must_exist(capsys, tmp_p
     assert "# needs: the PersistentVolumeClaim 'jaxpar-checkpoints' (ReadWriteMany), which must already exist" in text
 
 
+def test_an_empty_storage_class_is_kept_as_no_class():
+    """`--storage-class ''` binds a pre-provisioned volume (no dynamic provisioning); it used to be dropped, which
+    asks for the cluster's default class instead."""
+    claim = render(hosts=2, storage_class="")[0]
+    assert claim["kind"] == "PersistentVolumeClaim" and claim["spec"]["storageClassName"] == ""
+    assert "storageClassName" not in render(hosts=2)[0]["spec"]
+
+
 @pytest.mark.parametrize("field, value", [("name", "Bad_Name!"), ("name", "x" * 60), ("image", "two words"),
                                           ("claim", "Bad_Claim"), ("claim_size", "lots"), ("namespace", "A b")])
 def test_names_kubernetes_would_refuse_are_refused(field, value):

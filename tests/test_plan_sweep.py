@@ -42,6 +42,27 @@ def test_sweep_records_a_config_its_tasks_can_load(capsys, tmp_path, monkeypatch
     assert spec["config"] == "test" and load_config(spec["config"]).name == "test"
 
 
+def test_collect_reports_the_tasks_it_can_and_names_the_damaged_ones(capsys, tmp_path):
+    """A killed array task leaves `{}` or half a file in results/; the collect used to end in a traceback."""
+    out = tmp_path / "sweep"
+    (out / "results").mkdir(parents=True)
+    strategies = ("data=8", "fsdp=8", "tp=2 data=4", "pipe=2 data=4")
+    (out / "candidates.json").write_text(json.dumps({
+        "cluster": "8 CPU devices", "global_batch": 8, "seq_len": 16, "steps": 3,
+        "candidates": [{"index": i, "strategy": s, "predicted_step_s": 0.1 * (i + 1), "predicted_memory": 1e6}
+                       for i, s in enumerate(strategies)]}))
+    for i in (0, 1):
+        (out / "results" / f"{i}.json").write_text(json.dumps(
+            {"index": i, "step_s": 0.2 * (i + 1), "times_s": [0.2 * (i + 1)] * 3, "memory_compiled": 2e6}))
+    (out / "results" / "2.json").write_text('{"index": 2, "step_s": 0.')
+    (out / "results" / "3.json").write_text("{}")
+    code, printed, err = run_cli(capsys, ["plan", "collect", str(out)])
+    assert code == 0, err
+    assert "over 2 candidates" in printed
+    assert ("No result (task failed or still running): tp=2 data=4 (results/2.json is damaged), "
+            "pipe=2 data=4 (results/3.json is damaged).") in printed
+
+
 @pytest.mark.skipif(bool(MISSING), reason=f"Slurm is not installed here (no {', '.join(MISSING)}); "
                     "`scripts/slurm/local-cluster.sh install` installs it (apt, root)")
 def test_sweep_runs_as_a_slurm_job_array(capsys, tmp_path):

@@ -31,6 +31,7 @@ INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CHECKPOINT_MOUNT = "/checkpoints"
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")        # RFC 1035 label: Service, Job and pod names
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+CLAIM_SIZE = "100Gi"
 QUANTITY = re.compile(r"\d+(\.\d+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")   # a storage request, e.g. 100Gi
 
 
@@ -87,13 +88,13 @@ def _check_names(name: str, hosts: int, kind: str, image: str, claim: str, claim
 def checkpoint_claim(meta: dict, claim: str, size: str, storage_class: str | None) -> dict:
     """The PersistentVolumeClaim every pod mounts: ReadWriteMany, since all pods write one checkpoint."""
     spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": size}}}
-    if storage_class:
+    if storage_class is not None:   # '' is kept: no class (a pre-provisioned volume), not the default class
         spec["storageClassName"] = storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {**meta, "name": claim}, "spec": spec}
 
 
 def render(*, image: str, name: str = "jaxpar", hosts: int = 2, gpus_per_host: int = 8, kind: str = "jobset",
-           train_args: list[str] | None = None, claim: str = "jaxpar-checkpoints", claim_size: str = "100Gi",
+           train_args: list[str] | None = None, claim: str = "jaxpar-checkpoints", claim_size: str = CLAIM_SIZE,
            storage_class: str | None = None, existing_claim: bool = False, max_restarts: int = 3,
            cpu_devices: int | None = None, namespace: str | None = None) -> list[dict]:
     """The manifests (dicts, in apply order) of one training job: the checkpoint claim (unless
@@ -163,7 +164,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kind", choices=("jobset", "indexed-job"), default="jobset")
     p.add_argument("--claim", default="jaxpar-checkpoints", help="PersistentVolumeClaim for checkpoints, "
                                                                  "emitted with the job (default: jaxpar-checkpoints)")
-    p.add_argument("--claim-size", default="100Gi", help="storage the claim requests (default: 100Gi)")
+    p.add_argument("--claim-size", help=f"storage the claim requests (default: {CLAIM_SIZE})")
     p.add_argument("--storage-class", help="storageClassName of the claim (default: the cluster's default class)")
     p.add_argument("--existing-claim", action="store_true", help="mount --claim as it exists; do not emit it")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of the whole job after a failure")
@@ -174,9 +175,16 @@ def add_arguments(p) -> None:
 
 
 def run_from_args(args) -> int:
+    from jaxpar.cluster.train_args import check_train_args
+    if args.existing_claim and (args.claim_size is not None or args.storage_class is not None):
+        given = "--claim-size" if args.claim_size is not None else "--storage-class"
+        raise ConfigError("--existing-claim", f"mounts a claim that exists, but {given} describes a new one; "
+                          f"drop {given} or --existing-claim")
+    check_train_args([a for a in args.train_args if a != "--"])
     manifests = render(name=args.name, hosts=args.hosts, gpus_per_host=args.gpus_per_host, image=args.image,
                        kind=args.kind, train_args=[a for a in args.train_args if a != "--"], claim=args.claim,
-                       claim_size=args.claim_size, storage_class=args.storage_class,
+                       claim_size=CLAIM_SIZE if args.claim_size is None else args.claim_size,
+                       storage_class=args.storage_class,
                        existing_claim=args.existing_claim, max_restarts=args.max_restarts,
                        cpu_devices=args.cpu_devices, namespace=args.namespace)
     text = to_yaml(manifests, header(args.image, args.kind, args.claim, args.existing_claim))

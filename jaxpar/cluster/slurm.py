@@ -137,6 +137,8 @@ def add_arguments(p) -> None:
 
 
 def run_from_args(args) -> int:
+    from jaxpar.cluster.train_args import check_train_args
+    check_train_args([a for a in args.train_args if a != "--"])
     text = render(nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per=args.tasks_per,
                   run_dir=args.run_dir, train_args=[a for a in args.train_args if a != "--"],
                   job_name=args.job_name, time=args.time, partition=args.partition, python=args.python,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from jaxpar.config import fused_attention
+from jaxpar.config import ConfigError, fused_attention
 
 AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
 SHORT = {"expert": "ep", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
@@ -173,6 +173,9 @@ def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int
                With remat (any policy but none) the backward recomputes the forward exchanges: 6, not 4.
     """
     moe = shape.moe
+    if moe is None:   # only a hand-written `plan --strategy ep=N` asks this of a dense model
+        raise ConfigError("--strategy", f"ep={cand.expert} splits a MoE model's experts, but this model is dense "
+                          "(model.moe.experts=0); leave ep= out, or plan an MoE config")
     X, m = cand.expert, microbatches or cand.microbatches
     b = global_batch // m // cand.batch_shards
     T, k, h, E = b * seq_len, moe.top_k, shape.d_model, moe.experts

@@ -58,19 +58,26 @@ def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu")
     words = text.replace(",", " ").split()
     if not words:
         raise ConfigError(FIELD, "is empty; e.g. --strategy 'fsdp=64 m=2 remat=dots bf16 flash'")
+    said: dict[str, tuple[str, object]] = {}   # field: (the word that set it, its value)
     for word in words:
         key, _, value = word.partition("=")
+        got: dict = {}
         if not value:
             if word in PRECISION_WORDS:
-                fields["precision"] = PRECISION_WORDS[word]
+                got["precision"] = PRECISION_WORDS[word]
             elif word in ATTENTIONS:
-                fields["attention"] = word
+                got["attention"] = word
             elif word in SCHEDULES:
-                fields["schedule"] = word
+                got["schedule"] = word
             else:
-                _keyed(word, "", word, fields)
+                _keyed(word, "", word, got)
         else:
-            _keyed(key, value, word, fields)
+            _keyed(key, value, word, got)
+        for field, setting in got.items():
+            if field in said and said[field][1] != setting:   # `bf16 fp32`, `m=2 m=4`: the last used to win
+                raise ConfigError(FIELD, f"'{word}' contradicts '{said[field][0]}'; say each setting once")
+            said[field] = (word, setting)
+        fields.update(got)
     if fields.get("pipe", 1) > 1:
         fields.setdefault("schedule", "1f1b")
     else:

@@ -128,20 +128,56 @@ def collect(out: Path) -> tuple[str, dict]:
     """The defence from a finished sweep: predicted vs measured, ranked by measurement (markdown, data)."""
     if not (out / "candidates.json").is_file():
         raise ConfigError("collect", f"'{out}' holds no candidates.json; give the --out DIR of `jaxpar plan --sweep`")
-    spec = json.loads((out / "candidates.json").read_text())
+    spec = _sweep_spec(out / "candidates.json")
     rows, missing = [], []
     for entry in spec["candidates"]:
         path = out / RESULTS / f"{entry['index']}.json"
         if not path.is_file():
             missing.append(entry["strategy"])
             continue
-        measured = json.loads(path.read_text())
+        measured = _json(path)   # a task killed mid-write leaves half a file, or `{}`: reported, not fatal
+        if not _a_result(measured):
+            missing.append(f"{entry['strategy']} ({RESULTS}/{path.name} is damaged)")
+            continue
         rows.append({**entry, **measured, "ratio": measured["step_s"] / entry["predicted_step_s"]})
     if len(rows) < 2:
         raise ConfigError("collect", f"{len(rows)} of {len(spec['candidates'])} array tasks left results in "
                           f"{out / RESULTS}; the defence needs at least 2 (see {out / 'logs'})")
     rho = spearman([r["predicted_step_s"] for r in rows], [r["step_s"] for r in rows])
     return markdown(spec, rows, rho, missing), {"rows": rows, "spearman": rho, "missing": missing}
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError:   # not JSON, or not UTF-8
+        return None
+
+
+def _positive(value, zero_too: bool = False) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and (value > 0 or zero_too and value == 0)
+
+
+def _a_result(measured) -> bool:
+    """What `run_task` writes: step times and the compiled memory (a half-written file or `{}` is not)."""
+    return (isinstance(measured, dict) and _positive(measured.get("step_s"))
+            and _positive(measured.get("memory_compiled"), zero_too=True)
+            and isinstance(measured.get("times_s"), list) and bool(measured["times_s"])
+            and all(map(_positive, measured["times_s"])))
+
+
+def _sweep_spec(path: Path) -> dict:
+    """candidates.json as `jaxpar plan --sweep` writes it, or one line saying it is not."""
+    spec = _json(path)
+    good = (isinstance(spec, dict) and all(k in spec for k in ("cluster", "global_batch", "seq_len", "steps"))
+            and isinstance(spec.get("candidates"), list)
+            and all(isinstance(e, dict) and isinstance(e.get("index"), int) and isinstance(e.get("strategy"), str)
+                    and _positive(e.get("predicted_step_s")) and _positive(e.get("predicted_memory"))
+                    for e in spec["candidates"]))
+    if not good:
+        raise ConfigError("collect", f"'{path}' is not the candidate list `jaxpar plan --sweep` writes (damaged or "
+                          "edited); run the sweep again into an empty --out DIR")
+    return spec
 
 
 def markdown(spec: dict, rows: list[dict], rho: float, missing: list[str]) -> str:

@@ -39,9 +39,19 @@ FORMAT = 2               # 1: no checksums (no `meta` item); 2: every array's ch
 
 
 class SaveFailed(Exception):
-    """A checkpoint could not be written; the message is one line naming the folder and the cause."""
+    """A checkpoint (or another file of the run directory) could not be written; the message is one line naming
+    the folder and the cause."""
 
     exit_code = EXIT_SAVE_FAILED
+
+
+def write_failed(err: OSError, run_dir: Path) -> Exception:
+    """The one-line report of a failed write into `run_dir` (`err` itself when it concerns another file)."""
+    name = Path(err.filename or "")
+    if not err.filename or not name.absolute().is_relative_to(Path(run_dir).absolute()):
+        return err
+    cause = f"'{run_dir}' was deleted while the run used it" if not Path(run_dir).exists() else err.strerror
+    return SaveFailed(f"run directory: cannot write {name}: {cause}; stopped")
 
 
 class Checkpoints:
