@@ -19,9 +19,10 @@ def check_train_args(train_args: list[str]) -> None:
         if key not in ("--config", "--set"):
             continue
         if not equals:
-            value = next(words, None)
-            if value is None:
+            following = next(words, None)
+            if following is None:
                 raise ConfigError(key, "needs a value after it (in the arguments for `jaxpar train`)")
+            value = following
         if key == "--config":
             config_path = value
         else:
