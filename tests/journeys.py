@@ -126,9 +126,11 @@ def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def smoke_train(argv, gpu):
+    """2 steps, one eval, one checkpoint; GPU presets and Pallas kernels (interpreted on CPU: slow) on a tiny model."""
     if "model.attention=cudnn" in argv and not gpu:
         raise Skip("cuDNN attention needs an NVIDIA GPU")
-    return [*argv, *(SHRUNK if option(argv, "--config") in BIG_PRESETS else []), *TRAIN]
+    tiny = option(argv, "--config") in BIG_PRESETS or (not gpu and "model.attention=pallas" in argv)
+    return [*argv, *(SHRUNK if tiny else []), *TRAIN]
 
 
 def smoke_launch(argv, gpu):
@@ -150,6 +152,8 @@ def smoke_dryrun(argv, gpu, plugin_problem=None):
 
 def smoke_bench(argv, gpu):
     assert argv[:1] == ["collectives"], f"no smoke size for `jaxpar bench {argv[:1]}`"
+    if "--cpu-devices" not in argv and not gpu:
+        raise Skip("without --cpu-devices the collectives run on this machine's GPUs")
     return replaced(replaced(argv, "--min-bytes", "1K"), "--max-bytes", "4K")
 
 

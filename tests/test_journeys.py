@@ -58,7 +58,8 @@ def installed(tmp_path_factory):
     site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).strip()
     parents = _run([sys.executable, "-c", "import site; print('\\n'.join(site.getsitepackages()))"])
     (Path(site) / "_running_environment.pth").write_text(parents)
-    where = _run([str(python), "-c", "import jaxpar, jax; print(jaxpar.__file__)"], env=_clean_env()).strip()
+    where = _run([str(python), "-c", "import jaxpar, jax; print(jaxpar.__file__)"], env=_clean_env(),
+                 cwd=base).strip()                        # not the checkout: `python -c` imports from its folder
     assert Path(where).is_relative_to(venv), f"jaxpar imports from {where}, not from the wheel in {venv}"
     return venv / "bin"
 
