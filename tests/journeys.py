@@ -125,76 +125,81 @@ def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
     return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
 
 
-def smoke_train(argv, gpu):
+@dataclass(frozen=True)
+class Machine:
+    """What a smoke size depends on: GPUs here, why no deviceless GPU compile can run, devices from `launch`."""
+    gpu: bool = False
+    plugin_problem: str | None = None
+    launched: bool = False
+
+
+def smoke_train(argv, machine):
     """2 steps, one eval, one checkpoint; GPU presets and Pallas kernels (interpreted on CPU: slow) on a tiny model."""
-    if "model.attention=cudnn" in argv and not gpu:
+    if "model.attention=cudnn" in argv and not machine.gpu:
         raise Skip("cuDNN attention needs an NVIDIA GPU")
-    tiny = option(argv, "--config") in BIG_PRESETS or (not gpu and "model.attention=pallas" in argv)
+    tiny = option(argv, "--config") in BIG_PRESETS or (not machine.gpu and "model.attention=pallas" in argv)
     return [*argv, *(SHRUNK if tiny else []), *TRAIN]
 
 
-def smoke_launch(argv, gpu):
+def smoke_launch(argv, machine):
     ours, inner = split_at_dashes(argv)
-    return [*ours, "--", *smoke(inner, gpu)]
+    return [*ours, "--", *smoke(inner, Machine(machine.gpu, machine.plugin_problem, launched=True))]
 
 
-def smoke_emitter(argv, gpu):
+def smoke_emitter(argv, machine):
     """slurm, k8s: the train arguments after `--` made small too, so the job they write stays small."""
     ours, train = split_at_dashes(argv)
     return [*ours, "--", *train, *TRAIN] if "--" in argv else argv
 
 
-def smoke_dryrun(argv, gpu, plugin_problem=None):
-    if "--target" in argv and plugin_problem:
-        raise Skip(f"a deviceless GPU dry run needs the CUDA plugin: {plugin_problem}")
+def smoke_dryrun(argv, machine):
+    if "--target" in argv and machine.plugin_problem:
+        raise Skip(f"a deviceless GPU dry run needs the CUDA plugin: {machine.plugin_problem}")
     return argv
 
 
-def smoke_bench(argv, gpu):
+def smoke_bench(argv, machine):
     assert argv[:1] == ["collectives"], f"no smoke size for `jaxpar bench {argv[:1]}`"
-    if "--cpu-devices" not in argv and not gpu:
+    if "--cpu-devices" not in argv and not (machine.gpu or machine.launched):
         raise Skip("without --cpu-devices the collectives run on this machine's GPUs")
     return replaced(replaced(argv, "--min-bytes", "1K"), "--max-bytes", "4K")
 
 
-def smoke_plan(argv, gpu, plugin_problem=None):
+def smoke_plan(argv, machine):
     if argv[:1] == ["collect"]:
         return argv
-    if "--verify" in argv and plugin_problem:
-        raise Skip(f"--verify compiles deviceless for GPUs and needs the CUDA plugin: {plugin_problem}")
+    if "--verify" in argv and machine.plugin_problem:
+        raise Skip(f"--verify compiles deviceless for GPUs and needs the CUDA plugin: {machine.plugin_problem}")
     if "--sweep" in argv:
         argv = replaced(replaced(argv, "--sweep", "2"), "--steps", "2")
         return [*argv, "--set", "model.layers=1", "--global-batch", "8", "--seq-len", "16"]
     return argv
 
 
-# subcommand -> (argv, gpu available) -> the smoke-size argv, or Skip. A documented subcommand missing here fails.
+# subcommand -> (argv after it, Machine) -> the smoke-size argv, or Skip. A documented subcommand missing here fails.
 SMOKE = {
     "train": smoke_train,
-    "sample": lambda argv, gpu: [*argv, "--max-tokens", "4"],
+    "sample": lambda argv, machine: [*argv, "--max-tokens", "4"],
     "launch": smoke_launch,
     "dryrun": smoke_dryrun,
-    "memory": lambda argv, gpu: argv,
+    "memory": lambda argv, machine: argv,
     "bench": smoke_bench,
     "plan": smoke_plan,
     "slurm": smoke_emitter,
     "k8s": smoke_emitter,
 }
-NEEDS_PLUGIN_CHECK = ("dryrun", "plan")
 
 
 def subcommand(argv: list[str]) -> str:
     return next((w for w in argv if not w.startswith("-")), "")
 
 
-def smoke(argv: list[str], gpu: bool = False, plugin_problem: str | None = None) -> list[str]:
+def smoke(argv: list[str], machine: Machine = Machine()) -> list[str]:
     """The smoke-size argv of `jaxpar argv`, or Skip; a subcommand without an entry in SMOKE is an AssertionError."""
     name = argv[0] if argv else ""
     assert name in SMOKE, (f"`jaxpar {name}` is documented but has no smoke size: add an entry to SMOKE in "
                            f"tests/journeys.py (journeys: {sorted(SMOKE)})")
-    if name in NEEDS_PLUGIN_CHECK:
-        return [name, *SMOKE[name](argv[1:], gpu, plugin_problem)]
-    return [name, *SMOKE[name](argv[1:], gpu)]
+    return [name, *SMOKE[name](argv[1:], machine)]
 
 
 def shape(command: Command) -> tuple:

@@ -165,8 +165,8 @@ def test_documented_command(command, user, slurm_cluster):
     if command.program == "sbatch":
         return _sbatch(command, cwd, env, slurm_cluster)
     try:
-        argv = docs.smoke(command.argv, gpu=shutil.which("nvidia-smi") is not None,
-                          plugin_problem=gpu_plugin_problem())
+        argv = docs.smoke(command.argv, docs.Machine(gpu=shutil.which("nvidia-smi") is not None,
+                                                     plugin_problem=gpu_plugin_problem()))
     except docs.Skip as reason:
         pytest.skip(str(reason))
     done, seconds = _run_jaxpar(command, argv, cwd, env)
