@@ -144,7 +144,7 @@ def _sbatch(command, cwd, env, slurm_cluster):
         pytest.skip(f"Slurm is not installed here (no {', '.join(SLURM_MISSING)}); "
                     "`scripts/slurm/local-cluster.sh install` installs it (apt, root)")
     env = {**env, "SLURM_CONF": slurm_cluster()}
-    job = subprocess.run(["sbatch", "--parsable", script.name], cwd=cwd, env=env, capture_output=True, text=True,
+    job = subprocess.run(["sbatch", "--parsable", command.argv[0]], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=30)
     assert job.returncode == 0, job.stderr
     job_id = job.stdout.strip().split(";")[0]
