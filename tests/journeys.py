@@ -4,7 +4,8 @@ A journey is one documented command run as a user runs it (tests/test_journeys.p
 documents, so a command added to them is covered by construction: its subcommand must have an entry in SMOKE (the
 arguments that make it small), or the journeys fail. Lines that are not whole commands (`...`, a `<placeholder>`,
 `[--option]`, a shell loop's `$s`) are elided, not run. `jaxpar lab NAME ...` lines are run once per lab, as
-`jaxpar lab NAME --quick` (labs_in_docs names them so an unknown lab fails).
+`jaxpar lab NAME --quick` (the lab names they use must be ones `jaxpar lab --help` lists). One journey per program,
+subcommand and preset (shape): the first such command in document order, the README first.
 """
 import re
 import shlex
@@ -203,16 +204,17 @@ def smoke(argv: list[str], machine: Machine = Machine()) -> list[str]:
 
 
 def shape(command: Command) -> tuple:
-    """What makes two commands the same journey: subcommands, preset and option names (not values, not --set).
+    """What makes two commands one journey: program, subcommands, preset, GPU target (not other options, not --set).
 
-    The strategies a `--set` chooses are the unit tests' work; a journey checks that a documented entry point runs
-    from an installed wheel in another folder, with the files it names.
+    A journey checks that a documented entry point runs from an installed wheel in another folder with the files it
+    names; the strategies a `--set` picks and each option's effect are the unit tests' work, and every journey costs
+    a process start and, mostly, a compile.
     """
     argv = command.argv
-    names = tuple(sorted({w for w in argv if w.startswith("--") and w not in ("--set", "--")}))
     positional = tuple(w for w in argv[:2] if not w.startswith("-"))
     inner = split_at_dashes(argv)[1] if argv[:1] == ["launch"] else []
-    return command.program, positional, option(argv, "--config"), names, tuple(inner[:1]), command.stdout
+    deviceless = option(argv, "--target")               # a deviceless GPU compile (where the CUDA plugin is)
+    return command.program, positional, option(argv, "--config"), deviceless, tuple(inner[:2])
 
 
 def journeys(documents=DOCUMENTS) -> tuple[list[Command], list[str]]:
