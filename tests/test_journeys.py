@@ -93,6 +93,13 @@ def user(installed, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+    """JAX's persistent compilation cache for the documented commands (not the labs, which time compiles): the
+    processes of a launch or a Slurm job, and the job after the launch, compile the same programs."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("journeys-compilation-cache"))}
+
+
+@pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
     """Start a one-node Slurm cluster on first use (scripts/slurm/local-cluster.sh), stop it after the module."""
     started = {}
@@ -160,8 +167,9 @@ def _sbatch(command, cwd, env, slurm_cluster):
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[f"{c.where} {c.text}"[:150] for c in COMMANDS])
-def test_documented_command(command, user, slurm_cluster):
+def test_documented_command(command, user, slurm_cluster, compilation_cache):
     cwd, env = user
+    env = {**env, **compilation_cache}
     if command.program == "sbatch":
         return _sbatch(command, cwd, env, slurm_cluster)
     try:
