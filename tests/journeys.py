@@ -5,7 +5,7 @@ documents, so a command added to them is covered by construction: its subcommand
 arguments that make it small), or the journeys fail. Lines that are not whole commands (`...`, a `<placeholder>`,
 `[--option]`, a shell loop's `$s`) are elided, not run. `jaxpar lab NAME ...` lines are run once per lab, as
 `jaxpar lab NAME --quick` (the lab names they use must be ones `jaxpar lab --help` lists). One journey per program,
-subcommand and preset (shape): the first such command in document order, the README first.
+subcommand and GPU target (shape): the first such command in document order, the README first.
 """
 import re
 import shlex
@@ -204,17 +204,20 @@ def smoke(argv: list[str], machine: Machine = Machine()) -> list[str]:
 
 
 def shape(command: Command) -> tuple:
-    """What makes two commands one journey: program, subcommands, preset, GPU target (not other options, not --set).
+    """What makes two commands one journey: program, subcommands, GPU target, what it writes for a later command
+    (`--out`); not the preset, other options or --set.
 
     A journey checks that a documented entry point runs from an installed wheel in another folder with the files it
-    names; the strategies a `--set` picks and each option's effect are the unit tests' work, and every journey costs
-    a process start and, mostly, a compile.
+    names; the strategies a `--set` picks, each option's effect and each preset's contents are the unit tests' work
+    (tests/test_config.py loads every preset from another folder), and every journey costs a process start and,
+    mostly, a compile.
     """
     argv = command.argv
     positional = tuple(w for w in argv[:2] if not w.startswith("-"))
     inner = split_at_dashes(argv)[1] if argv[:1] == ["launch"] else []
     deviceless = option(argv, "--target")               # a deviceless GPU compile (where the CUDA plugin is)
-    return command.program, positional, option(argv, "--config"), deviceless, tuple(inner[:2])
+    made = option(argv, "--out")                        # a file or folder a later command (sbatch, collect) reads
+    return command.program, positional, deviceless, tuple(inner[:2]), made
 
 
 def journeys(documents=DOCUMENTS) -> tuple[list[Command], list[str]]:
