@@ -1,11 +1,12 @@
-"""The commands the README and the lab sheets print, read from their fenced code blocks, and each one's smoke size.
+"""The commands the README, the docs pages (docs/*.md) and the lab sheets print, read from their fenced code
+blocks, and each one's smoke size.
 
 A journey is one documented command run as a user runs it (tests/test_journeys.py). The commands come from the
 documents, so a command added to them is covered by construction: its subcommand must have an entry in SMOKE (the
 arguments that make it small), or the journeys fail. Lines that are not whole commands (`...`, a `<placeholder>`,
 `[--option]`, a shell loop's `$s`) are elided, not run. `jaxpar lab NAME ...` lines are run once per lab, as
 `jaxpar lab NAME --quick` (the lab names they use must be ones `jaxpar lab --help` lists). One journey per program,
-subcommand and GPU target (shape): the first such command in document order, the README first.
+subcommand and GPU target (shape): the first such command in document order: the README, then docs/, then the labs.
 """
 import re
 import shlex
@@ -13,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "experiments").glob("*/README.md")))
+DOCUMENTS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+             *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "experiments").glob("*/README.md")))
 SEPARATORS = {"&&", "||", ";", "|", "&"}
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
