@@ -58,6 +58,12 @@ def test_the_readme_module_table_gives_the_same_commands():
         assert any(int(row[0][2:]) == module and f"`jaxpar lab {name}`" in row[2] for row in rows), (name, module)
 
 
+def test_the_readme_is_a_front_page():
+    """At most 12 KB (issue 30): what jaxpar is, the two commands, the learning path, links; the rest is in docs/."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_bytes()
+    assert len(readme) <= 12 * 1024, f"README.md is {len(readme)} bytes: move a section to docs/ (mkdocs.yml)"
+
+
 def test_lab_aliases_are_the_module_commands():
     from jaxpar.cli import build_parser
     argv = ["lab", "dryrun", "--devices", "8"]
