@@ -7,6 +7,7 @@ whose module imports nothing heavy keeps `add_arguments` in its own module (ops,
 from __future__ import annotations
 
 import argparse
+import sys
 
 from jaxpar.checks import add_config_arguments
 
@@ -17,6 +18,30 @@ MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dens
 ZERO_PARTS = ("equivalence", "memory", "communication", "remat", "precision")
 TENSOR_PARTS = ("equivalence", "communication", "memory", "layouts")
 PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "dualpipev", "pipedream", "moe")
+# --quick runs on the tiny test model (configs/test.py) wherever a lab takes a config
+TEST_CONFIG = "configs/test.py"
+
+
+def add_quick(p: argparse.ArgumentParser, **values) -> None:
+    """`--quick`: every part, every plot and the sheet at the smallest sizes, for a smoke run (CI's journeys).
+
+    `values` ({dest: value}) become the parser's defaults when the command line holds --quick, so an option
+    given explicitly still wins; `overrides` (the --set list) go first, before the user's own --set.
+    """
+    flags = {a.dest: a.option_strings[0] for a in p._actions if a.option_strings}
+    shown = [f"{flags[dest]} {v}" for dest, value in values.items()
+             for v in (value if isinstance(value, list | tuple) else [value])]
+    p.add_argument("--quick", action="store_true",
+                   help=f"a quick run of every part at the smallest sizes: {' '.join(shown)} (flags given win)")
+    parse = p.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        words = sys.argv[1:] if args is None else list(args)
+        if "--quick" in (words[:words.index("--")] if "--" in words else words):
+            p.set_defaults(**{dest: list(v) if dest == "overrides" else v for dest, v in values.items()})
+        return parse(args, namespace)
+
+    p.parse_known_args = parse_known_args   # the one parser this lab's arguments were added to
 
 
 def zero(p: argparse.ArgumentParser) -> None:
@@ -33,6 +58,8 @@ def zero(p: argparse.ArgumentParser) -> None:
                    help="comma-separated compute dtypes (default: float32,bfloat16,float8)")
     p.add_argument("--parts", metavar="LIST", default=",".join(ZERO_PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(ZERO_PARTS)})")
+    add_quick(p, config=TEST_CONFIG, cpu_devices=8, steps=2, precision_steps=2, remat_repeats=1,
+              precisions="float32,bfloat16")
 
 
 def tensor(p: argparse.ArgumentParser) -> None:
@@ -45,6 +72,7 @@ def tensor(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor", type=int, default=4, help="mesh.tensor (default 4); mesh.data takes the other devices")
     p.add_argument("--parts", metavar="LIST", default=",".join(TENSOR_PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(TENSOR_PARTS)})")
+    add_quick(p, config=TEST_CONFIG, overrides=["model.kv_heads=4"], cpu_devices=8, steps=2)
 
 
 def pipeline(p: argparse.ArgumentParser) -> None:
@@ -58,6 +86,7 @@ def pipeline(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipedream-steps", type=int, default=60, help="training steps of part h (default 60)")
     p.add_argument("--parts", metavar="LIST", default=",".join(PIPELINE_PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(PIPELINE_PARTS)})")
+    add_quick(p, cpu_devices=8, steps=1, warmup=1, pipedream_steps=3)
 
 
 def moe(p: argparse.ArgumentParser) -> None:
@@ -76,6 +105,7 @@ def moe(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated parts to run (default: all of {','.join(MOE_PARTS)})")
     p.add_argument("--bias-rate", type=float, default=0.01,
                    help="aux-free bias step per training step in the balance part (default 0.01)")
+    add_quick(p, cpu_devices=8, steps=2, balance_steps=3, capacity_steps=2, compare_steps=3)
 
 
 def kernels(p: argparse.ArgumentParser) -> None:
@@ -87,6 +117,7 @@ def kernels(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", default="2,4,8,16", help="layer counts of the compile-time part")
     p.add_argument("--gpu-results", metavar="DIR",
                    help="--out directory of benchmarks/attention.py and mfu.py on a GPU")
+    add_quick(p, cpu_devices=8, steps=2, seq_lens="16,32,64", depths="1,2")
 
 
 OVERLAP_PARTS = ("gpu", "cpu")
@@ -105,3 +136,4 @@ def overlap(p: argparse.ArgumentParser) -> None:
                                                         "(default 5)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="CPU part: override a field of the default model, e.g. --set model.layers=2")
+    add_quick(p, cpu_devices=8, steps=2, layouts="fsdp (XLA)")
