@@ -134,7 +134,8 @@ def add_bench_collectives_arguments(p: argparse.ArgumentParser) -> None:
 LAB_ALIASES = (
     ("dryrun", "module 0: read a dry run: per-device memory, collectives, FLOPs of a step (= jaxpar dryrun)",
      "Lab 00 (experiments/00_dryrun): the same as `jaxpar dryrun`, e.g. --config configs/test.py --devices 8.",
-     alias_of(add_dryrun_arguments, {"config": "configs/test.py", "devices": 8}, subcommand="dryrun")),
+     alias_of(add_dryrun_arguments, {"config": "configs/test.py", "overrides": ["model.vocab_size=512"], "devices": 8},
+              subcommand="dryrun")),
     ("collectives", "module 1: collectives' bandwidth and latency vs theory (= jaxpar bench collectives)",
      "Lab 01 (experiments/01_collectives): the same as `jaxpar bench collectives`, e.g. --cpu-devices 8.",
      alias_of(add_bench_collectives_arguments, {"cpu_devices": 8, "max_bytes": "16K", "budget": 0.01},
