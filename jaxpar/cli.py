@@ -133,7 +133,8 @@ def add_bench_collectives_arguments(p: argparse.ArgumentParser) -> None:
 # Modules 0 and 1 are commands of their own; `jaxpar lab` lists them too, so that it names all eight modules.
 LAB_ALIASES = (
     ("dryrun", "module 0: read a dry run: per-device memory, collectives, FLOPs of a step (= jaxpar dryrun)",
-     "Lab 00 (experiments/00_dryrun): the same as `jaxpar dryrun`, e.g. --config configs/test.py --devices 8.",
+     "Lab 00 (experiments/00_dryrun): the same as `jaxpar dryrun`, e.g. --config configs/test.py --set "
+     "model.vocab_size=512 --devices 8 (= --quick).",
      alias_of(add_dryrun_arguments, {"config": "configs/test.py", "overrides": ["model.vocab_size=512"], "devices": 8},
               subcommand="dryrun")),
     ("collectives", "module 1: collectives' bandwidth and latency vs theory (= jaxpar bench collectives)",
