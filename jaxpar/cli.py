@@ -111,10 +111,13 @@ def defined_in(module: str, function: str = "add_arguments"):
     return lambda p: getattr(importlib.import_module(module), function)(p)
 
 
-def alias_of(add, **defaults):
-    """Arguments of another command, parsed as that command (`jaxpar lab dryrun` is `jaxpar dryrun`)."""
+def alias_of(add, quick: dict, **defaults):
+    """Arguments of another command, parsed as that command (`jaxpar lab dryrun` is `jaxpar dryrun`), plus
+    the labs' `--quick` with the values `quick`."""
     def add_as(p):
+        from jaxpar.labs.arguments import add_quick
         add(p)
+        add_quick(p, **quick)
         p.set_defaults(**defaults)
     return add_as
 
@@ -158,11 +161,14 @@ def add_bench_collectives_arguments(p: argparse.ArgumentParser) -> None:
 # Modules 0 and 1 are commands of their own; `jaxpar lab` lists them too, so that it names all eight modules.
 LAB_ALIASES = (
     ("dryrun", "module 0: read a dry run: per-device memory, collectives, FLOPs of a step (= jaxpar dryrun)",
-     "Lab 00 (experiments/00_dryrun): the same as `jaxpar dryrun`, e.g. --config configs/test.py --devices 8.",
-     alias_of(add_dryrun_arguments, subcommand="dryrun")),
+     "Lab 00 (experiments/00_dryrun): the same as `jaxpar dryrun`, e.g. --config configs/test.py --set "
+     "model.vocab_size=512 --devices 8 (= --quick).",
+     alias_of(add_dryrun_arguments, {"config": "configs/test.py", "overrides": ["model.vocab_size=512"], "devices": 8},
+              subcommand="dryrun")),
     ("collectives", "module 1: collectives' bandwidth and latency vs theory (= jaxpar bench collectives)",
      "Lab 01 (experiments/01_collectives): the same as `jaxpar bench collectives`, e.g. --cpu-devices 8.",
-     alias_of(add_bench_collectives_arguments, subcommand="bench", bench="collectives")),
+     alias_of(add_bench_collectives_arguments, {"cpu_devices": 8, "max_bytes": "16K", "budget": 0.01},
+              subcommand="bench", bench="collectives")),
 )
 
 

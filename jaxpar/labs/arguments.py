@@ -58,6 +58,8 @@ def zero(p: argparse.ArgumentParser) -> None:
                    help="comma-separated compute dtypes (default: float32,bfloat16,float8)")
     p.add_argument("--parts", metavar="LIST", default=",".join(ZERO_PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(ZERO_PARTS)})")
+    add_quick(p, config=TEST_CONFIG, cpu_devices=8, steps=2, precision_steps=2, remat_repeats=1,
+              precisions="float32,bfloat16")
 
 
 def tensor(p: argparse.ArgumentParser) -> None:
@@ -70,6 +72,7 @@ def tensor(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor", type=int, default=4, help="mesh.tensor (default 4); mesh.data takes the other devices")
     p.add_argument("--parts", metavar="LIST", default=",".join(TENSOR_PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(TENSOR_PARTS)})")
+    add_quick(p, config=TEST_CONFIG, overrides=["model.kv_heads=4"], cpu_devices=8, steps=2)
 
 
 def pipeline(p: argparse.ArgumentParser) -> None:
@@ -83,6 +86,7 @@ def pipeline(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipedream-steps", type=int, default=60, help="training steps of part h (default 60)")
     p.add_argument("--parts", metavar="LIST", default=",".join(PIPELINE_PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(PIPELINE_PARTS)})")
+    add_quick(p, cpu_devices=8, steps=1, warmup=1, pipedream_steps=3)
 
 
 def moe(p: argparse.ArgumentParser) -> None:
@@ -101,6 +105,7 @@ def moe(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated parts to run (default: all of {','.join(MOE_PARTS)})")
     p.add_argument("--bias-rate", type=float, default=0.01,
                    help="aux-free bias step per training step in the balance part (default 0.01)")
+    add_quick(p, cpu_devices=8, steps=2, balance_steps=3, capacity_steps=2, compare_steps=3)
 
 
 def kernels(p: argparse.ArgumentParser) -> None:
@@ -112,6 +117,7 @@ def kernels(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", default="2,4,8,16", help="layer counts of the compile-time part")
     p.add_argument("--gpu-results", metavar="DIR",
                    help="--out directory of benchmarks/attention.py and mfu.py on a GPU")
+    add_quick(p, cpu_devices=8, steps=2, seq_lens="16,32,64", depths="1,2")
 
 
 OVERLAP_PARTS = ("gpu", "cpu")
@@ -130,3 +136,4 @@ def overlap(p: argparse.ArgumentParser) -> None:
                                                         "(default 5)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="CPU part: override a field of the default model, e.g. --set model.layers=2")
+    add_quick(p, cpu_devices=8, steps=2, layouts="fsdp (XLA)")

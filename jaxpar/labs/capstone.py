@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from jaxpar.config import ConfigError
+from jaxpar.labs.arguments import add_quick
 from jaxpar.labs.capstone_plots import plots
 from jaxpar.labs.capstone_report import ASSUMED_PRICE, GB, WITHIN, markdown, recorded_compiles  # noqa: F401
 
@@ -58,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", metavar="LIST", default=PARTS,
                    help="the parts to run and report, e.g. d for the CPU reality check alone (default abcdef; the "
                         "plan is always computed: it checks the inputs and c, e and f use it)")
+    add_quick(p, verify=0, rounds=3)
 
 
 def run_from_args(args) -> int:

@@ -325,8 +325,11 @@ PLOTS = {"memory.png": ("memory", plot_memory), "compile.png": ("compilation", p
 
 # ============================================================================ the whole lab
 
+QUICK_LAYOUTS = ("zero3, data=8", "1f1b, pipe=4")   # --quick: the kernels in a ZeRO and a pipeline strategy
+
+
 def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4, 8, 16),
-            gpu_results: str | None = None, log=print) -> dict:
+            gpu_results: str | None = None, quick: bool = False, log=print) -> dict:
     if steps < 1:
         raise ConfigError("--steps", f"is {steps}; must be at least 1")
     if len(seq_lens) < 3 or any(s < 16 for s in seq_lens) or sorted(set(seq_lens)) != list(seq_lens):
@@ -345,7 +348,8 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
     plan = (("agreement: kernels", lambda: kernel_agreement()),
             ("agreement: model", lambda: model_agreement([*tiny, *SMALL_BLOCKS], 512, steps, log)),
             ("agreement: strategies", lambda: strategy_agreement([*tiny, *SMALL_BLOCKS, "model.layers=4"], 512, steps,
-                                                                 LOSS_TOLERANCE, log)),
+                                                                 LOSS_TOLERANCE, log,
+                                                                 QUICK_LAYOUTS if quick else None)),
             ("memory", lambda: memory([*tiny, "train.batch_size=2"], 512, list(seq_lens), log)),
             ("loss memory", lambda: loss_memory([*tiny, "data.seq_len=128", "model.max_seq_len=128",
                                                  "train.batch_size=8"], 16384, log)),
@@ -386,7 +390,7 @@ def _ints(text: str, field: str) -> list[int]:
 
 def run_from_args(args) -> int:
     run_lab(args.out, steps=args.steps, seq_lens=_ints(args.seq_lens, "--seq-lens"),
-            depths=_ints(args.depths, "--depths"), gpu_results=args.gpu_results)
+            depths=_ints(args.depths, "--depths"), gpu_results=args.gpu_results, quick=args.quick)
     return 0
 
 

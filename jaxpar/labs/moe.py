@@ -304,8 +304,9 @@ def moe_vs_dense(lab: Lab, steps: int) -> dict:
 
 def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_steps: int = 150,
             capacity_steps: int = 30, compare_steps: int = 150, bias_rate: float = 0.01, parts=PARTS,
-            log=print) -> dict:
-    """Run `parts` (default: a-f) on every local device; write the run directory; return every number."""
+            quick: bool = False, log=print) -> dict:
+    """Run `parts` (default: a-f) on every local device; write the run directory; return every number.
+    `quick`: part f on two of its layouts."""
     start = time.perf_counter()
     unknown = [p for p in parts if p not in PARTS]
     if unknown or not parts:
@@ -347,7 +348,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
     work = {"equivalence": lambda: equivalence(lab, steps), "communication": lambda: communication(lab),
             "balance": lambda: balance(lab, balance_steps, bias_rate),
             "capacity": lambda: capacity(lab, capacity_steps), "moe_vs_dense": lambda: moe_vs_dense(lab, compare_steps),
-            "layouts": lambda: moe_layouts(out / "layouts", steps, n, log)}
+            "layouts": lambda: moe_layouts(out / "layouts", steps, n, log, quick)}
     parts_run = [name for name in PARTS if name in parts]
     for name in parts_run:
         t0 = time.perf_counter()
@@ -373,7 +374,7 @@ def run_from_args(args) -> int:
     apply_overrides(config, [*LAB_SETTINGS, *args.overrides])
     run_lab(config, args.out, steps=args.steps, balance_steps=args.balance_steps,
             capacity_steps=args.capacity_steps, compare_steps=args.compare_steps, bias_rate=args.bias_rate,
-            parts=[p.strip() for p in args.parts.split(",") if p.strip()])
+            parts=[p.strip() for p in args.parts.split(",") if p.strip()], quick=args.quick)
     return 0
 
 

@@ -59,17 +59,18 @@ def _bytes_cell(by_axis: dict) -> str:
                      f"({ratio(b['compiled'], b['predicted'])})" for axis, b in by_axis.items()) or "-"
 
 
-def moe_layouts(out: Path, steps: int, devices: int, log) -> dict:
+def moe_layouts(out: Path, steps: int, devices: int, log, quick: bool = False) -> dict:
     """Every layout that fits on `devices` against its one-device oracle, with its bytes per axis (the model is
-    lab 03's MoE on jaxpar's base config, whatever lab 04's --config: the layouts need its 10 layers)."""
+    lab 03's MoE on jaxpar's base config, whatever lab 04's --config: the layouts need its 10 layers);
+    `quick`: two of them, manual EP inside 1F1B stages and manual TP x FSDP."""
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.labs.pipeline_build import Lab
 
     config = load_config(None)
     apply_overrides(config, MODEL)
     initial: dict = {}
-    lab, runs, rows = Lab(config, out, log), {}, []
-    for label, (overrides, need, micro) in LAYOUTS:
+    lab, runs, rows = Lab(config, out, log, quick), {}, []
+    for label, (overrides, need, micro) in lab.few(LAYOUTS, 5, 8):
         if need > devices:
             continue
         r = compare(lab, overrides, need, micro, True, steps, initial)

@@ -31,6 +31,7 @@ import numpy as np
 from jaxpar.checks import add_config_arguments
 from jaxpar.config import ConfigError
 from jaxpar.figures import figure, save, styled
+from jaxpar.labs.arguments import TEST_CONFIG, add_quick
 
 LAB_DEFAULTS = ["train.steps=40", "train.checkpoint_every=10", "train.eval_every=20", "train.log_every=1",
                 "train.sample_tokens=0"]
@@ -238,6 +239,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="output directory (default: runs/lab-operations-<time>)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random fault step (default: random)")
     p.add_argument("--cpu-devices", type=int, metavar="N", help=argparse.SUPPRESS)
+    add_quick(p, config=TEST_CONFIG, seed=3,
+              overrides=["train.steps=8", "train.checkpoint_every=2", "train.eval_every=4"])
 
 
 def run_from_args(args) -> int:

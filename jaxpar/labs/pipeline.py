@@ -106,7 +106,7 @@ EQUIVALENCE = [
 
 
 def equivalence(lab: Lab, steps: int) -> dict:
-    result = equivalence_of(lab, EQUIVALENCE, steps)
+    result = equivalence_of(lab, lab.few(EQUIVALENCE, 1, 8), steps)   # quick: 1F1B and a 3D layout
     md = "\n".join([f"## b. Equivalence with one device ({steps} steps, fp32, batches of {MICRO} rows per microbatch)",
                     "", result["table"]])
     return {"cases": result["cases"], "markdown": md}
@@ -296,7 +296,7 @@ def dualpipev(lab: Lab, steps: int) -> dict:
                          2 * p + 1, f"{float(s.bubble()):.4f}", f"{float(build('zb-h1', p, m).bubble()):.4f}",
                          ", ".join(map(str, sorted(set(unblocked.idle_ticks())))),
                          "yes" if sweep[-1]["exact"] else "NO"])
-    cases = equivalence_of(lab, DUALPIPEV_EQUIVALENCE, steps)
+    cases = equivalence_of(lab, lab.few(DUALPIPEV_EQUIVALENCE, 1), steps)
     md = "\n".join([
         "## g. DualPipeV: DeepSeek's V as a table (torchtitan: `ScheduleDualPipeV`)", "",
         "2p model stages on p stages in a V (stage s holds model stages s and 2p-1-s); every F, B (input gradient) "
@@ -343,7 +343,8 @@ def pipedream(lab: Lab, steps: int) -> dict:
 
 
 def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int = 5, warmup: int = 2,
-            parts: tuple[str, ...] = PARTS, pipedream_steps: int = 60, log=print) -> dict:
+            parts: tuple[str, ...] = PARTS, pipedream_steps: int = 60, quick: bool = False, log=print) -> dict:
+    """Parts `parts` into `out`; `quick`: the equivalence parts (b, c, g, i) on a few of their layouts."""
     start = time.perf_counter()
     if steps < 1 or warmup < 1 or pipedream_steps < 2:
         raise ConfigError("--steps" if steps < 1 else "--warmup" if warmup < 1 else "--pipedream-steps",
@@ -359,7 +360,7 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
     out = Path(out or f"runs/lab-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(to_json(config))
-    lab = Lab(config, out, log)
+    lab = Lab(config, out, log, quick)
     p, m = 4, 8
     c = config.model
     header = "\n".join([
@@ -397,7 +398,7 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
 def run_from_args(args) -> int:
     parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
     run_lab(args.overrides, args.out, steps=args.steps, warmup=args.warmup, parts=parts,
-            pipedream_steps=args.pipedream_steps)
+            pipedream_steps=args.pipedream_steps, quick=args.quick)
     return 0
 
 

@@ -26,10 +26,14 @@ TABLE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 # ============================================================================ building and running
 
 class Lab:
-    def __init__(self, config, out: Path, log=print):
-        self.base, self.out, self.log = config, out, log
+    def __init__(self, config, out: Path, log=print, quick: bool = False):
+        self.base, self.out, self.log, self.quick = config, out, log, quick
         self._built: dict = {}
         self._initial = None
+
+    def few(self, cases: list, *keep: int) -> list:
+        """`cases`, or with --quick only those at the indices `keep` (each part still runs, on fewer layouts)."""
+        return [cases[i] for i in keep] if self.quick else cases
 
     def config(self, overrides: list[str]):
         config = copy.deepcopy(self.base)

@@ -96,7 +96,7 @@ def _profile_ticks(strategy, step, state, batch, ticks: int) -> dict[int, list[d
 
 def timeline(lab: Lab, p: int, m: int, warmup: int) -> dict:
     out, rows = {}, []
-    for name, v in TIMELINE:
+    for name, v in lab.few(TIMELINE, 1):
         strategy, step = lab.compiled(_pipe(name, p, m, v), p, fast=False)
         schedule, program = strategy.schedule, strategy.program
         state = lab.initial(strategy)

@@ -278,8 +278,9 @@ def memory(lab: Lab) -> dict:
 
 
 def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: int = 4,
-            parts: tuple[str, ...] = PARTS, log=print) -> dict:
-    """Run parts a-c on every local device; write the run directory; return every number."""
+            parts: tuple[str, ...] = PARTS, quick: bool = False, log=print) -> dict:
+    """Run parts a-d on every local device; write the run directory; return every number. `quick`: part d on
+    two of its layouts (dense TP x FSDP, MoE with SP x expert)."""
     start = time.perf_counter()
     if steps < 1:
         raise ConfigError("--steps", f"is {steps}; must be at least 1")
@@ -316,7 +317,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
     sections = [header]
     log(header + "\n")
     plan = {"equivalence": lambda: equivalence(lab, steps), "communication": lambda: communication(lab),
-            "memory": lambda: memory(lab), "layouts": lambda: layouts(lab, steps)}
+            "memory": lambda: memory(lab), "layouts": lambda: layouts(lab, steps, quick)}
     for name, fn in ((name, plan[name]) for name in PARTS if name in parts):
         t0 = time.perf_counter()
         log(f"[{name}]")
@@ -341,7 +342,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
 LAYOUT_MOE = ["model.moe.experts=4", "model.moe.router=sigmoid", "model.moe.shared_experts=1"]
 
 
-def layouts(lab: Lab, steps: int) -> dict:
+def layouts(lab: Lab, steps: int, quick: bool = False) -> dict:
     from jaxpar.measure.hlo import collectives
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig
@@ -359,6 +360,7 @@ def layouts(lab: Lab, steps: int) -> dict:
              (f"MoE, SP x expert: expert=2 x fsdp={n // (2 * t)} x tensor={t}",
               ["mesh.expert=2", f"mesh.fsdp={n // (2 * t)}", f"mesh.tensor={t}", "parallel.expert=manual",
                "parallel.sequence=true"], LAYOUT_MOE + half)]
+    cases = [cases[0], cases[4]] if quick else cases
     batches, rows, out, oracles = lab.batches(steps), [], {}, {}
 
     def build(overrides, devices):
@@ -418,7 +420,7 @@ def run_from_args(args) -> int:
     config = load_config(args.config)
     apply_overrides(config, args.overrides)
     run_lab(config, args.out, steps=args.steps, tensor=args.tensor,
-            parts=tuple(x.strip() for x in args.parts.split(",") if x.strip()))
+            parts=tuple(x.strip() for x in args.parts.split(",") if x.strip()), quick=args.quick)
     return 0
 
 
