@@ -41,7 +41,8 @@ def add_quick(p: argparse.ArgumentParser, **values) -> None:
             p.set_defaults(**{dest: list(v) if dest == "overrides" else v for dest, v in values.items()})
         return parse(args, namespace)
 
-    p.parse_known_args = parse_known_args   # the one parser this lab's arguments were added to
+    # argparse has no hook for defaults that depend on another flag: this parser alone parses with them
+    p.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def zero(p: argparse.ArgumentParser) -> None:
