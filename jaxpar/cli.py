@@ -2,7 +2,9 @@
 
 Only the chosen subcommand's arguments are defined, from modules that do not import JAX,
 and every value that can be refused is refused before JAX or a lab is imported: `--help`
-and bad input answer in a fraction of a second.
+and bad input answer in a fraction of a second. This module is the entry point: it imports only the
+standard library and jaxpar.env at its top, so that a `train` listens for a preemption notice within
+milliseconds of the interpreter's start (jaxpar.config alone takes seconds on a loaded machine).
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import os
 import sys
 import traceback
 
-from jaxpar.config import ConfigError
 from jaxpar.env import EXIT_BAD_INPUT
 
 
@@ -246,7 +247,7 @@ def train_config(args):
     """The config a `train` command runs: --config/--set, or a resumed run's saved config (+ --set)."""
     from pathlib import Path
 
-    from jaxpar.config import apply_overrides
+    from jaxpar.config import ConfigError, apply_overrides
     if args.auto_resume:
         if not args.run_dir:
             raise ConfigError("--auto-resume", "needs --run-dir DIR (the run to start or continue)")
@@ -387,11 +388,15 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """`argv` None: this process is the command (`jaxpar`, `python -m jaxpar.cli`), so a preemption notice
+    before `train` has written anything ends the process at once with 75; a caller that passes `argv` gets
+    75 returned once the start-up reaches its next check."""
     from jaxpar.train.preemption import listen_from_start, stop_listening
-    if argv[:1] == ["train"]:       # from the first line, before parsing: a preemption notice is kept, not fatal
-        listen_from_start()
+    if (argv or sys.argv[1:])[:1] == ["train"]:   # the first thing, before any heavy import
+        listen_from_start(exit_at_once=argv is None)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        from jaxpar.config import ConfigError
         args = build_parser(argv).parse_args(argv)
     except BaseException:
         stop_listening()
