@@ -71,7 +71,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
-    p.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDRESS",
+    p.add_argument("--metrics-host", metavar="ADDRESS",
                    help="address the metrics server binds (default 127.0.0.1, this machine only; 0.0.0.0: every "
                         "interface, for a Prometheus on another host; the endpoint has no authentication)")
     p.add_argument("--metrics-linger", type=non_negative_seconds, default=0.0, metavar="SECONDS",
@@ -247,14 +247,14 @@ def train_config(args):
     """The config a `train` command runs: --config/--set, or a resumed run's saved config (+ --set)."""
     from pathlib import Path
 
+    from jaxpar.checks import metrics_address
     from jaxpar.config import ConfigError, apply_overrides
     if args.auto_resume:
         if not args.run_dir:
             raise ConfigError("--auto-resume", "needs --run-dir DIR (the run to start or continue)")
         checkpoints = Path(args.run_dir) / "checkpoints"
         args.resume = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
-    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
-        raise ConfigError("--metrics-port", f"must be in 1..65535, got {args.metrics_port}")
+    args.metrics_host = metrics_address(args.metrics_port, args.metrics_host)
     if args.resume:
         from jaxpar.train.rundir import resume_config  # imports JAX: only a resumed run needs it here
         if not args.run_dir:
@@ -301,6 +301,8 @@ def check(args) -> None:
     elif args.subcommand == "bench":
         from jaxpar.bench.options import parse_sweep
         parse_sweep(args.ops, args.min_bytes, args.max_bytes, args.budget)
+    elif args.subcommand == "lab" and args.lab == "overlap":   # its CPU part's --set and devices: before JAX
+        importlib.import_module("jaxpar.labs.overlap").check_arguments(args)
 
 
 def check_started(args) -> None:
