@@ -32,6 +32,9 @@ from typing import Any
 from jaxpar.env import EXIT_PREEMPTED
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# After a preemption save process 0 waits this long before it exits: it hosts JAX's distributed service, and a
+# peer still on its way out when the service goes is aborted (exit 134, not 75: Slurm would not requeue the job).
+PEERS_LEAVE_FIRST_S = 1.0
 
 _early: dict[str, Any] = {"requested": False, "previous": {}, "exit_at_once": False}   # listen_from_start
 
