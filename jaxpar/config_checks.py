@@ -11,8 +11,8 @@ import math
 MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float8")
 REMAT_POLICIES = ("none", "full", "dots", "names")
-# What train.remat="names" can keep: the checkpoint_name tags of model/transformer.py and parallel/circular.py.
-REMAT_NAMES = ("attn_out", "mlp_out", "circular_weights")
+# What train.remat="names" can keep: the activations model/transformer.py tags with checkpoint_name.
+REMAT_NAMES = ("attn_out", "mlp_out")
 FAULT_SIGNALS = ("SIGKILL", "SIGTERM", "SIGUSR1")
 MOE_ROUTERS = ("softmax", "noisy", "sigmoid")
 MOE_DISPATCH = ("dropless", "capacity")
