@@ -394,9 +394,9 @@ def main(argv=None) -> int:
     before `train` has written anything ends the process at once with 75; a caller that passes `argv` gets
     75 returned once the start-up reaches its next check."""
     from jaxpar.train.preemption import listen_from_start, stop_listening
-    if (argv or sys.argv[1:])[:1] == ["train"]:   # the first thing, before any heavy import
-        listen_from_start(exit_at_once=argv is None)
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv, exit_at_once = (sys.argv[1:], True) if argv is None else (list(argv), False)
+    if argv[:1] == ["train"]:   # the first thing, before any heavy import
+        listen_from_start(exit_at_once)
     try:
         from jaxpar.config import ConfigError
         args = build_parser(argv).parse_args(argv)
