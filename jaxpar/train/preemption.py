@@ -9,7 +9,7 @@ The notice can come at any moment, also while the job starts (importing, joining
 processes, loading data, restoring, compiling): `jaxpar train` listens from its first line
 (`listen_from_start`, before any heavy import). Until `train` is about to write the run
 directory nothing exists to save or tidy, so a notice then ends the process at once with
-EXIT_PREEMPTED (`_exit_now`; in a multi-process job only until JAX's notifier holds SIGTERM).
+EXIT_PREEMPTED (`_exit_now`; in a multi-process job only until the process joins the job).
 After that, `train` looks again before its first step; a notice there also saves nothing,
 as nothing new exists to save.
 
@@ -56,7 +56,7 @@ def listen_from_start(exit_at_once: bool = True) -> None:
     `Preemption`, which takes the notice and the handlers over."""
     def early(signum, frame):
         _early["requested"] = True
-        if exit_at_once:
+        if exit_at_once and not _joined():   # once joined, the processes of a job stop together (JAX's service)
             _exit_now()
 
     _early["exit_at_once"] = exit_at_once
@@ -66,6 +66,12 @@ def listen_from_start(exit_at_once: bool = True) -> None:
             _early["previous"].setdefault(sig, signal.signal(sig, early))
         except ValueError:   # not the main thread
             pass
+
+
+def _joined() -> bool:
+    """This process joined a multi-process job (jax.distributed is initialized)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and hasattr(jax, "distributed") and jax.distributed.is_initialized()
 
 
 def _exit_now() -> None:
