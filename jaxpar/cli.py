@@ -2,9 +2,8 @@
 
 Only the chosen subcommand's arguments are defined, from modules that do not import JAX,
 and every value that can be refused is refused before JAX or a lab is imported: `--help`
-and bad input answer in a fraction of a second. This module is the entry point: it imports only the
-standard library and jaxpar.env at its top, so that a `train` listens for a preemption notice within
-milliseconds of the interpreter's start (jaxpar.config alone takes seconds on a loaded machine).
+and bad input answer in a fraction of a second. The entry point: only the standard library and jaxpar.env at
+the top, so a `train` listens for preemption notices within milliseconds of start (jaxpar.config takes seconds).
 """
 from __future__ import annotations
 
@@ -247,14 +246,12 @@ def train_config(args):
     """The config a `train` command runs: --config/--set, or a resumed run's saved config (+ --set)."""
     from pathlib import Path
 
-    from jaxpar.checks import metrics_address
     from jaxpar.config import ConfigError, apply_overrides
     if args.auto_resume:
         if not args.run_dir:
             raise ConfigError("--auto-resume", "needs --run-dir DIR (the run to start or continue)")
         checkpoints = Path(args.run_dir) / "checkpoints"
         args.resume = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
-    args.metrics_host = metrics_address(args.metrics_port, args.metrics_host)
     if args.resume:
         from jaxpar.train.rundir import resume_config  # imports JAX: only a resumed run needs it here
         if not args.run_dir:
@@ -291,6 +288,7 @@ def check(args) -> None:
         else:
             checks.writable_dir(args.out, "--out")
     if args.subcommand == "train":
+        args.metrics_host = checks.metrics_address(args.metrics_port, args.metrics_host)
         args.config_loaded = train_config(args)
         validate_fields(args.config_loaded)
         if args.config_loaded.train.tensorboard:
@@ -308,10 +306,8 @@ def check(args) -> None:
 def check_started(args) -> None:
     """What needs the started job: the metrics port of this process (PORT + process index) is free."""
     if args.subcommand == "train" and args.metrics_port is not None:
-        import jax
-
         from jaxpar.checks import port_free
-        port_free(args.metrics_port + jax.process_index(), "--metrics-port", args.metrics_host)
+        port_free(args.metrics_port + sys.modules["jax"].process_index(), "--metrics-port", args.metrics_host)
 
 
 def cmd_train(args) -> int:
@@ -390,9 +386,7 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 
 
 def main(argv=None) -> int:
-    """`argv` None: this process is the command (`jaxpar`, `python -m jaxpar.cli`), so a preemption notice
-    before `train` has written anything ends the process at once with 75; a caller that passes `argv` gets
-    75 returned once the start-up reaches its next check."""
+    """`argv` None: this process is the command, which an early preemption notice ends at once (listen_from_start)."""
     from jaxpar.train.preemption import listen_from_start, stop_listening
     argv, exit_at_once = (sys.argv[1:], True) if argv is None else (list(argv), False)
     if argv[:1] == ["train"]:   # the first thing, before any heavy import
