@@ -41,14 +41,42 @@ def writable_file(path, field: str) -> None:
     writable_dir(Path(path).absolute().parent, field)
 
 
-def port_free(port: int, field: str, host: str = "0.0.0.0") -> None:
-    """Nothing listens on `port` (bound the way an HTTP server binds it, so the answer is the server's)."""
-    with socket.socket() as probe:
+def _bind(host: str, port: int) -> None:
+    """Bind `host`:`port` the way an HTTP server binds it (so the answer is the server's), then let go."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]   # IPv4 or IPv6, as the server picks
+    with socket.socket(family) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            raise ConfigError(field, f"cannot listen on port {port} ({err.strerror}); choose another port") from None
+        probe.bind((host, port))
+
+
+def bindable_address(host: str, field: str) -> None:
+    """`host` is an address of this machine that a server can listen on."""
+    try:
+        _bind(host, 0)
+    except OSError as err:   # also socket.gaierror: not an address at all
+        raise ConfigError(field, f"cannot listen on '{host}' ({err.strerror or err}); give an address of this "
+                          "machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+
+
+def metrics_address(port: int | None, host: str | None) -> str:
+    """`train --metrics-port/--metrics-host`: a port in range, an address of this machine (only beside a port);
+    returns the address to bind (loopback by default: the endpoint has no authentication)."""
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError("--metrics-port", f"must be in 1..65535, got {port}")
+    if host is None:
+        return "127.0.0.1"
+    if port is None:
+        raise ConfigError("--metrics-host", "is the metrics server's address: give --metrics-port PORT too")
+    bindable_address(host, "--metrics-host")
+    return host
+
+
+def port_free(port: int, field: str, host: str = "0.0.0.0") -> None:
+    """Nothing listens on `port` of `host` (an address `bindable_address` accepted)."""
+    try:
+        _bind(host, port)
+    except OSError as err:
+        raise ConfigError(field, f"cannot listen on port {port} ({err.strerror}); choose another port") from None
 
 
 def non_negative_seconds(text: str) -> float:

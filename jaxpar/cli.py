@@ -2,7 +2,8 @@
 
 Only the chosen subcommand's arguments are defined, from modules that do not import JAX,
 and every value that can be refused is refused before JAX or a lab is imported: `--help`
-and bad input answer in a fraction of a second.
+and bad input answer in a fraction of a second. The entry point: only the standard library and jaxpar.env at
+the top, so a `train` listens for preemption notices within milliseconds of start (jaxpar.config takes seconds).
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import os
 import sys
 import traceback
 
-from jaxpar.config import ConfigError
 from jaxpar.env import EXIT_BAD_INPUT
 
 
@@ -70,7 +70,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", metavar="START:END", help="trace steps START..END with jax.profiler into the run dir")
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on PORT + process index (e.g. 9400)")
-    p.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDRESS",
+    p.add_argument("--metrics-host", metavar="ADDRESS",
                    help="address the metrics server binds (default 127.0.0.1, this machine only; 0.0.0.0: every "
                         "interface, for a Prometheus on another host; the endpoint has no authentication)")
     p.add_argument("--metrics-linger", type=non_negative_seconds, default=0.0, metavar="SECONDS",
@@ -252,14 +252,12 @@ def train_config(args):
     """The config a `train` command runs: --config/--set, or a resumed run's saved config (+ --set)."""
     from pathlib import Path
 
-    from jaxpar.config import apply_overrides
+    from jaxpar.config import ConfigError, apply_overrides
     if args.auto_resume:
         if not args.run_dir:
             raise ConfigError("--auto-resume", "needs --run-dir DIR (the run to start or continue)")
         checkpoints = Path(args.run_dir) / "checkpoints"
         args.resume = checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
-    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
-        raise ConfigError("--metrics-port", f"must be in 1..65535, got {args.metrics_port}")
     if args.resume:
         from jaxpar.train.rundir import resume_config  # imports JAX: only a resumed run needs it here
         if not args.run_dir:
@@ -296,6 +294,7 @@ def check(args) -> None:
         else:
             checks.writable_dir(args.out, "--out")
     if args.subcommand == "train":
+        args.metrics_host = checks.metrics_address(args.metrics_port, args.metrics_host)
         args.config_loaded = train_config(args)
         validate_fields(args.config_loaded)
         if args.config_loaded.train.tensorboard:
@@ -306,15 +305,15 @@ def check(args) -> None:
     elif args.subcommand == "bench":
         from jaxpar.bench.options import parse_sweep
         parse_sweep(args.ops, args.min_bytes, args.max_bytes, args.budget)
+    elif args.subcommand == "lab" and args.lab == "overlap":   # its CPU part's --set and devices: before JAX
+        importlib.import_module("jaxpar.labs.overlap").check_arguments(args)
 
 
 def check_started(args) -> None:
     """What needs the started job: the metrics port of this process (PORT + process index) is free."""
     if args.subcommand == "train" and args.metrics_port is not None:
-        import jax
-
         from jaxpar.checks import port_free
-        port_free(args.metrics_port + jax.process_index(), "--metrics-port", args.metrics_host)
+        port_free(args.metrics_port + sys.modules["jax"].process_index(), "--metrics-port", args.metrics_host)
 
 
 def cmd_train(args) -> int:
@@ -393,11 +392,13 @@ COMMANDS = {"train": cmd_train, "sample": cmd_sample, "launch": cmd_launch, "ben
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """`argv` None: this process is the command, which an early preemption notice ends at once (listen_from_start)."""
     from jaxpar.train.preemption import listen_from_start, stop_listening
-    if argv[:1] == ["train"]:       # from the first line, before parsing: a preemption notice is kept, not fatal
-        listen_from_start()
+    argv, exit_at_once = (sys.argv[1:], True) if argv is None else (list(argv), False)
+    if argv[:1] == ["train"]:   # the first thing, before any heavy import
+        listen_from_start(exit_at_once)
     try:
+        from jaxpar.config import ConfigError
         args = build_parser(argv).parse_args(argv)
     except BaseException:
         stop_listening()

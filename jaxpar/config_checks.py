@@ -11,6 +11,8 @@ import math
 MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float8")
 REMAT_POLICIES = ("none", "full", "dots", "names")
+# What train.remat="names" can keep: the activations model/transformer.py tags with checkpoint_name.
+REMAT_NAMES = ("attn_out", "mlp_out")
 FAULT_SIGNALS = ("SIGKILL", "SIGTERM", "SIGUSR1")
 MOE_ROUTERS = ("softmax", "noisy", "sigmoid")
 MOE_DISPATCH = ("dropless", "capacity")
@@ -160,6 +162,10 @@ def validate_fields(config) -> None:
         raise ConfigError("train.compute_dtype", f"is '{t.compute_dtype}'; valid: {', '.join(COMPUTE_DTYPES)}")
     if t.remat not in REMAT_POLICIES:
         raise ConfigError("train.remat", f"is '{t.remat}'; valid: {', '.join(REMAT_POLICIES)}")
+    names = [n.strip() for n in str(t.remat_names).split(",") if n.strip()]
+    if t.remat == "names" and (not names or set(names) - set(REMAT_NAMES)):
+        raise ConfigError("train.remat_names", f"is '{t.remat_names}'; give a comma-separated list of activations "
+                          f"to keep from: {', '.join(REMAT_NAMES)}")
     for field in ("steps", "batch_size", "microbatches", "log_every", "eval_every",
                   "eval_batches", "checkpoint_every", "keep_checkpoints"):
         if t[field] <= 0:

@@ -166,10 +166,11 @@ def launch(
 
     Returns 0 when every process exits 0; the first non-zero exit code otherwise
     (the other processes are then stopped; a child killed by signal S counts as
-    128 + S), after `max_restarts` restarts of all of them; 130 on Ctrl-C; on SIGTERM
-    or SIGUSR1 to the launcher, 75 when the children saved and stopped (preempted), else
-    143; 124 when `timeout` seconds pass first. Children that do not exit within `grace`
-    seconds of being stopped are killed. `out` (default: sys.stdout at call time) receives
+    128 + S; 75 when any process saved and stopped after a preemption notice), after
+    `max_restarts` restarts of all of them; 130 on Ctrl-C; on SIGTERM or SIGUSR1 to the
+    launcher, 75 when a child saved and stopped (preempted), else 143; 124 when `timeout`
+    seconds pass first. Children that do not exit within `grace` seconds of being stopped
+    are killed. `out` (default: sys.stdout at call time) receives
     the children's output, each line prefixed with `[p{i}] `.
     """
     _validate(nproc, cpu_devices, command, port, timeout, max_restarts)
@@ -249,9 +250,9 @@ def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, pr
 
         while True:
             codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            failed = [_exit_code(c) for c in codes if c not in (None, 0)]
             if failed:
-                status = _exit_code(failed[0])
+                status = _first_failure(procs, failed)
                 break
             if all(c == 0 for c in codes):
                 break
@@ -271,14 +272,24 @@ def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, pr
         for p in procs:
             _signal(p, signal.SIGTERM)
         _wait_all(procs, preempt_grace)
+        # A process that saved and exited 75 means the checkpoint is durable (it waited for the save); a peer
+        # still finishing may be aborted by JAX's distributed service once process 0, which hosts it, is gone.
         codes = [_exit_code(p.returncode) for p in procs if p.poll() is not None]
-        status = EXIT_PREEMPTED if codes and all(c in (0, EXIT_PREEMPTED) for c in codes) and \
-            EXIT_PREEMPTED in codes else EXIT_TERMINATED
+        status = EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_TERMINATED
     finally:
         _stop_all(procs, grace)
         for t in relays:
             t.join(timeout=grace)
     return status
+
+
+def _first_failure(procs: list[subprocess.Popen], failed: list[int]) -> int:
+    """The job's status once a process failed: 75 when any process saved after a preemption notice and exited 75
+    (its peers then die with it: JAX's distributed service aborts them), else the first failure's."""
+    if EXIT_PREEMPTED not in failed:   # a peer seen first may have died only because a preempted process left
+        time.sleep(_POLL_S)
+        failed += [_exit_code(c) for c in (p.poll() for p in procs) if c not in (None, 0)]
+    return EXIT_PREEMPTED if EXIT_PREEMPTED in failed else failed[0]
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

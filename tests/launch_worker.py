@@ -7,7 +7,8 @@ With `crash`, process 1 exits with code 3 right after joining,
 while process 0 goes on into the collective and would wait there for its peer
 (until gloo gives up after 30 s). With `sleep`, each process only prints its pid
 and sleeps, for the timeout and Ctrl-C tests. With `refuse`, every process exits 2 at once
-(bad input). With `listen`, process 0 prints the addresses its coordinator listens on.
+(bad input). With `listen`, process 0 prints the addresses its coordinator listens on. With `preempted`,
+SIGTERM makes process 0 exit 75 at once and process 1 abort 0.5 s later (a preempted job's slower peer).
 """
 from __future__ import annotations
 
@@ -23,6 +24,20 @@ def main(argv: list[str]) -> int:
     if "refuse" in argv:   # bad input: refused before any work
         print("error: --set: refused", flush=True)
         return 2
+    if "preempted" in argv:   # SIGTERM: process 0 "saves" and exits 75, its peer is aborted (as JAX's service does)
+        import signal
+
+        def on_notice(signum, frame):
+            if os.environ["JAXPAR_PROCESS_ID"] == "0":
+                print("saved; exiting 75", flush=True)
+                os._exit(75)
+            time.sleep(0.5)
+            os.abort()
+
+        signal.signal(signal.SIGTERM, on_notice)
+        print("ready", flush=True)
+        time.sleep(120)
+        return 0
     if "sleep" in argv:   # for the timeout and Ctrl-C tests: never touches JAX
         print(f"sleeping pid={os.getpid()}", flush=True)
         time.sleep(120)

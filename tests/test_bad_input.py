@@ -88,6 +88,14 @@ CASES = [
                                       "--existing-claim", "--claim-size", "5Gi"], "--existing-claim"),
     ("k8s-existing-claim-with-class", ["k8s", "--image", "reg/jaxpar:1", "--out", "{work}/job.yaml",
                                        "--existing-claim", "--storage-class", "fast"], "--existing-claim"),
+    ("metrics-host-without-port", train("--metrics-host", "0.0.0.0"), "--metrics-host"),
+    ("metrics-host-not-here", train("--metrics-port", "9400", "--metrics-host", "192.0.2.1"), "--metrics-host"),
+    ("remat-names-unknown", train_set("train.remat=names", "train.remat_names=attn_out,nosuch"),
+     "train.remat_names"),
+    ("lab-overlap-cpu-part-on-3-devices", ["lab", "overlap", "--parts", "cpu", "--cpu-devices", "3", "--out",
+                                           "{work}/lab"], "--cpu-devices"),
+    ("lab-overlap-unknown-set-field", ["lab", "overlap", "--set", "model.nosuch=1", "--out", "{work}/lab"],
+     "model.nosuch"),
     # Run outside the repository (the working directory is {work}): the lab still finds its default
     # config, so the error is about the bad field, not a missing configs/mixtral_tiny.py.
     ("lab-moe-default-config-anywhere", ["lab", "moe", "--set", "model.layrs=1"], "model.layrs"),

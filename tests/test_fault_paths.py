@@ -200,6 +200,48 @@ def test_a_preemption_notice_during_start_up_exits_75(tmp_path, capsys, monkeypa
     assert getattr(restored, "__name__", "") == "<lambda>"   # the handlers before the run are back
 
 
+def test_a_notice_in_the_first_second_exits_75_at_once(tmp_path):
+    """SIGTERM 0.3 s after `python -m jaxpar.cli train` starts (importing): exit 75 with one line within 2 s,
+    no run directory. (Before, the listener came after jaxpar.config's import: 143 under load, else 75 only
+    once JAX had started and the data was built, 3-7 s after the notice on a loaded 2-core machine.)"""
+    import time
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpar.cli", "train", *TINY, "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    noticed = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - noticed
+    assert proc.returncode == EXIT_PREEMPTED, err[-2000:]
+    assert err.strip().splitlines() == ["preempted during start-up (before the run directory was written); "
+                                        "nothing new to save, nothing saved; start the run again to continue it"]
+    assert took < 2, f"exit {took:.1f} s after the notice"
+    assert not run_dir.exists()
+
+
+def test_a_launch_whose_process_saved_and_exited_75_exits_75(worker_path, tmp_path):
+    """SIGUSR1 to `jaxpar launch`: process 0 saves and exits 75, its slower peer is aborted (JAX's distributed
+    service does that once process 0, its host, is gone). The launch exits 75, so the scheduler requeues;
+    before, the abort made it 143."""
+    import threading
+    import time
+    log = tmp_path / "launch.log"
+
+    def notice_when_ready():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and log.read_text().count("ready") < 2:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    with open(log, "w") as out:
+        threading.Thread(target=notice_when_ready, daemon=True).start()
+        code = launch(2, 1, ["preempted"], module="launch_worker", timeout=60, out=out)
+    text = log.read_text()
+    assert "[p0] saved; exiting 75" in text and "jaxpar launch: preemption signal" in text, text
+    assert code == EXIT_PREEMPTED, text
+
+
 # 4. The state check before a save (the run-level case is test_checkpoint_integrity's NaN test) ------------------
 
 def test_the_guard_refuses_to_save_an_exploded_or_non_finite_state():

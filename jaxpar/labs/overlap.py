@@ -338,8 +338,10 @@ def run_lab(out, parts, layouts, steps: int, overrides: list[str], log=print) ->
     return results
 
 
-def run_from_args(args) -> int:
-    from jaxpar.config import ConfigError
+def check_arguments(args) -> tuple[list[str], list[str]]:
+    """Refuse bad arguments before JAX starts (the CLI calls this first): the parts and layouts (returned), the
+    steps, and the CPU part's --set and device count, which used to fail only after the GPU part's compiles."""
+    from jaxpar.config import ConfigError, apply_overrides, load_config, validate_fields
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     bad = [p for p in parts if p not in OVERLAP_PARTS]
     if bad or not parts:
@@ -350,6 +352,26 @@ def run_from_args(args) -> int:
         raise ConfigError("--layouts", f"unknown {', '.join(unknown)}; valid: {', '.join(LAYOUTS)}")
     if args.steps < 1:
         raise ConfigError("--steps", f"is {args.steps}; must be at least 1")
+    if "cpu" in parts:
+        config = load_config(None)
+        apply_overrides(config, ["train.warmup_steps=1", *args.overrides])
+        validate_fields(config)
+        cpu_devices(args.cpu_devices)
+    return parts, layouts
+
+
+def cpu_devices(count: int | None) -> None:
+    from jaxpar.config import ConfigError
+    if count is not None and count < 8:
+        raise ConfigError("--cpu-devices", f"is {count}; the CPU part compares its layouts on 8 devices: run with "
+                          "--cpu-devices 8 (or leave out --parts cpu)")
+
+
+def run_from_args(args) -> int:
+    parts, layouts = check_arguments(args)
+    if "cpu" in parts:
+        import jax
+        cpu_devices(jax.device_count())
     run_lab(args.out, parts, layouts, args.steps, args.overrides)
     return 0
 

@@ -5,11 +5,13 @@ A batch system announces the end of an allocation with a signal (Slurm's
 period ends). The loop finishes its current step, writes a checkpoint, and exits with
 EXIT_PREEMPTED; the next start of the job resumes from that checkpoint.
 
-The notice can come at any moment, also while the job starts (joining the other
-processes, loading data, restoring, compiling): `jaxpar train` listens from its first
-line (`listen_from_start`), and `train` looks again before it touches the run
-directory and before its first step. A notice there ends the run with EXIT_PREEMPTED
-and saves nothing, as nothing new exists to save.
+The notice can come at any moment, also while the job starts (importing, joining the other
+processes, loading data, restoring, compiling): `jaxpar train` listens from its first line
+(`listen_from_start`, before any heavy import). Until `train` is about to write the run
+directory nothing exists to save or tidy, so a notice then ends the process at once with
+EXIT_PREEMPTED (`_exit_now`; in a multi-process job only until the process joins the job).
+After that, `train` looks again before its first step; a notice there also saves nothing,
+as nothing new exists to save.
 
 Every process must stop at the same point or the ones that go on wait forever in a
 collective. In a multi-process job JAX's own preemption service does this: it turns
@@ -24,13 +26,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from typing import Any
 
 from jaxpar.env import EXIT_PREEMPTED
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# After a preemption save process 0 waits this long before it exits: it hosts JAX's distributed service, and a
+# peer still on its way out when the service goes is aborted (exit 134, not 75: Slurm would not requeue the job).
+PEERS_LEAVE_FIRST_S = 1.0
 
-_early: dict[str, Any] = {"requested": False, "previous": {}}   # what listen_from_start has seen and replaced
+_early: dict[str, Any] = {"requested": False, "previous": {}, "exit_at_once": False}   # listen_from_start
 
 
 class Preempted(Exception):
@@ -39,11 +45,21 @@ class Preempted(Exception):
     exit_code = EXIT_PREEMPTED
 
 
-def listen_from_start() -> None:
-    """Record a preemption notice from now on (the first line of `jaxpar train`, before JAX starts);
-    `Preemption` takes the notice and the handlers over."""
+def during_start_up(stage: str) -> Preempted:
+    return Preempted(f"preempted during start-up ({stage}); nothing new to save, nothing saved; "
+                     "start the run again to continue it")
+
+
+def listen_from_start(exit_at_once: bool = True) -> None:
+    """From now on (the first line of `jaxpar train`, before any heavy import) a preemption notice ends the
+    process with EXIT_PREEMPTED and one line; `exit_at_once=False` (main called in-process) records it for
+    `Preemption`, which takes the notice and the handlers over."""
     def early(signum, frame):
         _early["requested"] = True
+        if exit_at_once and not _joined():   # once joined, the processes of a job stop together (JAX's service)
+            _exit_now()
+
+    _early["exit_at_once"] = exit_at_once
 
     for sig in SIGNALS:
         try:
@@ -52,11 +68,26 @@ def listen_from_start() -> None:
             pass
 
 
+def _joined() -> bool:
+    """This process joined a multi-process job (jax.distributed is initialized)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and hasattr(jax, "distributed") and jax.distributed.is_initialized()
+
+
+def _exit_now() -> None:
+    """End a process that has written nothing yet: one line, EXIT_PREEMPTED. Not an exception raised from the
+    handler: that surfaces wherever the main thread is, and a library may swallow or rewrap it (measured: an
+    ImportError from jaxlib's extension, an "Exception ignored" in a gc callback)."""
+    sys.stdout.flush()
+    print(during_start_up("before the run directory was written"), file=sys.stderr, flush=True)
+    os._exit(EXIT_PREEMPTED)
+
+
 def stop_listening() -> None:
     """Undo `listen_from_start` when no `Preemption` took over (the command ended before training)."""
     for sig, handler in _early["previous"].items():
         signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-    _early.update(requested=False, previous={})
+    _early.update(requested=False, previous={}, exit_at_once=False)
 
 
 class Preemption:
@@ -67,6 +98,8 @@ class Preemption:
         self.requested, _early["requested"] = _early["requested"], False
         self.multi_process = jax.process_count() > 1
         self.calls = 0
+        # until the run directory is written, a notice to a single process ends it at once (see listen_from_start)
+        self.exit_at_once = bool(_early.get("exit_at_once")) and not self.multi_process
         self._previous, _early["previous"] = dict(_early["previous"]), {}
         for sig in (signal.SIGUSR1,) if self.multi_process else SIGNALS:
             try:
@@ -80,6 +113,8 @@ class Preemption:
 
     def _on_signal(self, signum, frame) -> None:
         self.requested = True
+        if self.exit_at_once:
+            _exit_now()
         if self.multi_process and signum != signal.SIGTERM:
             os.kill(os.getpid(), signal.SIGTERM)   # JAX's preemption notifier listens for SIGTERM
 
@@ -93,9 +128,9 @@ class Preemption:
 
     def stop_if_requested(self, stage: str) -> None:
         """During start-up: raise `Preempted` (nothing saved: there is nothing new) once a notice came."""
+        self.exit_at_once = False   # the run directory is written next: from now on a notice is acted on here
         if self.reached():
-            raise Preempted(f"preempted during start-up ({stage}); nothing new to save, nothing saved; "
-                            "start the run again to continue it")
+            raise during_start_up(stage)
 
     def close(self) -> None:
         for sig, handler in self._previous.items():
