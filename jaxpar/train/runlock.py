@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import IO
 
 from jaxpar.config import ConfigError
 
@@ -27,8 +28,8 @@ class RunLock:
     """`acquire(run_dir)` takes the lock or raises `ConfigError` naming its holder; `release()` (also on exit of the
     `with` block) lets it go. Acquiring again while held is a no-op."""
 
-    def __init__(self):
-        self.file = None
+    def __init__(self) -> None:
+        self.file: IO[str] | None = None
         self.run_dir: Path | None = None
 
     def acquire(self, run_dir: Path) -> None:
