@@ -9,7 +9,6 @@ environment's `jaxpar`, from one temporary folder (never the checkout), in the o
 by `jaxpar lab --help` runs end to end as `jaxpar lab NAME --quick`.
 """
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -25,12 +24,7 @@ ROOT = docs.ROOT
 CLUSTER = ROOT / "scripts" / "slurm" / "local-cluster.sh"
 SLURM_MISSING = [b for b in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(b) is None]
 TIMEOUT_S = 900
-# Commands the issue names that the documents lack (each a smoke size already).
-EXTRA = [docs.Command("jaxpar", shlex.split(
-    "launch --nproc 2 --cpu-devices 4 -- train --config configs/mixtral_tiny.py --set mesh.data=2 --set mesh.expert=4 "
-    "--set parallel.expert=manual --set model.layers=2"), "issue 28: MoE over 2 processes")]
 COMMANDS, DOCUMENTED_LABS = docs.journeys()
-COMMANDS += EXTRA
 LABS = docs.lab_names(subprocess.run([sys.executable, "-m", "jaxpar.cli", "lab", "--help"], capture_output=True,
                                      text=True, check=True, timeout=120).stdout)
 pytestmark = pytest.mark.journeys
