@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -189,8 +190,9 @@ def read_quietly(read, *args, **kwargs):
     tracebacks after jaxpar's one-line report: "Exception ignored in" for their coroutines, "Event loop
     is closed" (through sys.excepthook or the unraisable hook) for TensorStore callbacks landing on
     Orbax's closed loop, even seconds later, and asyncio's "Task/Future exception was never
-    retrieved" at exit. Once a read failed (or a `Checkpoints` exists: a failed write leaves the same), those
-    are silenced for the rest of the process; anything else is reported as before."""
+    retrieved" and Python's "coroutine ... was never awaited" at exit. Once a read failed (or a `Checkpoints`
+    exists: a failed write leaves the same), those are silenced for the rest of the process; anything else is
+    reported as before."""
     try:
         return read(*args, **kwargs), None
     except Exception as err:  # noqa: BLE001 - TensorStore raises bare Exception on truncated files
@@ -227,6 +229,8 @@ def _silence_orbax_leftovers() -> None:
     sys.unraisablehook, sys.excepthook = quiet_unraisable, quiet_except
     logging.getLogger("asyncio").addFilter(
         lambda record: "exception was never retrieved" not in str(record.msg))
+    # an abandoned read's coroutine, freed at exit: "sys:1: RuntimeWarning: coroutine '...' was never awaited"
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def _committed_steps(directory: Path) -> list[int]:
