@@ -36,6 +36,8 @@ def test_recipe_words_parse_and_round_trip():
     for bad in ("data=8 sp", "pipe=4 1f1b v=4 m=8", "data=8 v=2", "zero1=8 dist-opt", "pipe=2 dualpipev v=4 m=4"):
         with pytest.raises(Exception, match="--strategy"):
             parse_strategy(bad)
+    with pytest.raises(Exception, match="--strategy: .*no strategy runs.*data=2 dist-opt"):   # ZeRO-1 in a pipeline
+        parse_strategy("zero1=2 pipe=4 m=8")
 
 
 def test_every_ranked_label_parses_back_to_its_candidate():

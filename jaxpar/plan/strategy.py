@@ -93,6 +93,17 @@ def _check(fields: dict) -> None:
                           f"not {fields['data_impl']}={fields['data']}")
 
 
+def _check_predicted(cand) -> None:
+    """A strategy of the registry must run (and so predict) the candidate: `zero1=8 pipe=4` has none."""
+    from jaxpar.parallel.registry import strategy_for
+    try:
+        strategy_for(cand.impls)
+    except ConfigError as err:
+        hint = (f"; for ZeRO-1 over data in this mesh write data={cand.data} dist-opt (the distributed optimizer)"
+                if cand.data_impl != "auto" else "")
+        raise ConfigError(FIELD, f"'{cand.label()}': {err}{hint}") from None
+
+
 def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu"):
     """The `Candidate` `text` describes (see the module docstring); ConfigError naming --strategy otherwise.
     With pipe > 1 and no m= its microbatches are 0: `planner.plan` chooses them (`planner.choose_microbatches`)."""
@@ -117,6 +128,7 @@ def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu")
         fields["schedule"] = ""
     _check(fields)
     cand = Candidate(**fields)
+    _check_predicted(cand)
     if devices is not None and cand.devices != devices:
         raise ConfigError(FIELD, f"'{text}' uses {cand.devices} devices; the cluster has {devices} "
                           "(the mesh sizes' product must equal --nodes x --gpus-per-node)")
