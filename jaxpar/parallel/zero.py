@@ -104,6 +104,27 @@ def zero3_step(t: ZeroStrategy, params, opt_state, tokens):
 STAGES = {"ddp": ddp_step, "zero1": zero1_step, "zero2": zero2_step, "zero3": zero3_step}
 
 
+def split_over(stage: str, n: int) -> dict[str, int]:
+    """The table's columns as numbers: over how many of the `n` data devices each part of the state is split
+    under `stage` (ZeRO's stage s splits the optimizer state from 1, the gradients from 2, the params at 3)."""
+    level = tuple(STAGES).index(stage)
+    return {"params": n if level >= 3 else 1, "grads": n if level >= 2 else 1, "optimizer": n if level >= 1 else 1}
+
+
+def gradient_held(stage: str, psi: int, psi_layers: int, layers: int, n: int, grad_bytes: int = 4) -> float:
+    """Gradient bytes a stage holds at its peak, per device.
+
+    ddp, zero1: the whole local gradient, 4Ψ, before the one reduction after the backward pass.
+    zero2, zero3: each layer's gradient is reduce-scattered inside the backward scan, so the
+    accumulated slices (4Ψ_L/N) plus one layer's full gradient (4Ψ_L/L) and the gradients
+    of the embedding, head and final norm (4Ψ_o: computed outside the layer loop, whole until
+    their reduce-scatter).
+    """
+    if stage in ("ddp", "zero1"):
+        return grad_bytes * psi
+    return grad_bytes * (psi_layers / n + psi_layers / layers + (psi - psi_layers))
+
+
 # ============================================================================ the weight fetches
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -376,9 +397,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     """
     counts = shape.counts()
     D, m, L = cand.data, cand.microbatches, shape.layers
-    level = ("ddp", "zero1", "zero2", "zero3").index(cand.data_impl)    # what is split: optimizer, grads, params
-    stored = stored_params(shape, cand, {"optimizer": D if level >= 1 else 1, "grads": D if level >= 2 else 1,
-                                         "params": D if level >= 3 else 1})
+    stored = stored_params(shape, cand, split_over(cand.data_impl, D))
     if D == 1:
         return Prediction([], stored)
     e, cpu = wire_bytes(cand.precision, platform), platform == "cpu"
