@@ -176,14 +176,14 @@ def validate_fields(config) -> None:
 
 def validate_tensor_overlap(config) -> None:
     """parallel.tensor_overlap decomposes sequence parallelism's collectives (parallel/collective_matmul.py)."""
-    mode = config.parallel.get("tensor_overlap", "none")
+    mode = config.parallel.tensor_overlap
     valid = ("none", "collective_matmul", "bidirectional")
     if mode not in valid:
         raise ConfigError("parallel.tensor_overlap", f"is '{mode}'; valid: {', '.join(valid)}")
     if mode != "none" and not (config.parallel.tensor == "manual" and config.parallel.sequence):
         raise ConfigError("parallel.tensor_overlap", f"'{mode}' overlaps sequence parallelism's all-gather and "
                           "reduce-scatter: set parallel.tensor=manual and parallel.sequence=true, or 'none'")
-    if config.parallel.get("prefetch", False) and config.parallel.data != "zero3":
+    if config.parallel.prefetch and config.parallel.data != "zero3":
         raise ConfigError("parallel.prefetch", f"prefetches ZeRO-3's layer gathers, but parallel.data="
                           f"{config.parallel.data}; set parallel.data=zero3 or parallel.prefetch=false")
     if mode == "bidirectional" and config.model.d_model % 2:
@@ -193,7 +193,7 @@ def validate_tensor_overlap(config) -> None:
 
 def validate_grad_buckets(config) -> None:
     """parallel.grad_buckets cuts the manual DDP / ZeRO-2 layer loop into buckets (parallel/buckets.py)."""
-    buckets, layers = config.parallel.get("grad_buckets", 0), config.model.layers
+    buckets, layers = config.parallel.grad_buckets, config.model.layers
     if buckets == 0:
         return
     if buckets < 0 or layers % buckets:

@@ -141,7 +141,7 @@ class PipelineStrategy(Strategy):
                        min_microbatches=1 if name == "gpipe" else sizes["pipe"])
         check_manual_placement(config, sizes)
         m, p = pipe_microbatches(config, sizes["pipe"]), sizes["pipe"]
-        if config.parallel.get("tensor_overlap", "none") != "none" and sizes["tensor"] > 2:
+        if config.parallel.tensor_overlap != "none" and sizes["tensor"] > 2:
             raise ConfigError("parallel.tensor_overlap", f"inside a pipeline stage a ring step is an all-to-all swap, "
                               f"which is a ring for mesh.tensor=2 only (here {sizes['tensor']}; a ppermute under one "
                               "stage's branch deadlocks XLA:CPU); use mesh.tensor=2 or 'none'")
@@ -180,7 +180,7 @@ class PipelineStrategy(Strategy):
         self.batch_axes = tuple(a for a in BATCH_AXES if a in self.live and (a != "expert" or model_cfg.moe))
         self.rules = AxisRules({**parse_rules(config.parallel.rules), "layers": (AXIS,)})
         self.sequence = bool(config.parallel.sequence)
-        self.overlap = config.parallel.get("tensor_overlap", "none") if self.sequence else "none"
+        self.overlap = config.parallel.tensor_overlap if self.sequence else "none"
         if self.sequence:   # Megatron-LM keeps the s/t input of a column-parallel matmul and gathers it again in B
             self.policy = sequence_parallel_policy(self.policy)
         if self.overlap != "none":   # SP's collective matmuls, each ring step an all-to-all swap over tensor

@@ -156,17 +156,17 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
     microbatches = config.train.microbatches
     accumulate = 1
     if pipe > 1:
-        microbatches = parallel.get("pipe_microbatches", 0) or 2 * pipe   # the pipeline strategies' default
+        microbatches = parallel.pipe_microbatches or 2 * pipe   # the pipeline strategies' default
         accumulate = config.train.microbatches
     return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES},  # type: ignore[arg-type]  # the int mesh axes
                      microbatches=microbatches, accumulate=accumulate,
                      schedule=parallel.pipe if pipe > 1 else "", remat=config.train.remat,
                      precision=config.train.compute_dtype,
-                     attention="flash" if fused_attention(model.get("attention", "dot"), platform) else "dot",
+                     attention="flash" if fused_attention(model.attention, platform) else "dot",
                      data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
-                     sequence=bool(parallel.get("sequence", False)),
-                     virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0,
-                     grad_buckets=parallel.get("grad_buckets", 0))
+                     sequence=bool(parallel.sequence),
+                     virtual=parallel.pipe_virtual if pipe > 1 else 0,
+                     grad_buckets=parallel.grad_buckets)
 
 
 def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str, *,

@@ -229,7 +229,7 @@ class ZeroStrategy(Strategy):
         super().__init__(config, model_cfg, mesh, donate)
         self.stage = config.parallel.data
         self.n = int(mesh.shape[AXIS])
-        self.buckets = config.parallel.get("grad_buckets", 0)   # ddp, zero2: 0 or layer buckets (buckets.py)
+        self.buckets = config.parallel.grad_buckets   # ddp, zero2: 0 or layer buckets (buckets.py)
         abstract = jax.eval_shape(self.make_state)       # the same pytree as every strategy's
         self.dims = split_dims(abstract["params"], self.n, self.stage) if self.stage != "ddp" else None
         self.state_specs = self._state_specs(abstract)
@@ -296,7 +296,7 @@ class ZeroStrategy(Strategy):
         ops, policy = self.ops.replace(fetch=fetch), refetch_policy(self.policy)
         if self.stage == "zero3":
             stored = params
-            if self.config.parallel.get("prefetch", False):   # layer i+1 gathered before layer i (prefetch.py)
+            if self.config.parallel.prefetch:   # layer i+1 gathered before layer i (prefetch.py)
                 ops = ops.replace(layers=prefetching_layers(self._dims("blocks"), ops.dtype))
             objective = partial(loss, cfg=self.model_cfg, ops=ops, remat_policy=policy)
         else:
