@@ -44,7 +44,7 @@ from jaxpar.parallel.pipeline_program import (  # noqa: F401  (the table's cell 
     program_for,
 )
 from jaxpar.parallel.rules import AxisRules, parse_rules
-from jaxpar.parallel.schedules import NAMES, build, validate
+from jaxpar.parallel.schedules import NAMES, build, chunks_per_stage, pipeline_microbatches, validate
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
 from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.tensor_moe import SequenceShards
@@ -56,12 +56,12 @@ BATCH_AXES = ("expert", "data", "fsdp")          # `expert` splits the batch onl
 
 def pipe_microbatches(config, p: int) -> int:
     """parallel.pipe_microbatches, 0 meaning 2 x mesh.pipe."""
-    return config.parallel.pipe_microbatches or 2 * p
+    return pipeline_microbatches(p, config.parallel.pipe_microbatches)
 
 
 def pipe_virtual(config) -> int:
     """parallel.pipe_virtual, 0 meaning 2 for the interleaved and DualPipeV schedules and 1 otherwise."""
-    return config.parallel.pipe_virtual or (2 if config.parallel.pipe in ("interleaved", "dualpipev") else 1)
+    return chunks_per_stage(config.parallel.pipe, config.parallel.pipe_virtual)
 
 
 def pipelined_stack(model) -> tuple[str, int]:
