@@ -45,6 +45,7 @@ from jaxpar.parallel.pipeline_program import (  # noqa: F401  (the table's cell 
 )
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import NAMES, build, chunks_per_stage, pipeline_microbatches, validate
+from jaxpar.parallel.stage_memory import stage_memory
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
 from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.tensor_moe import SequenceShards
@@ -133,6 +134,8 @@ class PipelineStrategy(Strategy):
     @staticmethod
     def predict(shape, cand, global_batch, seq_len, platform):
         return predict(shape, cand, global_batch, seq_len, platform)
+
+    held_memory = staticmethod(stage_memory)    # gradients, stage weights, extra slots, taps (stage_memory.py)
 
     @classmethod
     def check(cls, config, sizes):

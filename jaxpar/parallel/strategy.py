@@ -57,6 +57,13 @@ class Strategy:
         `seq_len` tokens, on `platform`): every strategy owns its own."""
         raise NotImplementedError("a strategy predicts its own collectives: define `predict`")
 
+    @staticmethod
+    def held_memory(shape, cand, prediction, global_batch: int, seq_len: int):
+        """What one step holds beside the stored state and one microbatch slot of activations
+        (`parallel.memory.Held`); the default: the stored part's gradients and the accumulation buffer."""
+        from jaxpar.parallel.memory import accumulated_gradients
+        return accumulated_gradients(shape, cand, prediction, global_batch, seq_len)
+
     def __init__(self, config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
         self.config, self.model_cfg, self.mesh = config, model_cfg, mesh
         self.optimizer = make_optimizer(config.train)
