@@ -1,10 +1,10 @@
 """What a pipeline stage holds beside its stored state: the pipeline strategies' own memory term (`held_memory`
 of parallel/pipeline.py's and parallel/circular.py's strategies, read by parallel/memory.py's `memory`).
 
-A stage keeps its whole gradient until the reduce-scatter at the end of the step, its weights gathered (under
-fsdp) and cast for the whole step, activations for the schedule's stash plus the slots its taps and receive
-buffers take, and under ZB-H1 each matmul's (x, dy) from B to W. Terms and fit: experiments/07_capstone/README.md,
-"How the model is built".
+A stage keeps its whole gradient until the reduce-scatter at the end of the step, its weights gathered (fp32,
+under fsdp) and cast for the whole step, activations for the schedule's stash plus PIPELINE_EXTRA_SLOTS (the
+executor's scan carries its buffers), and under ZB-H1 each matmul's (x, dy) from B to W. Terms and fit:
+experiments/07_capstone/README.md, "How the model is built".
 """
 from __future__ import annotations
 
