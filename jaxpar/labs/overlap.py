@@ -33,25 +33,22 @@ ROOT = Path(__file__).resolve().parents[2]
 SEVEN_B = str(preset("arabic_7b"))
 TOPOLOGY = "1x8x8"                      # 8 hosts x 8 H100s
 HAND_TP = ["mesh.fsdp=1", "mesh.data=8", "mesh.tensor=8", "parallel.tensor=manual", "parallel.sequence=true"]
-# name -> (overrides of the 7B config, the planner's strategy key: the candidate's data_impl, "+tensor" when
-# mesh.tensor > 1; the hand-written TP keys are recorded for the sheet, the planner has no such candidate)
+# name -> overrides of the 7B config; the planner's key for each is its whole layout (plan/overlap.layout_key)
 LAYOUTS = {
-    "fsdp (XLA)": (["mesh.data=1", "mesh.fsdp=64"], "auto"),
-    "fsdp x tensor (XLA)": (["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8"], "auto+tensor"),
-    "zero3 (by hand)": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3"], "zero3"),
-    "zero3 + prefetch": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3", "parallel.prefetch=true"],
-                         "zero3+prefetch"),
+    "fsdp (XLA)": ["mesh.data=1", "mesh.fsdp=64"],
+    "fsdp x tensor (XLA)": ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8"],
+    "zero3 (by hand)": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3"],
+    "zero3 + prefetch": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3", "parallel.prefetch=true"],
     # DDP keeps 16 bytes per parameter on every GPU: 8 of the 7B's 32 layers fit in 80 GB (all 32 do not, and
     # over the memory limit XLA's scheduler overlaps nothing)
-    "ddp, 8 layers (by hand)": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=ddp", "model.layers=8"], "ddp"),
-    "ddp + buckets, 8 layers": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=ddp", "model.layers=8",
-                                 "parallel.grad_buckets=4"], "ddp+buckets"),
-    "zero2 (by hand)": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero2"], "zero2"),
-    "zero2 + buckets": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero2", "parallel.grad_buckets=8"],
-                        "zero2+buckets"),
-    "tp+sp (by hand)": (HAND_TP, "tensor-manual"),
-    "tp+sp + collective matmul": ([*HAND_TP, "parallel.tensor_overlap=collective_matmul"], "tensor-manual+cm"),
-    "tp+sp + bidirectional": ([*HAND_TP, "parallel.tensor_overlap=bidirectional"], "tensor-manual+bidir"),
+    "ddp, 8 layers (by hand)": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=ddp", "model.layers=8"],
+    "ddp + buckets, 8 layers": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=ddp", "model.layers=8",
+                                "parallel.grad_buckets=4"],
+    "zero2 (by hand)": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero2"],
+    "zero2 + buckets": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero2", "parallel.grad_buckets=8"],
+    "tp+sp (by hand)": HAND_TP,
+    "tp+sp + collective matmul": [*HAND_TP, "parallel.tensor_overlap=collective_matmul"],
+    "tp+sp + bidirectional": [*HAND_TP, "parallel.tensor_overlap=bidirectional"],
 }
 FLAGS = {                               # XLA_FLAGS of each variant (names as XLA 0.10.2 spells them)
     "scheduler on": "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -72,7 +69,7 @@ def gpu_runs(layouts) -> list[tuple[str, str]]:
 
 def compile_7b(name: str, flags: str, out: Path, log=print) -> dict:
     """One deviceless dry run in a fresh process; its overlap section, step time and compile time."""
-    overrides, strategy = LAYOUTS[name]
+    overrides = LAYOUTS[name]
     where = out / "dryruns" / f"{name}-{flags}".replace(" ", "_").replace("(", "").replace(")", "").replace("+", "p")
     args = [sys.executable, "-m", "jaxpar.cli", "dryrun", "--config", SEVEN_B, "--target", "h100",
             "--topology", TOPOLOGY, "--out", str(where)]
@@ -88,11 +85,21 @@ def compile_7b(name: str, flags: str, out: Path, log=print) -> dict:
     ov = r["overlap"]
     log(f"  {name}, {flags}: {ov['hidden_fraction']:.1%} of {ov['comm_s'] * 1e3:.0f} ms hidden "
         f"({time.perf_counter() - start:.0f} s)")
-    return {"layout": name, "flags": flags, "strategy": strategy, "by_axis": ov["by_axis"],
+    return {"layout": name, "flags": flags, "strategy": layout_of(overrides, r["mesh"]), "by_axis": ov["by_axis"],
             "hidden_fraction": ov["hidden_fraction"], "comm_s": ov["comm_s"], "exposed_s": ov["exposed_s"],
             "replayed_step_s": ov["replayed_step_s"], "planner_step_s": r["time"]["calibrated"]["step_s"],
             "compute_s": r["time"]["compute_s"], "peak_bytes": r["memory"]["compiled"]["peak"],
             "compile_s": r["timing"]["compile_s"]}
+
+
+def layout_of(overrides: list[str], sizes: dict[str, int]) -> str:
+    """The planner's key of a compiled layout (plan/overlap.layout_key): the 7B config with `overrides`, as run."""
+    from jaxpar.config import apply_overrides, load_config
+    from jaxpar.parallel.theory import candidate_from_config
+    from jaxpar.plan.overlap import layout_key
+    config = load_config(SEVEN_B)
+    apply_overrides(config, overrides)
+    return layout_key(candidate_from_config(config, sizes))
 
 
 def gpu_part(out: Path, layouts, log=print) -> list[dict]:
