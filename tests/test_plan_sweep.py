@@ -70,10 +70,10 @@ def test_sweep_runs_as_a_slurm_job_array(capsys, tmp_path):
     code, printed, err = run_cli(capsys, [
         "plan", "--config", "configs/test.py", "--set", "model.vocab_size=256", "--set", "model.layers=1",
         "--cpu-devices", "8", "--global-batch", "8", "--seq-len", "16", "--tokens", "1e6",
-        "--sweep", "3", "--steps", "3", "--out", str(out)])
+        "--sweep", "3", "--steps", "1", "--out", str(out)])     # 3 repeats of 1 step: 3 timed steps per task
     assert code == 0, err
     spec = json.loads((out / "candidates.json").read_text())
-    assert len(spec["candidates"]) == 3 and "#SBATCH --array=0-2" in (out / "sweep.sbatch").read_text()
+    assert len(spec["candidates"]) == 3 and "#SBATCH --array=0-2%1" in (out / "sweep.sbatch").read_text()
     state = tmp_path / "slurm"
     env = {**os.environ, "SLURMCTLD_PORT": str(7000 + 2 * (os.getpid() % 400))}
     started = subprocess.run(["bash", str(CLUSTER), "start", str(state), "8"], capture_output=True, text=True,
@@ -97,12 +97,14 @@ def test_sweep_runs_as_a_slurm_job_array(capsys, tmp_path):
     assert code == 0, err
     defence = json.loads((out / "defence.json").read_text())
     assert len(defence["rows"]) == 3 and -1 <= defence["spearman"] <= 1
-    assert all(len(r["times_s"]) == 3 and r["memory_compiled"] > 0 for r in defence["rows"])
+    assert all(len(r["times_s"]) == 3 and len(r["repeats_s"]) == 3 and r["memory_compiled"] > 0
+               for r in defence["rows"])
+    assert defence["verdict"]["verdict"] in ("confirmed", "choose", "not resolved")
     kept_by = "jemalloc" if jemalloc_library() else "glibc"   # the script preloads jemalloc where the machine has it
     for result in (out / "results").glob("*.json"):     # each CPU task measured with freed memory kept
         task = json.loads(result.read_text())
         assert task["allocator"].startswith(f"host allocator: {kept_by} keeps") and len(task["page_faults"]) == 3
-    assert "Spearman rank correlation" in printed and (out / "defence.md").is_file()
+    assert "Spearman rank correlation" in printed and "**Verdict: " in printed and (out / "defence.md").is_file()
     code, _, err = run_cli(capsys, ["plan", "collect", str(tmp_path)])
     assert code == 2 and err[0].startswith("error: collect: ")
 
