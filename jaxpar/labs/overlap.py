@@ -1,17 +1,19 @@
 """Lab 09 (experiments/09_overlap): communication hidden behind computation, compiled and measured.
 
 GPU part (deviceless XLA:GPU compiles of the 7B on 64 H100s, `jaxpar dryrun --target h100`): each
-layout under XLA's latency-hiding scheduler on and off, XLA's windowed-einsum collective matmul on
-the automatic tensor layout, and the hand-written versions (ZeRO-2 gradient buckets, ZeRO-3 prefetch,
-collective matmul).
+layout under XLA's latency-hiding scheduler on and off, with and without the pipelined collectives
+jaxpar sets by default on GPU (jaxpar/env.py: "pipelined off" is without), XLA's windowed-einsum
+collective matmul on the automatic tensor layout, and the hand-written versions (ZeRO-2 gradient
+buckets, ZeRO-3 prefetch, collective matmul).
 From each compiled schedule (measure/overlap.py): per mesh axis the α-β communication time, the
 part hidden behind compute scheduled between a collective's start and done, the exposed part;
 and the planner's predicted step time. Each compile runs in its own process: XLA_FLAGS are read
 once, when XLA starts.
 
 CPU part (the default model on 8 virtual CPU devices): the hand-written versions against one
-device (same losses), and one profiled step of each: how much of each device's collective time
-a compute op of the same device ran beside (does XLA:CPU overlap at all?), and the timeline.
+device (same losses), each one's step time (wall clock, median of its steps) beside its collective
+time, and one profiled step of each: how much of each device's collective time a compute op of the
+same device ran beside (does XLA:CPU overlap at all?), and the timeline.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.config import preset
+from jaxpar.env import PIPELINED_COLLECTIVES
 from jaxpar.labs.arguments import OVERLAP_PARTS
 from jaxpar.labs.arguments import overlap as add_arguments
 from jaxpar.units import fmt_bytes
@@ -50,20 +53,27 @@ LAYOUTS = {
     "tp+sp + collective matmul": [*HAND_TP, "parallel.tensor_overlap=collective_matmul"],
     "tp+sp + bidirectional": [*HAND_TP, "parallel.tensor_overlap=bidirectional"],
 }
+PIPELINED_ON = " ".join(f"{flag}=true" for flag in PIPELINED_COLLECTIVES)     # jaxpar's GPU default (jaxpar/env.py)
+PIPELINED_OFF = " ".join(f"{flag}=false" for flag in PIPELINED_COLLECTIVES)
 FLAGS = {                               # XLA_FLAGS of each variant (names as XLA 0.10.2 spells them)
-    "scheduler on": "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "scheduler off": "--xla_gpu_enable_latency_hiding_scheduler=false",
-    "async off": "--xla_gpu_disable_async_collectives=allreduce,allgather,reducescatter,alltoall,collectivepermute",
+    "scheduler on": f"--xla_gpu_enable_latency_hiding_scheduler=true {PIPELINED_ON}",
+    "pipelined off": f"--xla_gpu_enable_latency_hiding_scheduler=true {PIPELINED_OFF}",
+    "scheduler off": f"--xla_gpu_enable_latency_hiding_scheduler=false {PIPELINED_OFF}",
+    "async off": ("--xla_gpu_disable_async_collectives=allreduce,allgather,reducescatter,alltoall,collectivepermute "
+                  f"{PIPELINED_OFF}"),
     "windowed einsum": ("--xla_gpu_enable_latency_hiding_scheduler=true "
-                        "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"),
+                        "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true "
+                        f"{PIPELINED_ON}"),
 }
 WINDOWED = ("fsdp x tensor (XLA)",)     # windowed einsum rewrites XLA's own sharded matmuls only
 
 
 def gpu_runs(layouts) -> list[tuple[str, str]]:
-    """(layout, flags) pairs: every layout with the scheduler on and off and with synchronous collectives (the
-    no-overlap baseline), windowed einsum where it applies."""
-    runs = [(name, flags) for name in layouts for flags in ("scheduler on", "scheduler off", "async off")]
+    """(layout, flags) pairs: every layout with the scheduler on (with jaxpar's default pipelined collectives, and
+    without them: "pipelined off") and off and with synchronous collectives (the no-overlap baseline), windowed
+    einsum where it applies."""
+    runs = [(name, flags) for name in layouts for flags in ("scheduler on", "pipelined off", "scheduler off",
+                                                            "async off")]
     return runs + [(name, "windowed einsum") for name in layouts if name in WINDOWED]
 
 
@@ -259,20 +269,24 @@ def cpu_part(out: Path, steps: int, overrides: list[str], log=print) -> dict:
         strategy = make_strategy(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices))
         with jax.set_mesh(strategy.mesh):
             step = strategy.lower_step().compile()
-            state, losses = strategy.init_state(), []
+            state, losses, times = strategy.init_state(), [], []
             for batch in batches:
-                state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
-                losses.append(float(metrics["loss"]))
-        row = {"losses": losses, "temp_bytes": step.memory_analysis().temp_size_in_bytes}
+                placed = jax.device_put(batch, strategy.batch_sharding)
+                start = time.perf_counter()
+                state, metrics = step(state, placed)
+                losses.append(float(metrics["loss"]))          # waits for the step
+                times.append(time.perf_counter() - start)
+        row = {"losses": losses, "step_times_s": times, "step_s": float(np.median(times)),
+               "temp_bytes": step.memory_analysis().temp_size_in_bytes}
         if name != "one device":
             want = np.array(results["one device"]["losses"])
             row["max_loss_rel_dev"] = float(np.max(np.abs(np.array(losses) - want) / want))
             row["profile"] = profile_step(strategy, step, state, jax.device_put(batches[0], strategy.batch_sharding))
             row["schedule"] = {k: v for k, v in schedule.analyse(step.as_text(), strategy.mesh,
                                {"platform": "cpu"}, 1e11).items() if k != "collectives"}
-            log(f"  {name}: max loss deviation {row['max_loss_rel_dev']:.1e}, profile: "
-                f"{row['profile']['overlapped_fraction']:.1%} of {row['profile']['collective_us'] / 1e3:.1f} ms "
-                "of collectives beside compute")
+            log(f"  {name}: max loss deviation {row['max_loss_rel_dev']:.1e}, step {row['step_s'] * 1e3:.0f} ms, "
+                f"profile: {row['profile']['overlapped_fraction']:.1%} of "
+                f"{row['profile']['collective_us'] / 1e3:.1f} ms of collectives beside compute")
         results[name] = row
     return results
 
@@ -305,11 +319,16 @@ def cpu_table(cpu: dict) -> list[str]:
             continue
         p, sch = r["profile"], r["schedule"]
         rows.append([name, f"{r['max_loss_rel_dev']:.1e}", fmt_bytes(r['temp_bytes']),
+                     f"{r['step_s'] * 1e3:.0f} ms" if "step_s" in r else "",
                      f"{p['collective_us'] / 1e3:.1f} ms", f"{p['overlapped_fraction']:.1%}",
                      (f"{sum(a['async'] for a in sch['by_axis'].values())} of "
                      f"{sum(a['collectives'] for a in sch['by_axis'].values())}")])
-    return [md_table(["hand-written", "max loss rel. dev. vs one device", "compiled temp", ("collective time "
-                      "(profile, all devices)"), "of it beside compute (same device)", "async collectives"], rows)]
+    one = cpu.get("one device", {}).get("step_s")
+    return [md_table(["hand-written", "max loss rel. dev. vs one device", "compiled temp",
+                      "step (wall, median of the steps)", "collective time (profile, all devices)",
+                      "of it beside compute (same device)", "async collectives"], rows),
+            "", "Step times are wall clock on a host whose cores the 8 virtual devices share (and other jobs may load)"
+            + (f"; one device: {one * 1e3:.0f} ms per step." if one else ".")]
 
 
 SHEET_HEADER = """# Lab 09: communication hidden behind computation

@@ -94,6 +94,11 @@ def run_task(out: Path, index: int) -> dict:
         set_cpu_devices(spec["cpu_devices"])
         allocator = keep_freed_memory()     # as lab 07's CPU check (jemalloc if the script preloaded it): no
         # per-step page faults a GPU would not pay
+    else:                                   # jaxpar's GPU XLA_FLAGS, as `jaxpar train` gets them (before JAX starts)
+        import os
+
+        from jaxpar.env import with_gpu_defaults
+        os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""))
     import jax
 
     from jaxpar.config import apply_overrides, load_config
