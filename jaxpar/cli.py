@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 
-from jaxpar.env import EXIT_BAD_INPUT
+from jaxpar.env import EXIT_BAD_INPUT, start_platform
 
 
 class Parser(argparse.ArgumentParser):
@@ -271,21 +271,6 @@ def train_config(args):
     else:
         config = load(args)
     return config
-
-
-def start_platform(args) -> None:
-    """JAX on the CPU platform alone where the command runs on CPU devices (jaxpar.env.cpu_platform_only); where it
-    compiles for a GPU, jaxpar's GPU XLA_FLAGS (jaxpar.env.with_gpu_defaults), before any backend starts. The
-    variables also reach the processes the command starts."""
-    from jaxpar.env import compiles_for_gpu, cpu_platform_only, with_gpu_defaults
-    wants_cpu = bool(getattr(args, "cpu_devices", None)) or args.subcommand == "dryrun"
-    gpu_target = args.subcommand == "dryrun" and getattr(args, "target", "cpu") != "cpu"
-    if compiles_for_gpu(os.environ, wants_cpu, gpu_target):
-        os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""))
-    if cpu_platform_only(os.environ, wants_cpu):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        if "jax" in sys.modules:   # imported already: the variable is read at import, the setting still applies
-            sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def check(args) -> None:

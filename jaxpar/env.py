@@ -6,6 +6,8 @@ a second.
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -67,3 +69,17 @@ def with_gpu_defaults(xla_flags: str) -> str:
     present = {word.split("=", 1)[0] for word in xla_flags.split()}
     added = [f"{flag}=true" for flag in PIPELINED_COLLECTIVES if flag not in present]
     return " ".join([*xla_flags.split(), *added])
+
+
+def start_platform(args) -> None:
+    """Before JAX starts (`jaxpar` calls this first): JAX on the CPU platform alone where the command runs on CPU
+    devices (`cpu_platform_only`), jaxpar's GPU XLA_FLAGS where it compiles for a GPU (`with_gpu_defaults`). The
+    variables also reach the processes the command starts."""
+    wants_cpu = bool(getattr(args, "cpu_devices", None)) or args.subcommand == "dryrun"
+    gpu_target = args.subcommand == "dryrun" and getattr(args, "target", "cpu") != "cpu"
+    if compiles_for_gpu(os.environ, wants_cpu, gpu_target):
+        os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""))
+    if cpu_platform_only(os.environ, wants_cpu):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        if "jax" in sys.modules:   # imported already: the variable is read at import, the setting still applies
+            sys.modules["jax"].config.update("jax_platforms", "cpu")

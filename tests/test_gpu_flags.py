@@ -1,9 +1,9 @@
 """jaxpar's GPU XLA_FLAGS (jaxpar/env.py): the pipelined collectives MaxText runs with, set where a command compiles
 for a GPU, never on CPU, never over the user's own setting; lab 09 compiles with and without them."""
 import argparse
+import os
 
-from jaxpar import cli
-from jaxpar.env import PIPELINED_COLLECTIVES, compiles_for_gpu, with_gpu_defaults
+from jaxpar.env import PIPELINED_COLLECTIVES, compiles_for_gpu, start_platform, with_gpu_defaults
 from jaxpar.labs import overlap as lab
 
 
@@ -31,8 +31,8 @@ def test_only_gpu_compiles_get_them(tmp_path, monkeypatch):
         monkeypatch.delenv("JAX_PLATFORMS", raising=False)
         args = argparse.Namespace(subcommand=argv[0], cpu_devices=8 if "--cpu-devices" in argv else None,
                                   target=argv[2] if "--target" in argv else "cpu")
-        cli.start_platform(args)
-        flags = cli.os.environ["XLA_FLAGS"]
+        start_platform(args)
+        flags = os.environ["XLA_FLAGS"]
         assert all(f"{flag}=true" in flags for flag in PIPELINED_COLLECTIVES) == gets, argv
         assert ("pipelined" in flags) == gets, argv
 
