@@ -39,11 +39,13 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed, parts:
 
 
 def plan_section(p, config) -> list[str]:
+    from jaxpar.plan.command import efficiency_lines
     from jaxpar.plan.planner import defence, summary_line, table
     from jaxpar.plan.verify import annotate, buildable_sentence
     best = p.best
     annotate(p, config, 10)
-    lines = ["## a. The plan", "", summary_line(p), "", table(p, 10), "", "![plan](plan.png)", "",
+    efficiency, spread = efficiency_lines(p)        # jaxpar's η, its anchor and its leave-one-out range
+    lines = ["## a. The plan", "", summary_line(p), "", *efficiency, table(p, 10, spread), "", "![plan](plan.png)", "",
              "### Defence", "", defence(p) + " " + buildable_sentence(p, config), "",
              f"## The chosen strategy: {best.label}", "",
              "| memory per device | GB |", "|---|---:|"]

@@ -180,19 +180,18 @@ def run(args) -> int:
     return 0
 
 
-def efficiency_lines(p, args) -> tuple[list[str], tuple[float, float] | None]:
+def efficiency_lines(p, framework: str = "jaxpar") -> tuple[list[str], tuple[float, float] | None]:
     """A GPU plan's η (whose, fitted on what, when) and its leave-one-out range (plan/anchors.py); none on CPU."""
     if p.cluster.platform != "gpu":
         return [], None
     from jaxpar.plan.anchors import FRAMEWORKS, describe, spread
-    framework = getattr(args, "framework", "jaxpar")
     return [*describe(framework), ""], spread(FRAMEWORKS[framework])
 
 
 def ranked_report(p, config, args) -> str:
     from jaxpar.plan.planner import defence, summary_line, table
     from jaxpar.plan.verify import annotate, buildable_sentence
-    efficiency, spread = efficiency_lines(p, args)
+    efficiency, spread = efficiency_lines(p, getattr(args, "framework", "jaxpar"))
     lines = [f"# Plan: {config.name}", "", summary_line(p), "", *efficiency]
     verified_text = verify_top(p, config, args.verify, args.gpu) if args.verify else []
     annotate(p, config, args.top, p.cluster.platform)
@@ -211,7 +210,7 @@ def strategy_report(p, config, args) -> str:
     why = candidate_config(config, r.cand, p.global_batch, p.seq_len, p.cluster.platform)[1]
     if r.memory.layout not in BUILDABLE:
         why = f"formula only: jaxpar does not build the {r.memory.layout} layout"
-    efficiency, spread = efficiency_lines(p, args)
+    efficiency, spread = efficiency_lines(p, getattr(args, "framework", "jaxpar"))
     ranged = "" if spread is None else (f" ({t.total_s * spread[0]:.4f}-{t.total_s * spread[1]:.4f} s, leave-one-out "
                                         "over the anchors)")
     lines = [f"# Strategy: {r.label}", "", f"{p.shape.describe()}; {p.cluster.describe()}; global batch "
