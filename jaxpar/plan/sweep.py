@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -95,8 +96,6 @@ def run_task(out: Path, index: int) -> dict:
         allocator = keep_freed_memory()     # as lab 07's CPU check (jemalloc if the script preloaded it): no
         # per-step page faults a GPU would not pay
     else:                                   # jaxpar's GPU XLA_FLAGS, as `jaxpar train` gets them (before JAX starts)
-        import os
-
         from jaxpar.env import with_gpu_defaults
         os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""))
     import jax
