@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 
-from jaxpar.env import EXIT_BAD_INPUT
+from jaxpar.env import EXIT_BAD_INPUT, start_platform
 
 
 class Parser(argparse.ArgumentParser):
@@ -271,16 +271,6 @@ def train_config(args):
     else:
         config = load(args)
     return config
-
-
-def start_platform(args) -> None:
-    """JAX on the CPU platform alone where the command runs on CPU devices (jaxpar.env.cpu_platform_only); the
-    variable also reaches the processes the command starts."""
-    from jaxpar.env import cpu_platform_only
-    if cpu_platform_only(os.environ, bool(getattr(args, "cpu_devices", None)) or args.subcommand == "dryrun"):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        if "jax" in sys.modules:   # imported already: the variable is read at import, the setting still applies
-            sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 def check(args) -> None:
