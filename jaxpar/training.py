@@ -166,19 +166,7 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     validation = [to_global(b, strategy.batch_sharding, config.train.batch_size)
                   for b in val_batches(data.val, config.train.batch_size, config.train.eval_batches, rows)]
     checkpoints = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints, notice=say)
-    start = 0
-    if resume:
-        with preemption.exits_at_once("restoring the last checkpoint", lock.release):
-            start, state = checkpoints.restore(strategy.abstract_state)
-        if start is None:
-            raise ConfigError("--resume", f"no intact checkpoint in '{run_dir / 'checkpoints'}' "
-                              "(every step is damaged or unreadable); start a new run")
-        checkpoints.set_aside_damaged()
-        say(f"resumed from step {start} (global sample {start * config.train.batch_size:,}) on "
-            f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
-    else:
-        with preemption.exits_at_once("initialising the state", lock.release):
-            state = strategy.init_state()
+    start, state = _initial_state(strategy, checkpoints, config.train.batch_size, resume, preemption, lock)
     # The data position is global: the run continues at global batch `start`, whatever the process count.
     iterator = iter(train_dataset(data.train, config.train.batch_size, config.data.shuffle_seed, rows, start))
     continued = start if resume or restart else None   # a restart from step 0 drops what the lost attempt logged
@@ -201,6 +189,23 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     finally:
         checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
         sinks.close(metrics_linger_s)
+
+
+def _initial_state(strategy, checkpoints, batch_size: int, resume: bool, preemption, lock) -> tuple[int, dict]:
+    """(step, state): the last intact checkpoint's, or step 0's. Nothing new exists meanwhile: a notice ends the
+    process at once, also while XLA compiles the initialisation."""
+    if not resume:
+        with preemption.exits_at_once("initialising the state", lock.release):
+            return 0, strategy.init_state()
+    with preemption.exits_at_once("restoring the last checkpoint", lock.release):
+        start, state = checkpoints.restore(strategy.abstract_state)
+    if start is None:
+        raise ConfigError("--resume", f"no intact checkpoint in '{checkpoints.directory}' "
+                          "(every step is damaged or unreadable); start a new run")
+    checkpoints.set_aside_damaged()
+    say(f"resumed from step {start} (global sample {start * batch_size:,}) on "
+        f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
+    return start, state
 
 
 @dataclasses.dataclass
