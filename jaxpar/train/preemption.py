@@ -101,7 +101,8 @@ def _job_noticed() -> bool:
     """JAX's preemption service recorded a notice to some process of this job (False when it cannot tell)."""
     try:
         from jax._src import distributed
-        return distributed.global_state.client.key_value_try_get(NOTICE_KEY) is not None
+        client = distributed.global_state.client
+        return client is not None and client.key_value_try_get(NOTICE_KEY) is not None
     except Exception:   # noqa: BLE001 - not recorded yet (NOT_FOUND), or no client: nothing known
         return False
 
@@ -162,28 +163,29 @@ class Preemption:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
         previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        window = {"open": True, "lock": threading.Lock()}
-        watcher = threading.Thread(target=self._watch, args=(read_fd, window, stage, release), daemon=True,
+        window, lock = {"open": True}, threading.Lock()
+        watcher = threading.Thread(target=self._watch, args=(read_fd, window, lock, stage, release), daemon=True,
                                    name="jaxpar-preemption-watch")
         watcher.start()
         try:
             yield
         finally:
-            with window["lock"]:   # from here on a notice is acted on after the step
+            with lock:   # from here on a notice is acted on after the step
                 window["open"] = False
             signal.set_wakeup_fd(previous_fd)
             watcher.join()
             os.close(read_fd)
             os.close(write_fd)
 
-    def _watch(self, read_fd: int, window: dict, stage: str, release: Callable[[], None]) -> None:
+    def _watch(self, read_fd: int, window: dict[str, bool], lock: threading.Lock, stage: str,
+               release: Callable[[], None]) -> None:
         wanted = {int(sig) for sig in SIGNALS}
         while window["open"]:
             ready, _, _ = select.select([read_fd], [], [], WATCH_POLL_S)
-            signalled = bool(ready) and bool(wanted & set(os.read(read_fd, 64)))
+            signalled = (bool(ready) and bool(wanted & set(os.read(read_fd, 64)))) or self.requested   # or before
             if not (signalled or (self.multi_process and _job_noticed())):
                 continue
-            with window["lock"]:
+            with lock:
                 if not window["open"]:
                     return
                 if self.multi_process:
