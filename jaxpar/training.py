@@ -327,8 +327,10 @@ def _step(run: _Run, tally: _Tally, profiler: StepProfiler, state, iterator, ste
 
 
 def _first_step_timed(run: _Run, tally: _Tally) -> None:
-    """The first step includes the compile: book it as start-up and start the first logging interval after it."""
-    tally.clock.wait()
+    """The first step includes the compile: book it as start-up and start the first logging interval after it.
+    Until it ends nothing new exists, and a peer may still be compiling: a notice ends the process at once."""
+    with run.preemption.exits_at_once("running the first step", run.lock.release):
+        tally.clock.wait()
     tally.compile_s = time.perf_counter() - tally.interval_start
     run.goodput.add("startup_compile", tally.compile_s - tally.excluded)
     say(f"first step (compile + run): {tally.compile_s:.1f} s")
