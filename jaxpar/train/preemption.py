@@ -11,7 +11,7 @@ processes, loading data, restoring, compiling): `jaxpar train` listens from its 
 directory nothing exists to save or tidy, so a notice then ends the process at once with
 EXIT_PREEMPTED (`_exit_now`; in a multi-process job only until the process joins the job).
 After that, `train` looks again before its first step; a notice there also saves nothing,
-as nothing new exists to save. While it restores or initialises the state and compiles the
+as nothing new exists to save. While it restores or initialises the state and compiles and runs the
 first step, nothing new exists either, yet the main thread sits in XLA for seconds to
 minutes and a Python signal handler runs only when it comes back: `exits_at_once` watches
 from a thread (the signal's byte on `signal.set_wakeup_fd`; in a multi-process job also
