@@ -276,7 +276,6 @@ def train_config(args):
 def check(args) -> None:
     """Refuse what can be refused before JAX or a lab is imported; `args.config_loaded`: train's config."""
     from jaxpar import checks
-    from jaxpar.config import validate_fields
     args.config_loaded = None
     if getattr(args, "out", None):
         if args.subcommand in ("slurm", "k8s"):
@@ -285,8 +284,8 @@ def check(args) -> None:
             checks.writable_dir(args.out, "--out")
     if args.subcommand == "train":
         args.metrics_host = checks.metrics_address(args.metrics_port, args.metrics_host)
-        args.config_loaded = train_config(args)
-        validate_fields(args.config_loaded)
+        args.config_loaded = train_config(args)   # then every check that needs no device, before JAX:
+        checks.config_before_jax(args.config_loaded, args.cpu_devices, resumed=args.resume)
         if args.config_loaded.train.tensorboard:
             from jaxpar.cluster.metrics import summary_writer_class
             summary_writer_class()
