@@ -43,6 +43,8 @@ class Candidate:
     virtual: int = 0               # chunks per stage; 0: the schedule's own (schedules.chunks_per_stage)
     grad_buckets: int = 0          # parallel.grad_buckets (data_impl ddp, zero2): layer gradients reduced in buckets
     layout: str = "jaxpar"         # model-state layout the planner's memory assumes (plan/layouts.py)
+    tensor_overlap: str = "none"   # parallel.tensor_overlap (tensor_impl manual + sequence): collective matmul
+    prefetch: bool = False         # parallel.prefetch (data_impl zero3): layer i+1 gathered during layer i
 
     def __post_init__(self):
         if not self.virtual:
@@ -166,7 +168,9 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
                      data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
                      sequence=bool(parallel.sequence),
                      virtual=parallel.pipe_virtual if pipe > 1 else 0,
-                     grad_buckets=parallel.grad_buckets)
+                     grad_buckets=parallel.grad_buckets,
+                     tensor_overlap=parallel.tensor_overlap,
+                     prefetch=bool(parallel.prefetch))
 
 
 def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str, *,

@@ -258,9 +258,17 @@ def variants(p: Plan) -> list[tuple[str, Evaluated]]:
 
 # ----------------------------------------------------------------------------- tables
 
-def table(p: Plan, top: int = 10) -> str:
-    """The ranked plan as markdown (predictions)."""
+def table(p: Plan, top: int = 10, spread: tuple[float, float] | None = None) -> str:
+    """The ranked plan as markdown (predictions); `spread`: (low, high) factors on each step time (plan/anchors.py),
+    printed as a range beside the step, tokens/s and days."""
     money = p.cluster.price_per_gpu_hour is not None
+    low, high = spread or (1.0, 1.0)
+
+    def ranged(value: float, text: str, inverse: bool = False) -> str:
+        if spread is None:
+            return text.format(value)
+        a, b = (value / high, value / low) if inverse else (value * low, value * high)
+        return f"{text.format(value)} ({text.format(a)}-{text.format(b)})"
     head = ("| # | strategy | memory GB | step s | compute s | exposed comm s | bubble s | tokens/s | "
             "MFU (bf16 peak) | days | "
             "GPU-hours |" + (" cost |" if money else "") + " note |")
@@ -268,9 +276,10 @@ def table(p: Plan, top: int = 10) -> str:
     for i, r in enumerate(p.ranked[:top], 1):
         t = r.time
         cost = f" {r.cost:,.0f} |" if money else ""
-        lines.append(f"| {i} | {r.label} | {r.memory.total / GB:.1f} | {t.total_s:.3f} | {t.compute_s:.3f} | "
-                     f"{sum(t.exposed_s.values()):.3f} | {t.bubble_s:.3f} | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
-                     f"{r.days:.1f} | {r.gpu_hours:,.0f} |{cost} {r.note} |")
+        lines.append(f"| {i} | {r.label} | {r.memory.total / GB:.1f} | {ranged(t.total_s, '{:.3f}')} | "
+                     f"{t.compute_s:.3f} | {sum(t.exposed_s.values()):.3f} | {t.bubble_s:.3f} | "
+                     f"{ranged(r.tokens_per_s, '{:,.0f}', inverse=True)} | {r.mfu:.1%} | {ranged(r.days, '{:.1f}')} | "
+                     f"{r.gpu_hours:,.0f} |{cost} {r.note} |")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
 from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.gemm import gemm_efficiency
-from jaxpar.plan.overlap import hidden_fraction
+from jaxpar.plan.overlap import hidden_fraction, layout_key
 from jaxpar.plan.overlap import measured as measured_overlap
 
 COMPUTE_EFFICIENCY = 0.6908     # jaxpar/plan/anchors.py FITTED["jaxpar (XLA)"]
@@ -71,7 +71,7 @@ class Calibration:
     layer_overhead_s: float = LAYER_OVERHEAD_S      # per layer per microbatch
     gemm_size: bool = True                          # scale matmul efficiency by GEMM size (plan/gemm.py)
     source: str = "assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py)"
-    measured: tuple = ()    # ((strategy, axis), hidden fraction): compiled schedules (plan/overlap.py)
+    measured: tuple = ()    # ((layout key, axis), hidden fraction): compiled schedules (plan/overlap.py)
 
 
 GPU_CALIBRATION = Calibration(measured=measured_overlap(),
@@ -181,8 +181,8 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     comm: dict[str, float] = {}
     hideable = 0.0
     exposed: dict[str, float] = {}
-    strategy = cand.data_impl + ("+tensor" if cand.tensor > 1 else "")
-    measured = {f.axis: hidden_fraction(calibration.measured, strategy, f.axis) for f in flow_list
+    layout = layout_key(cand)           # every axis's implementation and overlap option (plan/overlap.py)
+    measured = {f.axis: hidden_fraction(calibration.measured, layout, f.axis) for f in flow_list
                 if cluster.platform != "cpu"}
     for f in flow_list:
         link = cluster.axis_link(cand, f.axis, f.op)
