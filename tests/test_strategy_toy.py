@@ -1,16 +1,19 @@
 """A new strategy is one file plus one registry line: a toy written to a temporary module and added to
 `registry.STRATEGIES` becomes a valid `parallel.data` value, is built and predicted by the dry run, holds
-memory by the default `held_memory`, and is a word of `jaxpar plan --strategy`."""
+memory by the default `held_memory`, is a word of `jaxpar plan --strategy` and a data implementation of the
+planner's space."""
 import sys
 
 import pytest
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.dryrun import dryrun
+from jaxpar.model.counting import ModelShape
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel import registry
 from jaxpar.parallel.auto import predict as auto_predict
 from jaxpar.parallel.memory import config_memory
+from jaxpar.plan.space import enumerate_candidates
 from jaxpar.plan.strategy import parse_strategy
 
 MODULE = "jaxpar_toy_strategy"
@@ -24,7 +27,6 @@ from jaxpar.parallel.auto import predict as auto_predict
 
 class ToyStrategy(AutoStrategy):
     RUNS = {"data": ("toy",)}
-    PLANNED: dict = {}
 
     @staticmethod
     def predict(shape, cand, global_batch, seq_len, platform):
@@ -72,3 +74,5 @@ def test_a_toy_strategy_is_one_file_and_one_registry_line(toy):
     parsed = parse_strategy("toy=8 m=1 remat=full fp32 dot", devices=8, platform="cpu")
     assert (parsed.data, parsed.data_impl) == (8, "toy")
     assert parse_strategy(parsed.label(), platform="cpu") == parsed
+    space = enumerate_candidates(ModelShape(model_cfg), 8, config.train.batch_size)
+    assert any(c.data_impl == "toy" and c.data == 8 for c in space)
