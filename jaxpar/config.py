@@ -224,7 +224,8 @@ def config_reference(path: str) -> str:
 
 
 def config_from_dict(values: dict) -> ml_collections.ConfigDict:
-    """Rebuild a locked config from its saved JSON form (a run directory's config.json)."""
+    """Rebuild a locked config from its saved JSON form (a run directory's config.json). A field an older
+    saved config lacks keeps `base_config`'s default here, so no reader restates a default."""
     config = base_config()
     _merge(config, _upgrade(values), prefix="")
     config.lock()

@@ -67,17 +67,28 @@ def fused_attention(kernel: str, platform: str) -> bool:
     return kernel in FUSED_ATTENTION or (kernel == "auto" and platform == "gpu")
 
 
-def _validate_kernels(m) -> None:
-    """model.attention / norm / loss and the kernels' sizes (the backend is checked in kernels/kernel_ops.py)."""
+def flash_tileable(size: int) -> bool:
+    """Whether jaxpar's Pallas flash attention takes `size` as its head dimension or a block: a power of two
+    >= 16 (the rule `auto` follows in kernels/kernel_ops.py and the config check refuses by)."""
+    return size >= 16 and not size & (size - 1)
+
+
+def check_kernel_choices(m) -> None:
+    """model.attention / norm / loss each name a kernel jaxpar has (ConfigError naming the field)."""
     for field, valid in KERNEL_CHOICES.items():
         if m[field] not in valid:
             raise ConfigError(f"model.{field}", f"is '{m[field]}'; valid: {', '.join(valid)}")
+
+
+def _validate_kernels(m) -> None:
+    """model.attention / norm / loss and the kernels' sizes (the backend is checked in kernels/kernel_ops.py)."""
+    check_kernel_choices(m)
     for field in ("attention_block_q", "attention_block_kv"):
         size = m[field]
-        if size < 16 or size & (size - 1):
+        if not flash_tileable(size):
             raise ConfigError(f"model.{field}", f"is {size}; flash attention blocks are powers of two >= 16")
     dh = head_dim(m)
-    if m.attention == "pallas" and (dh < 16 or dh & (dh - 1)):
+    if m.attention == "pallas" and not flash_tileable(dh):
         raise ConfigError("model.head_dim", f"is {dh}; model.attention=pallas needs a power of two >= 16 "
                           "(64 and 128 are the tuned sizes); use xla or dot attention")
     if m.loss_chunk < 1:
@@ -176,14 +187,14 @@ def validate_fields(config) -> None:
 
 def validate_tensor_overlap(config) -> None:
     """parallel.tensor_overlap decomposes sequence parallelism's collectives (parallel/collective_matmul.py)."""
-    mode = config.parallel.get("tensor_overlap", "none")
+    mode = config.parallel.tensor_overlap
     valid = ("none", "collective_matmul", "bidirectional")
     if mode not in valid:
         raise ConfigError("parallel.tensor_overlap", f"is '{mode}'; valid: {', '.join(valid)}")
     if mode != "none" and not (config.parallel.tensor == "manual" and config.parallel.sequence):
         raise ConfigError("parallel.tensor_overlap", f"'{mode}' overlaps sequence parallelism's all-gather and "
                           "reduce-scatter: set parallel.tensor=manual and parallel.sequence=true, or 'none'")
-    if config.parallel.get("prefetch", False) and config.parallel.data != "zero3":
+    if config.parallel.prefetch and config.parallel.data != "zero3":
         raise ConfigError("parallel.prefetch", f"prefetches ZeRO-3's layer gathers, but parallel.data="
                           f"{config.parallel.data}; set parallel.data=zero3 or parallel.prefetch=false")
     if mode == "bidirectional" and config.model.d_model % 2:
@@ -193,7 +204,7 @@ def validate_tensor_overlap(config) -> None:
 
 def validate_grad_buckets(config) -> None:
     """parallel.grad_buckets cuts the manual DDP / ZeRO-2 layer loop into buckets (parallel/buckets.py)."""
-    buckets, layers = config.parallel.get("grad_buckets", 0), config.model.layers
+    buckets, layers = config.parallel.grad_buckets, config.model.layers
     if buckets == 0:
         return
     if buckets < 0 or layers % buckets:

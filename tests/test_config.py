@@ -1,7 +1,16 @@
 """Config loading, overrides and validation: bad input is one clear line, before any compile."""
 import pytest
 
-from jaxpar.config import ConfigError, apply_overrides, base_config, load_config, mesh_shape, validate
+from jaxpar.config import (
+    ConfigError,
+    apply_overrides,
+    base_config,
+    config_from_dict,
+    load_config,
+    mesh_shape,
+    to_json,
+    validate,
+)
 
 
 def test_override_types_and_fields():
@@ -114,3 +123,18 @@ def test_a_users_file_wins_over_the_preset_of_its_name(tmp_path, monkeypatch):
     assert load_config("configs/test.py").name == "mine"
     assert config_reference("configs/test.py") == str(tmp_path / "configs" / "test.py")   # loadable elsewhere
     assert load_config("test").name == "test"         # a bare name is the preset (no file 'test' here)
+
+
+def test_a_saved_config_without_a_newer_field_loads_with_its_default():
+    """Readers use `config.parallel.grad_buckets`, never `.get(field, default)`: a run directory saved before a
+    field existed gets config.py's default where it is loaded (config_from_dict), the one place."""
+    import json
+    saved = json.loads(to_json(base_config()))
+    for field in ("grad_buckets", "prefetch", "tensor_overlap", "pipe_virtual"):
+        del saved["parallel"][field]
+    del saved["model"]["attention"]
+    config = config_from_dict(saved)
+    defaults = base_config()
+    assert config.parallel.grad_buckets == defaults.parallel.grad_buckets
+    assert config.parallel.tensor_overlap == defaults.parallel.tensor_overlap
+    assert config.model.attention == defaults.model.attention

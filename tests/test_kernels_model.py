@@ -8,6 +8,7 @@ import pytest
 from synthetic import counting_batches
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
+from jaxpar.config_checks import validate_fields
 from jaxpar.kernels.kernel_ops import kernel_ops, resolve
 from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
@@ -122,6 +123,21 @@ def test_auto_picks_per_backend():
     assert resolve(config, "gpu", jnp.float32) == {"attention": "pallas", "norm": "pallas", "loss": "chunked"}
     assert resolve(config, "cpu", jnp.float32) == {"attention": "dot", "norm": "xla", "loss": "chunked"}
     assert resolve(config, "tpu", jnp.bfloat16)["attention"] == "xla"
+
+
+def test_resolve_and_the_config_check_share_the_kernel_rules():
+    """One rule each, in config_checks: a bad kernel name reaching `resolve` unchecked is refused with the config
+    check's line, and `auto` on GPU falls back to xla for the head dims the check refuses pallas for."""
+    bad = configured("model.loss=fused")
+    with pytest.raises(ConfigError) as by_resolve:
+        resolve(bad, "cpu", jnp.float32)
+    with pytest.raises(ConfigError) as by_check:
+        validate_fields(bad)
+    assert (by_resolve.value.field, str(by_resolve.value)) == (by_check.value.field, str(by_check.value))
+    odd = configured("model.attention=auto", "model.d_model=96", "model.heads=4")     # head_dim 24
+    assert resolve(odd, "gpu", jnp.float32)["attention"] == "xla"
+    with pytest.raises(ConfigError, match="power of two"):
+        validate_fields(configured("model.attention=pallas", "model.d_model=96", "model.heads=4"))
 
 
 def attention_temp_bytes(attention, seq_len, B=1, H=4, Dh=16):

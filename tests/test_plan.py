@@ -14,8 +14,9 @@ from jaxpar.model.counting import ModelShape, param_count, train_flops_per_token
 from jaxpar.model.moe import MoEConfig
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel import registry
-from jaxpar.parallel.memory import PIPELINE_EXTRA_SLOTS, config_memory, memory
+from jaxpar.parallel.memory import config_memory, memory
 from jaxpar.parallel.schedules import bubble_fraction
+from jaxpar.parallel.stage_memory import PIPELINE_EXTRA_SLOTS
 from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan import risks
 from jaxpar.plan.fleet import cpu_cluster, gpu_cluster

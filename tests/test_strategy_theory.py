@@ -1,16 +1,20 @@
 """A strategy owns its prediction: registered with it, a strategy is in the dry run's report and the planner's space
 with no other edit."""
 
+import dataclasses
+
 import pytest
 
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.model.counting import ModelShape
 from jaxpar.parallel import registry
 from jaxpar.parallel.auto import AutoStrategy
+from jaxpar.parallel.memory import memory
 from jaxpar.parallel.theory import Candidate, Flow, Prediction, stored_params
 from jaxpar.plan.fleet import gpu_cluster
 from jaxpar.plan.planner import plan
 from jaxpar.plan.space import enumerate_candidates
+from jaxpar.plan.strategy import parse_strategy
 
 CONFIG = "configs/test.py"
 TOY_BYTES = 123456.0
@@ -62,6 +66,21 @@ def test_a_registered_strategy_is_in_the_planners_space(toy):
     assert toys and all(x.data == 8 for x in toys)
     p = plan(shape, gpu_cluster("h100", 1, 8), global_batch=16, seq_len=32, tokens=1e9, candidates=toys[:1])
     assert p.results[0].comm_bytes == {"data": TOY_BYTES * 8}
+
+
+def test_a_registered_strategy_is_a_plan_word_and_holds_memory_by_default(toy):
+    """`jaxpar plan --strategy` takes its words from the registry: `toy=8` is the toy's candidate and its label
+    parses back; the memory model asks the toy what it holds (the default `held_memory`: it stores what the
+    automatic strategy stores, so it holds the same gradients)."""
+    cand = parse_strategy("toy=8 m=2 remat=full fp32 dot", devices=8, platform="cpu")
+    assert (cand.data, cand.data_impl) == (8, "toy")
+    assert parse_strategy(cand.label(), platform="cpu") == cand
+    c = load_config(CONFIG)
+    apply_overrides(c, ["model.vocab_size=512"])
+    shape = ModelShape.from_config(c)
+    assert registry.predict(shape, cand, 16, 32, "cpu").bytes_by_axis() == {"data": TOY_BYTES * 8}
+    auto = dataclasses.replace(cand, data_impl="auto")
+    assert memory(shape, cand, 16, 32, 80e9, platform="cpu") == memory(shape, auto, 16, 32, 80e9, platform="cpu")
 
 
 def test_every_registered_strategy_predicts():

@@ -31,6 +31,7 @@ from typing import Literal
 import jax
 
 from jaxpar.config import KERNEL_CHOICES, ConfigError, head_dim
+from jaxpar.config_checks import check_kernel_choices, flash_tileable
 from jaxpar.kernels.cross_entropy import chunked_cross_entropy
 from jaxpar.kernels.flash_attention import flash_attention
 from jaxpar.kernels.rms_norm import rms_norm as fused_rms_norm
@@ -62,17 +63,12 @@ def resolve(config, platform: str, activation_dtype) -> dict[str, str]:
     """The concrete implementation of each op (`auto` decided), checked against the backend and strategy."""
     model = config.model
     half = jax.numpy.dtype(activation_dtype).itemsize == 2
-    dh = head_dim(model)
-    flash = "pallas" if dh >= 16 and not dh & (dh - 1) else "xla"      # the kernel takes power-of-two head dims
+    flash = "pallas" if flash_tileable(head_dim(model)) else "xla"      # the head dims the kernel takes
     auto = {"gpu": {"attention": "cudnn" if half else flash, "norm": "pallas", "loss": "chunked"},
             "cpu": {"attention": "dot", "norm": "xla", "loss": "chunked"}}.get(
         platform, {"attention": "xla", "norm": "xla", "loss": "chunked"})
-    chosen = {}
-    for op, valid in KERNEL_CHOICES.items():
-        value = model[op]
-        if value not in valid:
-            raise ConfigError(f"model.{op}", f"is '{value}'; valid: {', '.join(valid)}")
-        chosen[op] = auto[op] if value == "auto" else value
+    check_kernel_choices(model)
+    chosen = {op: auto[op] if model[op] == "auto" else model[op] for op in KERNEL_CHOICES}
     if chosen["attention"] == "cudnn":
         if platform != "gpu":
             raise ConfigError("model.attention", f"cudnn needs an NVIDIA GPU, the mesh is on {platform}; "

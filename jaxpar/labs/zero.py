@@ -91,13 +91,13 @@ def equivalence(lab: Lab, steps: int) -> dict:
 def memory(lab: Lab) -> dict:
     from jaxpar.measure.memory import (
         compiled_memory,
-        gradient_held,
         korthikanti_activations,
         shard_counts,
         state_bytes,
         zero_formula,
     )
     from jaxpar.parallel.memory import config_memory
+    from jaxpar.parallel.zero import gradient_held
 
     rows = {}
     for built in lab.strategies():

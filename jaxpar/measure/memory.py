@@ -111,23 +111,19 @@ def state_bytes(abstract_state) -> dict:
 
 # ----------------------------------------------------------------------------- 3. the ZeRO formula
 
-ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}   # parallel.data -> ZeRO stage
-
-
 def shard_counts(config, sizes: dict[str, int]) -> dict[str, int]:
     """How many devices each part of the model state is split over, by strategy.
 
     auto: the `fsdp` and `tensor` axes split params, grads and Adam state alike
       (ZeRO-3 over fsdp, Megatron over tensor); `data` replicates everything.
-    parallel.data = ddp / zero1 / zero2 / zero3, the ZeRO paper's stage s over `data`: stage >= 1
-      splits the optimizer state, >= 2 also the gradients, 3 also the parameters.
+    parallel.data = ddp / zero1 / zero2 / zero3: `data` splits what ZeRO's stage splits (parallel/zero.py's
+      `split_over`), times the model axes.
     Norm weights are replicated in practice; the formula ignores that (<0.1% of a 7B).
     """
+    from jaxpar.parallel.zero import STAGES, split_over
     model = sizes.get("fsdp", 1) * sizes.get("tensor", 1)
-    if config.parallel.data in ZERO_STAGES:
-        n, stage = sizes.get("data", 1), ZERO_STAGES[config.parallel.data]
-        return {"params": model * (n if stage >= 3 else 1), "grads": model * (n if stage >= 2 else 1),
-                "optimizer": model * (n if stage >= 1 else 1)}
+    if config.parallel.data in STAGES:
+        return {part: model * n for part, n in split_over(config.parallel.data, sizes.get("data", 1)).items()}
     return dict.fromkeys(("params", "grads", "optimizer"), model)
 
 
@@ -145,20 +141,6 @@ def zero_formula(psi: float, shards: dict[str, int], *, param_bytes: int = 4, gr
     parts["state"] = parts["params"] + parts["optimizer"]          # what the step takes as arguments
     parts["total"] = parts["state"] + parts["grads"]
     return parts
-
-
-def gradient_held(stage: str, psi: int, psi_layers: int, layers: int, n: int, grad_bytes: int = 4) -> float:
-    """Gradient bytes a manual stage holds at its peak, per device (parallel/zero.py).
-
-    ddp, zero1: the whole local gradient, 4Ψ, before the one reduction after the backward pass.
-    zero2, zero3: each layer's gradient is reduce-scattered inside the backward scan, so the
-    accumulated slices (4Ψ_L/N) plus one layer's full gradient (4Ψ_L/L) and the gradients
-    of the embedding, head and final norm (4Ψ_o: computed outside the layer loop, whole until
-    their reduce-scatter).
-    """
-    if stage in ("ddp", "zero1"):
-        return grad_bytes * psi
-    return grad_bytes * (psi_layers / n + psi_layers / layers + (psi - psi_layers))
 
 
 # ----------------------------------------------------------------------------- the paper's activations
@@ -316,19 +298,18 @@ def _stage_formula(sizes: dict[str, int], shards: dict[str, int]) -> str:
 def model_state_table(params: float, devices: int, optimizer: str = "adam", precision: str = "mixed") -> dict:
     """Model-state bytes per device of DDP and ZeRO-1/2/3 (data parallel over `devices`), both accountings.
 
-    Stage s splits what `shard_counts` says (optimizer state from 1, grads from 2, params at 3);
+    Stage s splits what parallel/zero.py's `split_over` says (optimizer state from 1, grads from 2, params at 3);
     each part is `zero_formula`'s K·Ψ/N. Activations, temporaries and fragmentation are not counted.
     """
-    from types import SimpleNamespace
+    from jaxpar.parallel.zero import STAGE_NAMES, split_over
     psi = parse_count(params, "--params")
     n = int(parse_count(devices, "--devices", integer=True))
     out = {"params": psi, "devices": n, "optimizer": optimizer, "precision": precision, "unit": "GB (1e9 bytes)"}
     for accounting in ("paper", "jaxpar"):
         sizes = bytes_per_param(optimizer, precision, accounting)
         rows = []
-        for stage, name in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
-            manual = SimpleNamespace(parallel=SimpleNamespace(data=("ddp", "zero1", "zero2", "zero3")[stage]))
-            shards = shard_counts(manual, {"data": n})
+        for stage, (impl, name) in enumerate(STAGE_NAMES.items()):
+            shards = split_over(impl, n)
             f = zero_formula(psi, shards, param_bytes=sizes["params"], grad_bytes=sizes["grads"],
                              optimizer_bytes=sizes["optimizer"])
             rows.append({"stage": stage, "name": name, "formula": _stage_formula(sizes, shards),

@@ -48,6 +48,7 @@ from jaxpar.parallel.pipeline import check_pipeline, pipe_microbatches, pipe_vir
 from jaxpar.parallel.pipeline_predict import stack_bytes
 from jaxpar.parallel.rules import AxisRules, parse_rules
 from jaxpar.parallel.schedules import bubble_fraction
+from jaxpar.parallel.stage_memory import stage_memory
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
 from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.theory import Candidate, Flow, Prediction, moe_all_to_all_bytes, stored_params, wire_bytes
@@ -146,6 +147,8 @@ class CircularStrategy(Strategy):
     @staticmethod
     def predict(shape, cand, global_batch, seq_len, platform):
         return predict(shape, cand, global_batch, seq_len, platform)
+
+    held_memory = staticmethod(stage_memory)    # gradients, stage weights, extra slots, taps (stage_memory.py)
 
     @classmethod
     def check(cls, config, sizes):

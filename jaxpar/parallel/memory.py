@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.model.counting import ModelShape
-from jaxpar.parallel.registry import predict, workload
+from jaxpar.parallel.registry import held_memory, predict, workload
 from jaxpar.parallel.theory import Candidate, Prediction
 
 SCORE_BYTES = 10.7            # per S x S element, one layer's backward working set (einsum attention)
@@ -23,7 +23,6 @@ LAYER_WEIGHT_BYTES = 0.37     # per parameter of one layer (/ tensor)
 ACCUMULATOR = 1.15            # x 4Ψ_d: the accumulation buffer when microbatches > 1
 CONSTANT_BYTES = 0.95e9        # the fit's intercept: XLA:GPU's fixed buffers; an XLA:CPU step allocates none
 LOGIT_BYTES = 4               # per token x vocab / tensor live at the head's peak (fitted on a flash-attention compile)
-PIPELINE_EXTRA_SLOTS = 2      # a pipeline's stash and taps hold 2 microbatches more than the schedule keeps alive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +59,24 @@ class Memory:
         return parts
 
 
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """What a strategy's step holds beside the state it stores and the activations one microbatch slot keeps,
+    each strategy's own term (its `held_memory`): the gradients, microbatch slots of activations beyond its
+    prediction's stash, and a pipeline's gathered stage weights and ZB-H1 taps."""
+    gradients: float
+    extra_slots: float = 0.0
+    stage_weights: float = 0.0
+    taps: float = 0.0
+
+
+def accumulated_gradients(shape: ModelShape, cand: Candidate, prediction: Prediction, global_batch: int,
+                          seq_len: int) -> Held:
+    """Every strategy's but a pipeline's: the fp32 gradient of what the device stores, plus the accumulation
+    buffer when the batch runs in several microbatches."""
+    return Held(gradients=4 * prediction.stored["grads"] * (1 + (ACCUMULATOR if cand.microbatches > 1 else 0)))
+
+
 def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: int) -> float:
     """Per layer, what jaxpar's fp8 matmul (model/fp8.py) saves for its backward pass unless the layer is
     recomputed: each matmul's input in e4m3 (1 byte per element; the inputs of q/k/v and gate/up are whole
@@ -71,25 +88,6 @@ def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: int) -> float
     c = shape.counts()
     weights = 2 * (c["blocks"] - c["experts"] * (1 - 1 / cand.expert)) / shape.layers / T
     return inputs + weights
-
-
-def stage_params(shape: ModelShape, cand: Candidate) -> float:
-    """Parameters of one pipeline stage on one device, whole over fsdp: its layers and the (replicated)
-    embedding and head, split only by tensor (the experts also by expert)."""
-    c = shape.counts()
-    layers = c["blocks"] - c["experts"] * (1 - 1 / cand.expert)
-    return (layers / cand.pipe + c["total"] - c["blocks"]) / cand.tensor
-
-
-def tap_elements(shape: ModelShape, tensor: int) -> float:
-    """Per token and layer, what ZB-H1's split backward keeps for W (parallel/deferred.py): each of the 7 matmuls'
-    input x (q, k, v and gate, up each keep their own copy of their common input) and output gradient dy."""
-    d, attn = shape.d_model, shape.heads * shape.head_dim
-    kv = 2 * shape.kv_heads * shape.head_dim
-    mlp = shape.expert_mlp_dim * shape.top_k if shape.experts else shape.mlp_dim
-    inputs = 5 * d + (attn + mlp) / tensor
-    grads = (attn + kv + 2 * mlp) / tensor + 2 * d
-    return inputs + grads
 
 
 def sequence_split(cand: Candidate) -> int:
@@ -128,20 +126,12 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     T, L, h, s = cand.tensor, shape.layers, shape.d_model, seq_len
     b = global_batch / cand.batch_shards / cand.microbatches
     scale = e / 2                                       # the fitted bytes are bf16's
-    grads = 4 * stored["grads"] * (1 + (ACCUMULATOR if cand.microbatches > 1 and cand.pipe == 1 else 0))
+    held = held_memory(shape, cand, prediction, global_batch, seq_len)
 
     heads = shape.heads / T
     flash = cand.attention == "flash"
     per_layer = kept_per_layer(shape, cand, global_batch, seq_len)
-    count, layers_each = prediction.stash, 1 / (cand.pipe * cand.virtual)   # stash: the schedule table's
-    stage_weights = taps = 0.0
-    if cand.pipe > 1:
-        count += PIPELINE_EXTRA_SLOTS
-        stage = stage_params(shape, cand)
-        grads = 4 * stage                                   # the stage's full gradient, reduce-scattered at the end
-        stage_weights = (4 if cand.fsdp > 1 else 0) * stage + e * stage
-        if cand.schedule == "zb-h1":
-            taps = count * L * layers_each * b * s * tap_elements(shape, T) * e
+    count, layers_each = prediction.stash + held.extra_slots, 1 / (cand.pipe * cand.virtual)  # stash: the table's
     activations = per_layer * L * layers_each * count
 
     scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * s
@@ -153,9 +143,9 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     layer_params = (shape.counts()["blocks"] - shape.counts()["experts"] * (1 - 1 / cand.expert)) / L / T
     working = max(layer_work, head_work) + LAYER_WEIGHT_BYTES * scale * layer_params
     working += CONSTANT_BYTES if platform == "gpu" else 0.0
-    result = Memory(params=4 * stored["params"], optimizer=8 * stored["optimizer"], gradients=grads,
+    result = Memory(params=4 * stored["params"], optimizer=8 * stored["optimizer"], gradients=held.gradients,
                     activations=activations, working=working, fits=True, limit=(1 - headroom) * hbm_bytes,
-                    stage_weights=stage_weights, taps=taps)
+                    stage_weights=held.stage_weights, taps=held.taps)
     return dataclasses.replace(result, fits=result.total <= result.limit)
 
 

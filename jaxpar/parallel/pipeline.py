@@ -44,7 +44,8 @@ from jaxpar.parallel.pipeline_program import (  # noqa: F401  (the table's cell 
     program_for,
 )
 from jaxpar.parallel.rules import AxisRules, parse_rules
-from jaxpar.parallel.schedules import NAMES, build, validate
+from jaxpar.parallel.schedules import NAMES, build, chunks_per_stage, pipeline_microbatches, validate
+from jaxpar.parallel.stage_memory import stage_memory
 from jaxpar.parallel.step import accumulate, apply_outside_gradient
 from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.tensor_moe import SequenceShards
@@ -56,12 +57,12 @@ BATCH_AXES = ("expert", "data", "fsdp")          # `expert` splits the batch onl
 
 def pipe_microbatches(config, p: int) -> int:
     """parallel.pipe_microbatches, 0 meaning 2 x mesh.pipe."""
-    return config.parallel.pipe_microbatches or 2 * p
+    return pipeline_microbatches(p, config.parallel.pipe_microbatches)
 
 
 def pipe_virtual(config) -> int:
     """parallel.pipe_virtual, 0 meaning 2 for the interleaved and DualPipeV schedules and 1 otherwise."""
-    return config.parallel.pipe_virtual or (2 if config.parallel.pipe in ("interleaved", "dualpipev") else 1)
+    return chunks_per_stage(config.parallel.pipe, config.parallel.pipe_virtual)
 
 
 def pipelined_stack(model) -> tuple[str, int]:
@@ -134,6 +135,8 @@ class PipelineStrategy(Strategy):
     def predict(shape, cand, global_batch, seq_len, platform):
         return predict(shape, cand, global_batch, seq_len, platform)
 
+    held_memory = staticmethod(stage_memory)    # gradients, stage weights, extra slots, taps (stage_memory.py)
+
     @classmethod
     def check(cls, config, sizes):
         name = config.parallel.pipe
@@ -141,7 +144,7 @@ class PipelineStrategy(Strategy):
                        min_microbatches=1 if name == "gpipe" else sizes["pipe"])
         check_manual_placement(config, sizes)
         m, p = pipe_microbatches(config, sizes["pipe"]), sizes["pipe"]
-        if config.parallel.get("tensor_overlap", "none") != "none" and sizes["tensor"] > 2:
+        if config.parallel.tensor_overlap != "none" and sizes["tensor"] > 2:
             raise ConfigError("parallel.tensor_overlap", f"inside a pipeline stage a ring step is an all-to-all swap, "
                               f"which is a ring for mesh.tensor=2 only (here {sizes['tensor']}; a ppermute under one "
                               "stage's branch deadlocks XLA:CPU); use mesh.tensor=2 or 'none'")
@@ -180,7 +183,7 @@ class PipelineStrategy(Strategy):
         self.batch_axes = tuple(a for a in BATCH_AXES if a in self.live and (a != "expert" or model_cfg.moe))
         self.rules = AxisRules({**parse_rules(config.parallel.rules), "layers": (AXIS,)})
         self.sequence = bool(config.parallel.sequence)
-        self.overlap = config.parallel.get("tensor_overlap", "none") if self.sequence else "none"
+        self.overlap = config.parallel.tensor_overlap if self.sequence else "none"
         if self.sequence:   # Megatron-LM keeps the s/t input of a column-parallel matmul and gathers it again in B
             self.policy = sequence_parallel_policy(self.policy)
         if self.overlap != "none":   # SP's collective matmuls, each ring step an all-to-all swap over tensor

@@ -4,8 +4,9 @@
 STRATEGIES: each line names a strategy and the axis implementations it runs (the
 strategy's `RUNS`); the first line whose strategy runs every non-auto axis of the config
 wins. A combination no line covers is refused with one line, before anything is built.
-Adding a strategy = a new file with a `Strategy` subclass and its `predict` + one line here:
-`predict` then answers for it in the dry run, and the planner enumerates its `PLANNED` values.
+Adding a strategy = a new file with a `Strategy` subclass and its `predict` (and, if it holds more than
+its stored gradients, its `held_memory`) + one line here: `predict` then answers for it in the dry run,
+and the planner enumerates its `PLANNED` values.
 """
 from __future__ import annotations
 
@@ -71,6 +72,11 @@ def strategy_for(impls: dict[str, str]):
 def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
     """The prediction of the strategy that runs `cand`."""
     return strategy_for(cand.impls).predict(shape, cand, global_batch, seq_len, platform)
+
+
+def held_memory(shape, cand: Candidate, prediction: Prediction, global_batch: int, seq_len: int):
+    """What the strategy that runs `cand` holds beside its stored state (parallel/memory.py's `Held`)."""
+    return strategy_for(cand.impls).held_memory(shape, cand, prediction, global_batch, seq_len)
 
 
 def workload(config, model_cfg, sizes: dict[str, int], platform: str) -> tuple[ModelShape, Candidate, int, int, str]:

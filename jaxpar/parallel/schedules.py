@@ -37,6 +37,17 @@ NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev", "pipedream-2bw")
 SHAPES = ("loop", "v")
 
 
+def chunks_per_stage(name: str, virtual: int = 0) -> int:
+    """v: `virtual` (parallel.pipe_virtual), 0 meaning the schedule's own: 2 for interleaved (Megatron's
+    smallest v) and DualPipeV (its V), 1 for the others."""
+    return virtual or (2 if name in ("interleaved", "dualpipev") else 1)
+
+
+def pipeline_microbatches(p: int, microbatches: int = 0) -> int:
+    """m: `microbatches` (parallel.pipe_microbatches), 0 meaning 2 x p, enough for every schedule's warm-up."""
+    return microbatches or 2 * p
+
+
 class Action(NamedTuple):
     kind: str          # "F", "B" or "W"
     microbatch: int

@@ -31,6 +31,7 @@ from jaxpar.kernels.kernel_ops import kernel_ops, platform_of
 from jaxpar.model.axes import named_arrays
 from jaxpar.model.ops import make_ops
 from jaxpar.model.transformer import ModelConfig, init_params
+from jaxpar.parallel.memory import accumulated_gradients
 from jaxpar.parallel.rules import AxisRules
 from jaxpar.parallel.step import donate_state, make_optimizer, remat_policy
 
@@ -56,6 +57,12 @@ class Strategy:
         """One step's `parallel.theory.Prediction` for `cand` (a model `shape`, `global_batch` sequences of
         `seq_len` tokens, on `platform`): every strategy owns its own."""
         raise NotImplementedError("a strategy predicts its own collectives: define `predict`")
+
+    @staticmethod
+    def held_memory(shape, cand, prediction, global_batch: int, seq_len: int):
+        """What one step holds beside the stored state and one microbatch slot of activations
+        (`parallel.memory.Held`); the default: the stored part's gradients and the accumulation buffer."""
+        return accumulated_gradients(shape, cand, prediction, global_batch, seq_len)
 
     def __init__(self, config, model_cfg: ModelConfig, mesh, donate: bool | None = None):
         self.config, self.model_cfg, self.mesh = config, model_cfg, mesh

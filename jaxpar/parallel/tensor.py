@@ -107,7 +107,7 @@ class TensorStrategy(Strategy):
         if model_cfg.moe:    # the balance statistics over the batch, the exchange over `expert`, SP's router
             self.ops = tensor_moe_ops(self.ops, model_cfg.moe, dict(mesh.shape),
                                       tuple(a for a in self.batch if mesh.shape[a] > 1), self.sequence)
-        self.overlap = config.parallel.get("tensor_overlap", "none") if self.sequence else "none"
+        self.overlap = config.parallel.tensor_overlap if self.sequence else "none"
         if self.overlap != "none":   # the gathers and reduce-scatters as ppermute rings beside matmuls
             self.ops = collective_matmul_ops(self.ops, AXIS, self.overlap)
             self.policy = ring_policy(self.policy) if regather else self.policy

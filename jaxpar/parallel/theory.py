@@ -13,10 +13,11 @@ import dataclasses
 from fractions import Fraction
 
 from jaxpar.config import ConfigError, fused_attention
+from jaxpar.parallel.schedules import chunks_per_stage, pipeline_microbatches
 
 AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
 SHORT = {"expert": "ep", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
-VIRTUAL = 2                  # chunks per stage of the interleaved schedule when the config leaves it at 0
+VIRTUAL = chunks_per_stage("interleaved")   # the interleaved schedule's chunks per stage when the config leaves 0
 WEIGHTS_PER_LAYER = 9        # attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down: one collective each
 OTHER_WEIGHTS = 3            # embed, lm_head, final_norm
 
@@ -39,7 +40,7 @@ class Candidate:
     expert_impl: str = "auto"      # parallel.expert
     sequence: bool = False         # sequence parallelism over tensor: the token-wide activations split (memory.py);
     #                                jaxpar builds it as parallel.sequence under tensor_impl manual (plan/verify.py)
-    virtual: int = 0               # chunks per stage; 0: VIRTUAL for interleaved, DualPipeV's 2 (its V), else 1
+    virtual: int = 0               # chunks per stage; 0: the schedule's own (schedules.chunks_per_stage)
     grad_buckets: int = 0          # parallel.grad_buckets (data_impl ddp, zero2): layer gradients reduced in buckets
     layout: str = "jaxpar"         # model-state layout the planner's memory assumes (plan/layouts.py)
     tensor_overlap: str = "none"   # parallel.tensor_overlap (tensor_impl manual + sequence): collective matmul
@@ -47,8 +48,7 @@ class Candidate:
 
     def __post_init__(self):
         if not self.virtual:
-            chunks = {"interleaved": VIRTUAL, "dualpipev": 2}.get(self.schedule, 1)
-            object.__setattr__(self, "virtual", chunks)
+            object.__setattr__(self, "virtual", chunks_per_stage(self.schedule))
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -158,19 +158,19 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
     microbatches = config.train.microbatches
     accumulate = 1
     if pipe > 1:
-        microbatches = parallel.get("pipe_microbatches", 0) or 2 * pipe   # the pipeline strategies' default
+        microbatches = pipeline_microbatches(pipe, parallel.pipe_microbatches)
         accumulate = config.train.microbatches
     return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES},  # type: ignore[arg-type]  # the int mesh axes
                      microbatches=microbatches, accumulate=accumulate,
                      schedule=parallel.pipe if pipe > 1 else "", remat=config.train.remat,
                      precision=config.train.compute_dtype,
-                     attention="flash" if fused_attention(model.get("attention", "dot"), platform) else "dot",
+                     attention="flash" if fused_attention(model.attention, platform) else "dot",
                      data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
-                     sequence=bool(parallel.get("sequence", False)),
-                     virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0,
-                     grad_buckets=parallel.get("grad_buckets", 0),
-                     tensor_overlap=parallel.get("tensor_overlap", "none"),
-                     prefetch=bool(parallel.get("prefetch", False)))
+                     sequence=bool(parallel.sequence),
+                     virtual=parallel.pipe_virtual if pipe > 1 else 0,
+                     grad_buckets=parallel.grad_buckets,
+                     tensor_overlap=parallel.tensor_overlap,
+                     prefetch=bool(parallel.prefetch))
 
 
 def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str, *,

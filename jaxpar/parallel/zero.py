@@ -104,6 +104,27 @@ def zero3_step(t: ZeroStrategy, params, opt_state, tokens):
 STAGES = {"ddp": ddp_step, "zero1": zero1_step, "zero2": zero2_step, "zero3": zero3_step}
 
 
+def split_over(stage: str, n: int) -> dict[str, int]:
+    """The table's columns as numbers: over how many of the `n` data devices each part of the state is split
+    under `stage` (ZeRO's stage s splits the optimizer state from 1, the gradients from 2, the params at 3)."""
+    level = tuple(STAGES).index(stage)
+    return {"params": n if level >= 3 else 1, "grads": n if level >= 2 else 1, "optimizer": n if level >= 1 else 1}
+
+
+def gradient_held(stage: str, psi: int, psi_layers: int, layers: int, n: int, grad_bytes: int = 4) -> float:
+    """Gradient bytes a stage holds at its peak, per device.
+
+    ddp, zero1: the whole local gradient, 4Ψ, before the one reduction after the backward pass.
+    zero2, zero3: each layer's gradient is reduce-scattered inside the backward scan, so the
+    accumulated slices (4Ψ_L/N) plus one layer's full gradient (4Ψ_L/L) and the gradients
+    of the embedding, head and final norm (4Ψ_o: computed outside the layer loop, whole until
+    their reduce-scatter).
+    """
+    if stage in ("ddp", "zero1"):
+        return grad_bytes * psi
+    return grad_bytes * (psi_layers / n + psi_layers / layers + (psi - psi_layers))
+
+
 # ============================================================================ the weight fetches
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -208,7 +229,7 @@ class ZeroStrategy(Strategy):
         super().__init__(config, model_cfg, mesh, donate)
         self.stage = config.parallel.data
         self.n = int(mesh.shape[AXIS])
-        self.buckets = config.parallel.get("grad_buckets", 0)   # ddp, zero2: 0 or layer buckets (buckets.py)
+        self.buckets = config.parallel.grad_buckets   # ddp, zero2: 0 or layer buckets (buckets.py)
         abstract = jax.eval_shape(self.make_state)       # the same pytree as every strategy's
         self.dims = split_dims(abstract["params"], self.n, self.stage) if self.stage != "ddp" else None
         self.state_specs = self._state_specs(abstract)
@@ -275,7 +296,7 @@ class ZeroStrategy(Strategy):
         ops, policy = self.ops.replace(fetch=fetch), refetch_policy(self.policy)
         if self.stage == "zero3":
             stored = params
-            if self.config.parallel.get("prefetch", False):   # layer i+1 gathered before layer i (prefetch.py)
+            if self.config.parallel.prefetch:   # layer i+1 gathered before layer i (prefetch.py)
                 ops = ops.replace(layers=prefetching_layers(self._dims("blocks"), ops.dtype))
             objective = partial(loss, cfg=self.model_cfg, ops=ops, remat_policy=policy)
         else:
@@ -376,9 +397,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     """
     counts = shape.counts()
     D, m, L = cand.data, cand.microbatches, shape.layers
-    level = ("ddp", "zero1", "zero2", "zero3").index(cand.data_impl)    # what is split: optimizer, grads, params
-    stored = stored_params(shape, cand, {"optimizer": D if level >= 1 else 1, "grads": D if level >= 2 else 1,
-                                         "params": D if level >= 3 else 1})
+    stored = stored_params(shape, cand, split_over(cand.data_impl, D))
     if D == 1:
         return Prediction([], stored)
     e, cpu = wire_bytes(cand.precision, platform), platform == "cpu"
