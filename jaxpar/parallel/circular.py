@@ -163,8 +163,9 @@ class CircularStrategy(Strategy):
         self.ops = self.ops.replace(embed=rules_embedding(self.rules), constrain=self.rules.constrain)
         if config.parallel.expert == "manual":   # the exchange's shard_map, vmapped over the stages (pipe)
             batch = self.rules.spec(("batch",))[0]
-            self.ops = with_routed_experts(self.ops, partial(manual_routed_experts, mesh=mesh, batch_axes=(
-                batch if isinstance(batch, tuple) else (batch,))))
+            self.ops = with_routed_experts(self.ops, partial(
+                manual_routed_experts, mesh=mesh, batch_axes=batch if isinstance(batch, tuple) else (batch,),
+                exchange=config.parallel.get("expert_exchange", "auto")))
         batch = (config.train.batch_size // self.microbatches) % (int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
                                                                   * self.p) == 0
         batch_rule = {"batch": ("data", "fsdp", AXIS)} if batch else {}
