@@ -76,6 +76,9 @@ def _strategies(n: int) -> list[tuple[str, list[str], int]]:
         if name == "dropless" and half > 1:
             rows.append((f"{name}: manual EP expert={half} x data=2",
                          [*dispatch, f"mesh.expert={half}", "mesh.data=2", _ep(True)], n))
+        if name == "dropless":                    # the teaching baseline: every chunk padded to the most it can hold
+            rows.append((f"{name}: manual EP expert={n}, padded exchange",
+                         [*dispatch, f"mesh.expert={n}", _ep(True), "parallel.expert_exchange=padded"], n))
         if name == "dropless" and n % 8 == 0:     # EP x FSDP x tensor parallelism inside each expert
             rows.append((f"{name}: manual EP expert={n // 4} x fsdp=2 x tensor=2",
                          [*dispatch, f"mesh.expert={n // 4}", "mesh.fsdp=2", "mesh.tensor=2", _ep(True)], n))
@@ -168,8 +171,10 @@ def communication(lab: Lab) -> dict:
         f"Formula (the course's): per MoE layer 2·T·k·h·bytes forward (dispatch + combine) and the same "
         f"backward, x (N-1)/N, T = tokens per device, k = {m.moe.top_k}, h = {m.d_model}, 4 bytes (fp32). "
         "jaxpar's buffers (`parallel/theory.moe_all_to_all_bytes`): capacity [E, groups, C, h] = factor x formula; "
-        "dropless padded to T·min(k, E/N) rows per destination = N·min(k, E/N)/k x formula, plus the int32 "
-        "expert ids (XLA:CPU has no ragged all-to-all).",
+        "dropless by `parallel.expert_exchange` (on CPU `auto` is capacity): ceil(1.25·T·k/N) rows per "
+        "destination, about 1.25 x formula, when no device overflows (the overflow round, the padded exchange, "
+        "is in the program but not counted); padded: T·min(k, E/N) rows per destination = N·min(k, E/N)/k x "
+        "formula; both plus the int32 expert ids (XLA:CPU has no ragged all-to-all).",
         "",
         md_table(["run", "T", "all_to_all compiled", "formula 2·T·k·h·e x2", "compiled / formula",
                 "jaxpar's buffers (predicted)", "compiled / predicted"], table),
@@ -234,7 +239,7 @@ def capacity(lab: Lab, steps: int) -> dict:
 
     n, rows = lab.n, {}
     settings = [(f"capacity {cf}", ["model.moe.dispatch=capacity", f"model.moe.capacity_factor={cf}"])
-                for cf in CAPACITY_FACTORS] + [("dropless (padded)", DROPLESS)]
+                for cf in CAPACITY_FACTORS] + [("dropless", DROPLESS)]
     for label, dispatch in settings:
         built = lab.build(f"manual EP expert={n}, {label}", [*dispatch, f"mesh.expert={n}", _ep(True)], n)
         r = lab.run(built, steps)

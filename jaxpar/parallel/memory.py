@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.expert_sizes import received_rows, resolve
 from jaxpar.parallel.registry import predict, workload
 from jaxpar.parallel.theory import Candidate, Prediction
 
@@ -92,6 +93,26 @@ def tap_elements(shape: ModelShape, tensor: int) -> float:
     return inputs + grads
 
 
+def expert_buffers(shape: ModelShape, cand: Candidate, b: float, s: int, platform: str) -> float:
+    """Bytes one MoE layer's routed experts hold on a device while they run (the forward, or the backward's
+    recomputation): the rows the device's experts receive, each with its input and output [d_model] and its
+    gate, up and hidden [expert_mlp_dim / tensor]. Rows: dropless on one expert device its T·k assignments,
+    over `expert` what parallel.expert_exchange receives (parallel/expert_sizes.py: ragged and capacity about
+    1.25·T·k, padded X·T·min(k, E/X)); the capacity dispatch its slots, capacity_factor·T·k. T = b·s tokens."""
+    moe = shape.moe
+    if moe is None:
+        return 0.0
+    e = 4 if cand.precision == "float32" else 2
+    T, k = int(b * s), moe.top_k
+    if moe.dispatch == "capacity":
+        rows = moe.capacity_factor * T * k
+    elif cand.expert == 1:
+        rows = T * k
+    else:
+        rows = received_rows(resolve(cand.expert_exchange, platform), T, k, moe.experts, cand.expert)
+    return rows * (2 * shape.d_model + 3 * shape.expert_mlp_dim / cand.tensor) * e
+
+
 def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int) -> float:
     """Bytes one layer keeps for the backward pass, per microbatch on one device (the activations term of
     experiments/07_capstone/README.md, "How the model is built")."""
@@ -137,7 +158,7 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     activations = per_layer * L * layers_each * count
 
     scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * s
-    layer_work = scores + WORKING_TOKEN_BYTES * scale * b * s * h
+    layer_work = scores + WORKING_TOKEN_BYTES * scale * b * s * h + expert_buffers(shape, cand, b, s, platform)
     head_work = LOGIT_BYTES * b * s * shape.vocab / T
     layer_params = (shape.counts()["blocks"] - shape.counts()["experts"] * (1 - 1 / cand.expert)) / L / T
     working = max(layer_work, head_work) + LAYER_WEIGHT_BYTES * scale * layer_params
