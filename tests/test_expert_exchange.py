@@ -106,3 +106,29 @@ def test_ragged_exchange_lowers_to_ragged_all_to_all_with_its_gradient():
     text = jax.jit(lambda x, gates, w: jax.grad(lambda *a: jnp.sum(on_mesh(*a, exchange="ragged")), (0, 2))(
         x, ids, gates, w)).lower(x, gates, w).as_text()
     assert text.count("ragged_all_to_all") == 5     # rows and ids there, rows back; the rows' two transposes
+
+
+@pytest.mark.parametrize("exchange, times_formula", [("ragged", 1.0), ("capacity", 1.25), ("padded", 4.0)])
+def test_predicted_bytes_follow_the_exchange(exchange, times_formula):
+    """Mixtral's shape on expert=8 (E = X = 8, k = 2): per exchange the routed rows (ragged), 1.25 x them (capacity
+    chunks), X·min(k, E/X)/k = 4 x them (padded), plus the int32 ids and the vote (under 0.1%)."""
+    from jaxpar.config import load_config
+    from jaxpar.model.counting import ModelShape
+    from jaxpar.parallel.theory import Candidate, moe_all_to_all_bytes
+    shape = ModelShape.from_config(load_config("configs/mixtral_8x7b.py"))
+    cand = Candidate(fsdp=8, expert=8, remat="none", expert_impl="manual", expert_exchange=exchange)
+    sent = moe_all_to_all_bytes(shape, cand, 256, 4096, "gpu")
+    assert sent["predicted"] / sent["formula"] == pytest.approx(times_formula, rel=1e-3)
+
+
+def test_memory_holds_the_buffers_the_exchange_receives():
+    """The working set of an MoE step counts the rows the device's experts receive: 4 x T·k padded, 1.25 x ragged."""
+    from jaxpar.config import load_config
+    from jaxpar.model.counting import ModelShape
+    from jaxpar.parallel.memory import memory
+    from jaxpar.parallel.theory import Candidate
+    shape = ModelShape.from_config(load_config("configs/mixtral_8x7b.py"))
+    working = {exchange: memory(shape, Candidate(fsdp=8, expert=8, expert_impl="manual", expert_exchange=exchange),
+                                256, 4096, 80e9).working for exchange in ("ragged", "padded")}
+    T, k, h, f = 256 // 64 * 4096, 2, shape.d_model, shape.expert_mlp_dim
+    assert working["padded"] - working["ragged"] == pytest.approx((4 - 1.25) * T * k * (2 * h + 3 * f) * 2)

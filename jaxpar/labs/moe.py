@@ -146,7 +146,7 @@ def communication(lab: Lab) -> dict:
         on_expert = _by_op(found, lambda c: "expert" in (c.axes or ()))
         a2a = on_expert.get("all-to-all", {}).get("bytes", 0.0)
         rows[label] = {"by_op_expert_axes": on_expert, "by_op_all": _by_op(found), "all_to_all": a2a,
-                       "formula": theory["formula"], "predicted": theory["predicted"],
+                       "formula": theory["formula"], "predicted": theory["predicted"] - theory["vote"],
                        "tokens_per_device": theory["tokens_per_device"], "manual": "manual" in label}
     m = lab.base.model
     table = []
@@ -249,7 +249,7 @@ def capacity(lab: Lab, steps: int) -> dict:
                                                lab.devices[0].platform))
         dropped = np.sum(np.asarray(r["moe_dropped"]), axis=-1).mean(axis=-1)
         rows[label] = {"dropped": dropped.tolist(), "dropped_mean": float(dropped.mean()), "all_to_all": a2a,
-                       "formula": theory["formula"], "predicted": theory["predicted"],
+                       "formula": theory["formula"], "predicted": theory["predicted"] - theory["vote"],
                        "step_ms": _median_ms(r["times"]), "ce": r["ce"]}
     base = rows[f"capacity {CAPACITY_FACTORS[0]}"]["step_ms"]
     table = [[label, f"{r['dropped_mean']:.4f}", fmt_bytes(r["all_to_all"]), ratio(r["all_to_all"], r["formula"]),
