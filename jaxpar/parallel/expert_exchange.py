@@ -22,6 +22,7 @@ single device's results. The overflow round runs inside the `expert_overflow` na
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -102,19 +103,25 @@ def dropless_exchange(x, ids, gates, w, cfg, ops, *, n: int, tensor_sum, exchang
     k = ids.shape[-1]
     T, local = B * S, cfg.experts // n
     tokens, flat = x.reshape(T, D), ids.reshape(T * k)
-    common = dict(n=n, local=local, tensor_sum=tensor_sum)
-    padded = partial(chunked_exchange, rows=padded_chunk_rows(T, k, local), **common)
+    common: dict[str, Any] = {"n": n, "local": local, "tensor_sum": tensor_sum}
+
+    def padded(tokens, flat, w):
+        return chunked_exchange(tokens, flat, w, ops, rows=padded_chunk_rows(T, k, local), **common)
+
     if exchange == "padded":
-        results = padded(tokens, flat, w, ops)
+        results = padded(tokens, flat, w)
     else:
         rows = (ragged_buffer_rows if exchange == "ragged" else capacity_chunk_rows)(T, k, cfg.experts, n)
-        sized = partial(ragged_exchange if exchange == "ragged" else chunked_exchange, rows=rows, **common)
+        sized_exchange = ragged_exchange if exchange == "ragged" else chunked_exchange
 
-        def overflow_round(*args):
+        def sized(tokens, flat, w):
+            return sized_exchange(tokens, flat, w, ops, rows=rows, **common)
+
+        def overflow_round(tokens, flat, w):
             with jax.named_scope(OVERFLOW_SCOPE):
-                return padded(*args, ops)
+                return padded(tokens, flat, w)
 
         results = jax.lax.cond(overflows(flat, n=n, local=local, exchange=exchange, rows=rows),
-                               overflow_round, lambda *args: sized(*args, ops), tokens, flat, w)
+                               overflow_round, sized, tokens, flat, w)
     y = jnp.einsum("tkd,tk->td", results.reshape(T, k, D), gates.reshape(T, k).astype(results.dtype))
     return y.reshape(B, S, D), jnp.ones(ids.shape, bool)
