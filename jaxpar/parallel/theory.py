@@ -177,9 +177,9 @@ def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int
                (the step without overflow), plus for both the expert ids (int32) and for capacity the overflow
                vote (an int32 pmax), forward only; ragged, the rows the routing sends, T·k when it is balanced
                (the HLO lists its receive buffer, 1.25·T·k rows: an upper bound), plus the ids, the chunk sizes
-               and offsets (3 int32[X] all_to_alls) and the vote. With remat (any policy but none) the backward
-               recomputes the forward exchanges: 6, not 4. `vote`: the overflow vote's part of it (an all-reduce;
-               the rest are all_to_alls).
+               and offsets (3 int32[X] all_to_alls) and the vote (a fourth, and the pmax). With remat (any
+               policy but none) the backward recomputes the forward exchanges: 6, not 4. `vote`: the pmax's
+               part of it (an all-reduce; the rest are all_to_alls).
     """
     moe = shape.moe
     if moe is None:   # only a hand-written `plan --strategy ep=N` asks this of a dense model
@@ -199,7 +199,7 @@ def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int
         kind = resolve(cand.expert_exchange, platform)
         rows = T * k if kind == "ragged" else received_rows(kind, T, k, E, X)
         vote = 0.0 if kind == "padded" else ring * 2 * 4 * forward_runs             # an all-reduce, not all_to_all
-        sizes = ring * 3 * X * 4 if kind == "ragged" else 0.0
+        sizes = ring * 4 * X * 4 if kind == "ragged" else 0.0
         exchange, ids = ring * rows * h * e, (ring * rows * 4 + sizes) * forward_runs + vote
     predicted = exchange * 2 * (1 + forward_runs) * per_step + ids * per_step
     return {"formula": formula, "predicted": predicted, "tokens_per_device": T, "vote": vote * per_step,
