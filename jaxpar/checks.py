@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
 from jaxpar.config import ConfigError
+from jaxpar.env import ENV_NUM_PROCESSES
 
 
 def writable_dir(path, field: str) -> None:
@@ -122,3 +125,28 @@ def add_config_arguments(p: argparse.ArgumentParser, *, config_help: str | None 
                        help=config_help or "config file defining get_config() (default: the embedded default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help=set_help or "override a config field, e.g. --set model.layers=4 --set mesh.fsdp=8 (repeatable)")
+
+
+def config_before_jax(config, cpu_devices: int | None, resumed: bool, environ=os.environ) -> None:
+    """Every config check that needs no device, before JAX is imported (which takes a minute on a loaded machine).
+
+    The fields alone; then the mesh and parallel checks of `config_checks.validate` wherever the job's device
+    count is known without JAX: `--cpu-devices N` on the CPU platform gives N per process (the processes that
+    `jaxpar launch` or Slurm start). Otherwise the mesh's product stands in for the device count (`make_mesh`
+    compares it with the real devices once JAX has them), a -1 axis counted as 1: the checks that depend on its
+    size are divisibility by it, which a smaller size cannot fail where the real one passes; except that
+    sequence parallelism refuses mesh.tensor=1, so a -1 tensor waits for JAX. Where JAX is imported already
+    (the command run in-process), the real devices are a moment away and the stand-in is not used.
+    """
+    from jaxpar.config import MESH_AXES, validate, validate_fields
+    validate_fields(config)
+    processes = int(environ.get(ENV_NUM_PROCESSES) or (environ.get("SLURM_STEP_ID") and environ.get("SLURM_NTASKS"))
+                    or 1)
+    if cpu_devices and cpu_devices > 0 and environ.get("JAX_PLATFORMS") == "cpu":
+        devices = cpu_devices * processes
+    elif int(config.mesh.tensor) > 0 and "jax" not in sys.modules:
+        devices = math.prod(max(int(config.mesh[axis]), 1) for axis in MESH_AXES)
+    else:
+        return
+    validate(config, devices, processes=None if resumed else processes,
+             platform="cpu" if cpu_devices and processes == 1 else None)

@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 
-from jaxpar.env import EXIT_BAD_INPUT
+from jaxpar.env import EXIT_BAD_INPUT, start_platform
 
 
 class Parser(argparse.ArgumentParser):
@@ -273,20 +273,9 @@ def train_config(args):
     return config
 
 
-def start_platform(args) -> None:
-    """JAX on the CPU platform alone where the command runs on CPU devices (jaxpar.env.cpu_platform_only); the
-    variable also reaches the processes the command starts."""
-    from jaxpar.env import cpu_platform_only
-    if cpu_platform_only(os.environ, bool(getattr(args, "cpu_devices", None)) or args.subcommand == "dryrun"):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        if "jax" in sys.modules:   # imported already: the variable is read at import, the setting still applies
-            sys.modules["jax"].config.update("jax_platforms", "cpu")
-
-
 def check(args) -> None:
     """Refuse what can be refused before JAX or a lab is imported; `args.config_loaded`: train's config."""
     from jaxpar import checks
-    from jaxpar.config import validate_fields
     args.config_loaded = None
     if getattr(args, "out", None):
         if args.subcommand in ("slurm", "k8s"):
@@ -295,8 +284,8 @@ def check(args) -> None:
             checks.writable_dir(args.out, "--out")
     if args.subcommand == "train":
         args.metrics_host = checks.metrics_address(args.metrics_port, args.metrics_host)
-        args.config_loaded = train_config(args)
-        validate_fields(args.config_loaded)
+        args.config_loaded = train_config(args)   # then every check that needs no device, before JAX:
+        checks.config_before_jax(args.config_loaded, args.cpu_devices, resumed=args.resume)
         if args.config_loaded.train.tensorboard:
             from jaxpar.cluster.metrics import summary_writer_class
             summary_writer_class()

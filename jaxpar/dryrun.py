@@ -31,8 +31,8 @@ def calibrated_step(config, sizes: dict[str, int], vocab: int, machine: dict, n:
     from jaxpar.plan.planner import predict_config
     from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration
     if machine["platform"] == "cpu":
-        host = hardware.probe_host()
-        cluster = cpu_cluster(n, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9)
+        host, (flops, _) = hardware.probe_host(), hardware.host_matmul_peak(n)   # the peak: the kept probe
+        cluster = cpu_cluster(n, {}, flops, host.hbm_bw, host.hbm_bytes or 16e9)
         calibration = Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
                                   source="η not calibrated on CPU here: `jaxpar lab capstone` measures it")
     else:

@@ -14,6 +14,7 @@ goodput accounting (cluster/goodput.py) and metrics sinks (cluster/metrics.py).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -165,17 +166,7 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     validation = [to_global(b, strategy.batch_sharding, config.train.batch_size)
                   for b in val_batches(data.val, config.train.batch_size, config.train.eval_batches, rows)]
     checkpoints = Checkpoints(run_dir / "checkpoints", config.train.keep_checkpoints, notice=say)
-    start = 0
-    if resume:
-        start, state = checkpoints.restore(strategy.abstract_state)
-        if start is None:
-            raise ConfigError("--resume", f"no intact checkpoint in '{run_dir / 'checkpoints'}' "
-                              "(every step is damaged or unreadable); start a new run")
-        checkpoints.set_aside_damaged()
-        say(f"resumed from step {start} (global sample {start * config.train.batch_size:,}) on "
-            f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
-    else:
-        state = strategy.init_state()
+    start, state = _initial_state(strategy, checkpoints, config.train.batch_size, resume, preemption, lock)
     # The data position is global: the run continues at global batch `start`, whatever the process count.
     iterator = iter(train_dataset(data.train, config.train.batch_size, config.data.shuffle_seed, rows, start))
     continued = start if resume or restart else None   # a restart from step 0 drops what the lost attempt logged
@@ -188,7 +179,7 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     try:
         preemption.stop_if_requested(f"before step {start + 1}")
         run = _Run(config, run_dir, strategy, data, model_cfg, validation, checkpoints, metrics_log, goodput, sinks,
-                   guard, preemption, counts, config_changed)
+                   guard, preemption, lock, counts, config_changed)
         return _loop(run, state, start, iterator, window, peak)
     except OSError as err:   # e.g. the run directory deleted mid-run: one line, exit 74
         failed = write_failed(err, run_dir)
@@ -198,6 +189,23 @@ def _train(config, run_dir, resume, overwrite, restart, profile, metrics_address
     finally:
         checkpoints.close()   # also after an error, so that no Orbax thread outlives the run
         sinks.close(metrics_linger_s)
+
+
+def _initial_state(strategy, checkpoints, batch_size: int, resume: bool, preemption, lock) -> tuple[int, dict]:
+    """(step, state): the last intact checkpoint's, or step 0's. Nothing new exists meanwhile: a notice ends the
+    process at once, also while XLA compiles the initialisation."""
+    if not resume:
+        with preemption.exits_at_once("initialising the state", lock.release):
+            return 0, strategy.init_state()
+    with preemption.exits_at_once("restoring the last checkpoint", lock.release):
+        start, state = checkpoints.restore(strategy.abstract_state)
+    if start is None:
+        raise ConfigError("--resume", f"no intact checkpoint in '{checkpoints.directory}' "
+                          "(every step is damaged or unreadable); start a new run")
+    checkpoints.set_aside_damaged()
+    say(f"resumed from step {start} (global sample {start * batch_size:,}) on "
+        f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
+    return start, state
 
 
 @dataclasses.dataclass
@@ -215,6 +223,7 @@ class _Run:
     sinks: Sinks
     guard: NonFiniteGuard
     preemption: Preemption
+    lock: RunLock
     counts: dict
     config_changed: bool = False   # config.json still holds the resumed run's config: written at the first save
 
@@ -289,7 +298,10 @@ def _step(run: _Run, tally: _Tally, profiler: StepProfiler, state, iterator, ste
     profiler.before(step)
     tally.excluded += time.perf_counter() - side_start
     dispatched = time.perf_counter()
-    with profiler.annotate(step):
+    # the first step compiles (seconds to minutes): nothing new exists yet, so a notice meanwhile ends it at once
+    compiling = tally.compile_s is None
+    with profiler.annotate(step), (run.preemption.exits_at_once(f"compiling step {step}", run.lock.release)
+                                   if compiling else contextlib.nullcontext()):
         state, metrics = run.strategy.step(state, batch)
     tally.clock.dispatched(step, metrics, dispatched)
     if profiler.stops_after(step):
@@ -315,8 +327,10 @@ def _step(run: _Run, tally: _Tally, profiler: StepProfiler, state, iterator, ste
 
 
 def _first_step_timed(run: _Run, tally: _Tally) -> None:
-    """The first step includes the compile: book it as start-up and start the first logging interval after it."""
-    tally.clock.wait()
+    """The first step includes the compile: book it as start-up and start the first logging interval after it.
+    Until it ends nothing new exists, and a peer may still be compiling: a notice ends the process at once."""
+    with run.preemption.exits_at_once("running the first step", run.lock.release):
+        tally.clock.wait()
     tally.compile_s = time.perf_counter() - tally.interval_start
     run.goodput.add("startup_compile", tally.compile_s - tally.excluded)
     say(f"first step (compile + run): {tally.compile_s:.1f} s")

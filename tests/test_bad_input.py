@@ -185,7 +185,11 @@ def run_cli(args: list, cwd, *, jax_free: bool = True) -> subprocess.CompletedPr
     (["dryrun", "--config", TINY, "--set", "model.vocab_size=512", "--out", "/proc/jaxpar-x"], "--out"),
     (["sample", "--run-dir", "{inputs}/run", "--prompt", b"\xff\xfe"], "--prompt"),
     (["plan", "--tokens", "1e9", "--gpu", "h1000"], "--gpu"),
-], ids=["train", "slurm", "dryrun", "sample-bytes", "plan"])
+    # the mesh and parallel checks: the device count from --cpu-devices, or the mesh's own product
+    (["train", "--config", TINY, "--set", "mesh.data=3", "--cpu-devices", "8", "--run-dir", "run"], "mesh"),
+    (["train", "--config", TINY, "--set", "mesh.tensor=3", "--run-dir", "run"], "model.heads"),
+    (["train", "--config", TINY, "--set", "parallel.sequence=true", "--run-dir", "run"], "parallel.sequence"),
+], ids=["train", "slurm", "dryrun", "sample-bytes", "plan", "mesh-vs-cpu-devices", "mesh-tensor", "parallel"])
 def test_a_shell_gets_one_line_and_jax_is_never_imported(tmp_path, args, field):
     make_inputs(tmp_path / "inputs")
     work = tmp_path / "work"

@@ -44,10 +44,10 @@ def damaged_copy(reference, tmp_path, damage, steps=(8,), every_file=False):
     return run_dir
 
 
-def overwrite_at(path, fraction):
+def overwrite_at(path, fraction, floats=500):
     with open(path, "r+b") as f:
         f.seek(int(path.stat().st_size * fraction))
-        f.write(struct.pack("<f", 0.5) * 500)
+        f.write(struct.pack("<f", 0.5) * floats)
 
 
 def plain_restore(checkpoint, abstract):
@@ -64,31 +64,34 @@ def plain_restore(checkpoint, abstract):
 
 
 def overwrite(path):
-    """2,000 bytes overwritten in place (size unchanged) where Orbax still restores, with wrong values, silently.
+    """Bytes overwritten in place (size unchanged) where Orbax still restores, with wrong values, silently.
 
     Where the bytes land depends on how TensorStore laid the arrays out (it varies from run to run):
     some places break the file's framing (then it is `truncate`'s case), some hold no live data. Each
-    place is tried on a scratch copy with a plain Orbax restore, compared with the undamaged values.
+    place is tried on a scratch copy with a plain Orbax restore, compared with the undamaged values:
+    2,000 bytes first, then a single float, which fits between the framing where a long write cannot.
     """
     checkpoint = next(p for p in path.parents if p.parent.name == "checkpoints")   # <run>/checkpoints/<step>
     abstract = abstract_state(checkpoint.parent.parent)
     intact = plain_restore(checkpoint, abstract)
     scratch = checkpoint.parent.parent.parent / "scratch" / "checkpoints" / checkpoint.name
     others = [f for f in array_files(checkpoint.parent.parent, checkpoint.name) if f != path]
-    for target in [path, *others]:          # the largest file first; another where its layout leaves no place
-        for fraction in np.linspace(0.95, 0.05, 19):
+    places = [(target, fraction, floats) for floats in (500, 1)
+              for target in [path, *others]     # the largest file first; another where its layout leaves no place
+              for fraction in np.linspace(0.95, 0.05, 19)]
+    for target, fraction, floats in places:
+        shutil.rmtree(scratch.parent, ignore_errors=True)
+        shutil.copytree(checkpoint, scratch)
+        overwrite_at(scratch / target.relative_to(checkpoint), fraction, floats)
+        try:
+            damaged = plain_restore(scratch, abstract)
+        except Exception:  # noqa: BLE001 - this place breaks the framing: try another
+            continue
+        finally:
             shutil.rmtree(scratch.parent, ignore_errors=True)
-            shutil.copytree(checkpoint, scratch)
-            overwrite_at(scratch / target.relative_to(checkpoint), fraction)
-            try:
-                damaged = plain_restore(scratch, abstract)
-            except Exception:  # noqa: BLE001 - this place breaks the framing: try another
-                continue
-            finally:
-                shutil.rmtree(scratch.parent, ignore_errors=True)
-            if any(not np.array_equal(a, b) for a, b in zip(intact, damaged)):
-                overwrite_at(target, fraction)
-                return
+        if any(not np.array_equal(a, b) for a, b in zip(intact, damaged)):
+            overwrite_at(target, fraction, floats)
+            return
     pytest.fail("no place found where overwritten bytes still restore")
 
 

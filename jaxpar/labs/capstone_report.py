@@ -39,11 +39,13 @@ def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed, parts:
 
 
 def plan_section(p, config) -> list[str]:
+    from jaxpar.plan.command import efficiency_lines
     from jaxpar.plan.planner import defence, summary_line, table
     from jaxpar.plan.verify import annotate, buildable_sentence
     best = p.best
     annotate(p, config, 10)
-    lines = ["## a. The plan", "", summary_line(p), "", table(p, 10), "", "![plan](plan.png)", "",
+    efficiency, spread = efficiency_lines(p)        # jaxpar's η, its anchor and its leave-one-out range
+    lines = ["## a. The plan", "", summary_line(p), "", *efficiency, table(p, 10, spread), "", "![plan](plan.png)", "",
              "### Defence", "", defence(p) + " " + buildable_sentence(p, config), "",
              f"## The chosen strategy: {best.label}", "",
              "| memory per device | GB |", "|---|---:|"]
@@ -117,14 +119,17 @@ def _spread(values: list[float]) -> float:
 def anchor_section(anchors) -> list[str]:
     """The anchor table: published tokens/s per GPU vs the planner's prediction of the run's own strategy."""
     lines = ["Published H100 runs, each predicted with its OWN strategy and memory layout and its framework's η "
-             "(role η / fp8: that anchor fits it; check: predicted with the fitted values). Tokens/s per GPU:", "",
+             "(role η / fp8: that anchor fits it, so its 1.00 is labelled fitted: the fit, not a check; check: "
+             "predicted with the fitted values; `jaxpar plan` prints each η's leave-one-out range). Tokens/s per "
+             "GPU:", "",
              "| anchor | framework (η) | role | cluster | batch | strategy | layout | published | predicted | "
              "predicted / published | MFU (bf16 peak) | fits |",
              "|---|---|---|---|---|---|---|---:|---:|---:|---:|---|"]
     for a in anchors:
         lines.append(f"| {a['anchor']} | {a['framework']} ({a['eta']:.3f}) | {a['role']} | {a['cluster']} | "
                      f"{a['batch']} | {a['strategy']} | {a['layout']} | {a['published']:,.0f} | "
-                     f"{a['predicted']:,.0f} | {a['ratio']:.2f} | {a['mfu']:.1%} | "
+                     f"{a['predicted']:,.0f} | {a['ratio']:.2f}{' (fitted)' if a.get('fitted') else ''} | "
+                     f"{a['mfu']:.1%} | "
                      f"{'yes' if a['fits'] else 'no'} ({a['memory_gb']:.0f} GB) |")
     notes = sorted({a["note"] for a in anchors if a["note"]})
     lines += ["", *[f"- {n}" for n in notes],

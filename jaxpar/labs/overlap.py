@@ -1,17 +1,19 @@
 """Lab 09 (experiments/09_overlap): communication hidden behind computation, compiled and measured.
 
 GPU part (deviceless XLA:GPU compiles of the 7B on 64 H100s, `jaxpar dryrun --target h100`): each
-layout under XLA's latency-hiding scheduler on and off, XLA's windowed-einsum collective matmul on
-the automatic tensor layout, and the hand-written versions (ZeRO-2 gradient buckets, ZeRO-3 prefetch,
-collective matmul).
+layout under XLA's latency-hiding scheduler on and off, with and without the pipelined collectives
+jaxpar sets by default on GPU (jaxpar/env.py: "pipelined off" is without), XLA's windowed-einsum
+collective matmul on the automatic tensor layout, and the hand-written versions (ZeRO-2 gradient
+buckets, ZeRO-3 prefetch, collective matmul).
 From each compiled schedule (measure/overlap.py): per mesh axis the α-β communication time, the
 part hidden behind compute scheduled between a collective's start and done, the exposed part;
 and the planner's predicted step time. Each compile runs in its own process: XLA_FLAGS are read
 once, when XLA starts.
 
 CPU part (the default model on 8 virtual CPU devices): the hand-written versions against one
-device (same losses), and one profiled step of each: how much of each device's collective time
-a compute op of the same device ran beside (does XLA:CPU overlap at all?), and the timeline.
+device (same losses), each one's step time (wall clock, median of its steps) beside its collective
+time, and one profiled step of each: how much of each device's collective time a compute op of the
+same device ran beside (does XLA:CPU overlap at all?), and the timeline.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxpar.config import preset
+from jaxpar.env import PIPELINED_COLLECTIVES
 from jaxpar.labs.arguments import OVERLAP_PARTS
 from jaxpar.labs.arguments import overlap as add_arguments
 from jaxpar.units import fmt_bytes
@@ -33,46 +36,50 @@ ROOT = Path(__file__).resolve().parents[2]
 SEVEN_B = str(preset("arabic_7b"))
 TOPOLOGY = "1x8x8"                      # 8 hosts x 8 H100s
 HAND_TP = ["mesh.fsdp=1", "mesh.data=8", "mesh.tensor=8", "parallel.tensor=manual", "parallel.sequence=true"]
-# name -> (overrides of the 7B config, the planner's strategy key: the candidate's data_impl, "+tensor" when
-# mesh.tensor > 1; the hand-written TP keys are recorded for the sheet, the planner has no such candidate)
+# name -> overrides of the 7B config; the planner's key for each is its whole layout (plan/overlap.layout_key)
 LAYOUTS = {
-    "fsdp (XLA)": (["mesh.data=1", "mesh.fsdp=64"], "auto"),
-    "fsdp x tensor (XLA)": (["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8"], "auto+tensor"),
-    "zero3 (by hand)": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3"], "zero3"),
-    "zero3 + prefetch": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3", "parallel.prefetch=true"],
-                         "zero3+prefetch"),
+    "fsdp (XLA)": ["mesh.data=1", "mesh.fsdp=64"],
+    "fsdp x tensor (XLA)": ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8"],
+    "zero3 (by hand)": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3"],
+    "zero3 + prefetch": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero3", "parallel.prefetch=true"],
     # DDP keeps 16 bytes per parameter on every GPU: 8 of the 7B's 32 layers fit in 80 GB (all 32 do not, and
     # over the memory limit XLA's scheduler overlaps nothing)
-    "ddp, 8 layers (by hand)": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=ddp", "model.layers=8"], "ddp"),
-    "ddp + buckets, 8 layers": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=ddp", "model.layers=8",
-                                 "parallel.grad_buckets=4"], "ddp+buckets"),
-    "zero2 (by hand)": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero2"], "zero2"),
-    "zero2 + buckets": (["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero2", "parallel.grad_buckets=8"],
-                        "zero2+buckets"),
-    "tp+sp (by hand)": (HAND_TP, "tensor-manual"),
-    "tp+sp + collective matmul": ([*HAND_TP, "parallel.tensor_overlap=collective_matmul"], "tensor-manual+cm"),
-    "tp+sp + bidirectional": ([*HAND_TP, "parallel.tensor_overlap=bidirectional"], "tensor-manual+bidir"),
+    "ddp, 8 layers (by hand)": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=ddp", "model.layers=8"],
+    "ddp + buckets, 8 layers": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=ddp", "model.layers=8",
+                                "parallel.grad_buckets=4"],
+    "zero2 (by hand)": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero2"],
+    "zero2 + buckets": ["mesh.fsdp=1", "mesh.data=64", "parallel.data=zero2", "parallel.grad_buckets=8"],
+    "tp+sp (by hand)": HAND_TP,
+    "tp+sp + collective matmul": [*HAND_TP, "parallel.tensor_overlap=collective_matmul"],
+    "tp+sp + bidirectional": [*HAND_TP, "parallel.tensor_overlap=bidirectional"],
 }
+PIPELINED_ON = " ".join(f"{flag}=true" for flag in PIPELINED_COLLECTIVES)     # jaxpar's GPU default (jaxpar/env.py)
+PIPELINED_OFF = " ".join(f"{flag}=false" for flag in PIPELINED_COLLECTIVES)
 FLAGS = {                               # XLA_FLAGS of each variant (names as XLA 0.10.2 spells them)
-    "scheduler on": "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "scheduler off": "--xla_gpu_enable_latency_hiding_scheduler=false",
-    "async off": "--xla_gpu_disable_async_collectives=allreduce,allgather,reducescatter,alltoall,collectivepermute",
+    "scheduler on": f"--xla_gpu_enable_latency_hiding_scheduler=true {PIPELINED_ON}",
+    "pipelined off": f"--xla_gpu_enable_latency_hiding_scheduler=true {PIPELINED_OFF}",
+    "scheduler off": f"--xla_gpu_enable_latency_hiding_scheduler=false {PIPELINED_OFF}",
+    "async off": ("--xla_gpu_disable_async_collectives=allreduce,allgather,reducescatter,alltoall,collectivepermute "
+                  f"{PIPELINED_OFF}"),
     "windowed einsum": ("--xla_gpu_enable_latency_hiding_scheduler=true "
-                        "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"),
+                        "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true "
+                        f"{PIPELINED_ON}"),
 }
 WINDOWED = ("fsdp x tensor (XLA)",)     # windowed einsum rewrites XLA's own sharded matmuls only
 
 
 def gpu_runs(layouts) -> list[tuple[str, str]]:
-    """(layout, flags) pairs: every layout with the scheduler on and off and with synchronous collectives (the
-    no-overlap baseline), windowed einsum where it applies."""
-    runs = [(name, flags) for name in layouts for flags in ("scheduler on", "scheduler off", "async off")]
+    """(layout, flags) pairs: every layout with the scheduler on (with jaxpar's default pipelined collectives, and
+    without them: "pipelined off") and off and with synchronous collectives (the no-overlap baseline), windowed
+    einsum where it applies."""
+    runs = [(name, flags) for name in layouts for flags in ("scheduler on", "pipelined off", "scheduler off",
+                                                            "async off")]
     return runs + [(name, "windowed einsum") for name in layouts if name in WINDOWED]
 
 
 def compile_7b(name: str, flags: str, out: Path, log=print) -> dict:
     """One deviceless dry run in a fresh process; its overlap section, step time and compile time."""
-    overrides, strategy = LAYOUTS[name]
+    overrides = LAYOUTS[name]
     where = out / "dryruns" / f"{name}-{flags}".replace(" ", "_").replace("(", "").replace(")", "").replace("+", "p")
     args = [sys.executable, "-m", "jaxpar.cli", "dryrun", "--config", SEVEN_B, "--target", "h100",
             "--topology", TOPOLOGY, "--out", str(where)]
@@ -88,11 +95,21 @@ def compile_7b(name: str, flags: str, out: Path, log=print) -> dict:
     ov = r["overlap"]
     log(f"  {name}, {flags}: {ov['hidden_fraction']:.1%} of {ov['comm_s'] * 1e3:.0f} ms hidden "
         f"({time.perf_counter() - start:.0f} s)")
-    return {"layout": name, "flags": flags, "strategy": strategy, "by_axis": ov["by_axis"],
+    return {"layout": name, "flags": flags, "strategy": layout_of(overrides, r["mesh"]), "by_axis": ov["by_axis"],
             "hidden_fraction": ov["hidden_fraction"], "comm_s": ov["comm_s"], "exposed_s": ov["exposed_s"],
             "replayed_step_s": ov["replayed_step_s"], "planner_step_s": r["time"]["calibrated"]["step_s"],
             "compute_s": r["time"]["compute_s"], "peak_bytes": r["memory"]["compiled"]["peak"],
             "compile_s": r["timing"]["compile_s"]}
+
+
+def layout_of(overrides: list[str], sizes: dict[str, int]) -> str:
+    """The planner's key of a compiled layout (plan/overlap.layout_key): the 7B config with `overrides`, as run."""
+    from jaxpar.config import apply_overrides, load_config
+    from jaxpar.parallel.theory import candidate_from_config
+    from jaxpar.plan.overlap import layout_key
+    config = load_config(SEVEN_B)
+    apply_overrides(config, overrides)
+    return layout_key(candidate_from_config(config, sizes))
 
 
 def gpu_part(out: Path, layouts, log=print) -> list[dict]:
@@ -252,20 +269,24 @@ def cpu_part(out: Path, steps: int, overrides: list[str], log=print) -> dict:
         strategy = make_strategy(config, ModelConfig.from_config(config.model, vocab), make_mesh(config, devices))
         with jax.set_mesh(strategy.mesh):
             step = strategy.lower_step().compile()
-            state, losses = strategy.init_state(), []
+            state, losses, times = strategy.init_state(), [], []
             for batch in batches:
-                state, metrics = step(state, jax.device_put(batch, strategy.batch_sharding))
-                losses.append(float(metrics["loss"]))
-        row = {"losses": losses, "temp_bytes": step.memory_analysis().temp_size_in_bytes}
+                placed = jax.device_put(batch, strategy.batch_sharding)
+                start = time.perf_counter()
+                state, metrics = step(state, placed)
+                losses.append(float(metrics["loss"]))          # waits for the step
+                times.append(time.perf_counter() - start)
+        row = {"losses": losses, "step_times_s": times, "step_s": float(np.median(times)),
+               "temp_bytes": step.memory_analysis().temp_size_in_bytes}
         if name != "one device":
             want = np.array(results["one device"]["losses"])
             row["max_loss_rel_dev"] = float(np.max(np.abs(np.array(losses) - want) / want))
             row["profile"] = profile_step(strategy, step, state, jax.device_put(batches[0], strategy.batch_sharding))
             row["schedule"] = {k: v for k, v in schedule.analyse(step.as_text(), strategy.mesh,
                                {"platform": "cpu"}, 1e11).items() if k != "collectives"}
-            log(f"  {name}: max loss deviation {row['max_loss_rel_dev']:.1e}, profile: "
-                f"{row['profile']['overlapped_fraction']:.1%} of {row['profile']['collective_us'] / 1e3:.1f} ms "
-                "of collectives beside compute")
+            log(f"  {name}: max loss deviation {row['max_loss_rel_dev']:.1e}, step {row['step_s'] * 1e3:.0f} ms, "
+                f"profile: {row['profile']['overlapped_fraction']:.1%} of "
+                f"{row['profile']['collective_us'] / 1e3:.1f} ms of collectives beside compute")
         results[name] = row
     return results
 
@@ -298,11 +319,16 @@ def cpu_table(cpu: dict) -> list[str]:
             continue
         p, sch = r["profile"], r["schedule"]
         rows.append([name, f"{r['max_loss_rel_dev']:.1e}", fmt_bytes(r['temp_bytes']),
+                     f"{r['step_s'] * 1e3:.0f} ms" if "step_s" in r else "",
                      f"{p['collective_us'] / 1e3:.1f} ms", f"{p['overlapped_fraction']:.1%}",
                      (f"{sum(a['async'] for a in sch['by_axis'].values())} of "
                      f"{sum(a['collectives'] for a in sch['by_axis'].values())}")])
-    return [md_table(["hand-written", "max loss rel. dev. vs one device", "compiled temp", ("collective time "
-                      "(profile, all devices)"), "of it beside compute (same device)", "async collectives"], rows)]
+    one = cpu.get("one device", {}).get("step_s")
+    return [md_table(["hand-written", "max loss rel. dev. vs one device", "compiled temp",
+                      "step (wall, median of the steps)", "collective time (profile, all devices)",
+                      "of it beside compute (same device)", "async collectives"], rows),
+            "", "Step times are wall clock on a host whose cores the 8 virtual devices share (and other jobs may load)"
+            + (f"; one device: {one * 1e3:.0f} ms per step." if one else ".")]
 
 
 SHEET_HEADER = """# Lab 09: communication hidden behind computation

@@ -50,12 +50,12 @@ def _links(found, mesh, machine) -> dict[str, tuple[str, float]]:
 
 def _peak_flops(config, machine, num_devices: int) -> tuple[float, str]:
     from jaxpar.measure import hardware
-    if machine["platform"] == "cpu":
-        host = hardware.probe_host()
+    if machine["platform"] == "cpu":   # the host's kept probe, as `train` divides by (JAXPAR_REPROBE_PEAK=1: anew)
+        flops, source = hardware.host_matmul_peak(num_devices)
         dtype = config.train.compute_dtype
         note = "" if dtype == "float32" else f" (float32 measured, used for {dtype})"
-        return host.fp32_flops / num_devices, (f"host f32 matmul {host.fp32_flops / 1e9:.1f} GFLOP/s (measured) "
-                                                f"shared by {num_devices} virtual devices{note}")
+        return flops / num_devices, (f"host f32 matmul {flops / 1e9:.1f} GFLOP/s shared by {num_devices} virtual "
+                                     f"devices{note} ({source})")
     acc = hardware.ACCELERATORS[machine["accelerator"]]
     if config.train.compute_dtype == "float8" and acc.fp8_flops:
         return acc.fp8_flops, f"{acc.name} fp8 dense peak (only the weight matmuls run in fp8)"

@@ -203,12 +203,18 @@ def _cpu_model() -> str:
 
 
 def host_matmul_peak(devices: int) -> tuple[float, str]:
-    """This host's float32 matmul FLOP/s, probed once and kept, and where it comes from.
+    """This host's float32 matmul FLOP/s, probed once and kept, and where it comes from (`kept_host_probe`)."""
+    kept = kept_host_probe(devices)
+    return kept["fp32_flops"], kept["where"]
+
+
+def kept_host_probe(devices: int) -> dict:
+    """This host's probe (fp32_flops, hbm_bw: its copy bandwidth, hbm_bytes), probed once and kept, and `where`.
 
     A probe moves with the host's load (63.8 then 35.8 GFLOP/s on two starts of a shared host), so two
-    runs' MFUs compare only against one figure: the first probe is written to the jaxpar cache
-    (JAXPAR_CACHE, host_peak/), keyed by host name, CPU model and count, jaxlib and device count, and
-    later runs reuse it. JAXPAR_REPROBE_PEAK=1 probes again and replaces it.
+    runs' MFUs, or two `jaxpar plan --cpu-devices` invocations, compare only against one figure: the first
+    probe is written to the jaxpar cache (JAXPAR_CACHE, host_peak/), keyed by host name, CPU model and count,
+    jaxlib and device count, and later runs reuse it. JAXPAR_REPROBE_PEAK=1 probes again and replaces it.
     """
     import jaxlib
 
@@ -220,13 +226,15 @@ def host_matmul_peak(devices: int) -> tuple[float, str]:
     if os.environ.get(REPROBE_ENV, "0") in ("", "0") and path.is_file():
         try:
             kept = json.loads(path.read_text())
-            return float(kept["fp32_flops"]), (f"kept from this host's probe of {kept['probed_at']} in {path} "
-                                               f"({REPROBE_ENV}=1 probes again): {kept['source']}")
+            return {"fp32_flops": float(kept["fp32_flops"]), "hbm_bw": kept["hbm_bw"],
+                    "hbm_bytes": kept.get("hbm_bytes"),
+                    "where": (f"kept from this host's probe of {kept['probed_at']} in {path} ({REPROBE_ENV}=1 "
+                              f"probes again): {kept['source']}")}
         except (OSError, ValueError, KeyError, TypeError):
-            pass   # unreadable: probe again and rewrite it
+            pass   # unreadable, or written before the copy bandwidth was kept: probe again and rewrite it
     host = probe_host()
-    record = {**key, "fp32_flops": host.fp32_flops, "source": host.source,
-              "probed_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    record = {**key, "fp32_flops": host.fp32_flops, "hbm_bw": host.hbm_bw, "hbm_bytes": host.hbm_bytes,
+              "source": host.source, "probed_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.tmp")   # processes of one job may write at once
@@ -235,7 +243,8 @@ def host_matmul_peak(devices: int) -> tuple[float, str]:
         kept_at = f"probed now and kept in {path} for later runs ({REPROBE_ENV}=1 probes again)"
     except OSError as err:
         kept_at = f"probed now, not kept ({path.parent}: {err.strerror})"
-    return host.fp32_flops, f"{kept_at}: {host.source}"
+    return {"fp32_flops": host.fp32_flops, "hbm_bw": host.hbm_bw, "hbm_bytes": host.hbm_bytes,
+            "where": f"{kept_at}: {host.source}"}
 
 
 _DTYPE_FIELD = {

@@ -17,7 +17,7 @@ from jaxpar.parallel.registry import predict, workload
 from jaxpar.parallel.theory import Candidate, Prediction
 
 SCORE_BYTES = 10.7            # per S x S element, one layer's backward working set (einsum attention)
-WORKING_TOKEN_BYTES = 6.9     # per token x d_model, one layer's backward working set (not split by tensor)
+WORKING_TOKEN_BYTES = 6.9     # per token x d_model, one layer's backward working set (split by tensor only under SP)
 NONE_SCORE_BYTES = 9.6        # per S x S element per layer kept without remat
 NONE_TOKEN_BYTES = 59.4       # per token x d_model per layer kept without remat
 LAYER_WEIGHT_BYTES = 0.37     # per parameter of one layer (/ tensor)
@@ -113,6 +113,13 @@ def expert_buffers(shape: ModelShape, cand: Candidate, b: float, s: int, platfor
     return rows * (2 * shape.d_model + 3 * shape.expert_mlp_dim / cand.tensor) * e
 
 
+def sequence_split(cand: Candidate) -> int:
+    """How many ways the token-wide activations (the residual stream, norms, the layer's input kept for the
+    backward) are split: tensor under sequence parallelism (Megatron's point: [s/t, b, h] between the
+    column- and row-parallel matmuls), else 1 (plain tensor parallelism keeps them whole on every device)."""
+    return cand.tensor if cand.sequence else 1
+
+
 def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int) -> float:
     """Bytes one layer keeps for the backward pass, per microbatch on one device (the activations term of
     experiments/07_capstone/README.md, "How the model is built")."""
@@ -121,11 +128,12 @@ def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_le
     b = global_batch / cand.batch_shards / cand.microbatches
     widths = (shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
               + 2 * (shape.expert_mlp_dim * shape.top_k if shape.experts else shape.mlp_dim)) / T
+    token = 1 / sequence_split(cand)            # the token-wide activations a device keeps (sequence parallelism)
     if cand.remat == "none":
         scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * s * s
-        per_layer = b * (scores + NONE_TOKEN_BYTES * e / 2 * s * h + s * h * e)
+        per_layer = b * (scores + (NONE_TOKEN_BYTES * e / 2 * s * h + s * h * e) * token)
     else:
-        per_layer = b * s * h * e + (b * s * widths * e if cand.remat == "dots" else 0)
+        per_layer = b * s * h * e * token + (b * s * widths * e if cand.remat == "dots" else 0)
     if cand.precision == "float8" and cand.remat != "full" and cand.pipe == 1:
         per_layer += fp8_residuals(shape, cand, b, s)
     return per_layer
@@ -158,7 +166,10 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     activations = per_layer * L * layers_each * count
 
     scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * s
-    layer_work = scores + WORKING_TOKEN_BYTES * scale * b * s * h + expert_buffers(shape, cand, b, s, platform)
+    # under sequence parallelism the working set is split too, but for the gathered [b, s, h] input of a matmul
+    split = sequence_split(cand)
+    tokens_work = WORKING_TOKEN_BYTES * scale / split + (e if split > 1 else 0)
+    layer_work = scores + tokens_work * b * s * h + expert_buffers(shape, cand, b, s, platform)
     head_work = LOGIT_BYTES * b * s * shape.vocab / T
     layer_params = (shape.counts()["blocks"] - shape.counts()["experts"] * (1 - 1 / cand.expert)) / L / T
     working = max(layer_work, head_work) + LAYER_WEIGHT_BYTES * scale * layer_params

@@ -118,7 +118,7 @@ def tensor_bytes(shape, cand: Candidate, program, a: float, tokens: int) -> Flow
         embed, embed_grad = 1 + 4 * dense, (2 + 8 * dense if dense else 1)
         stats = 2 * ring * 4 * (3 * shape.moe.experts + 2) if moe else 0
         again = cand.remat != "none"        # the backward's recomputed router: gates, ids, one E vector again
-        moe_f, moe_b = 2 * gates + stats, gates + (2 * gates + 2 * ring * 4 * shape.moe.experts if again else 0)
+        moe_f, moe_b = 2 * gates + stats, gates + (2 * gates + 2 * ring * 4 * shape.moe.experts if again and moe else 0)
         arrays = (3, 4 if again else 1)
     else:
         per_f, per_b = 4 + shared, 4 + shared + (2 if cand.remat == "full" else 0)

@@ -39,9 +39,13 @@ class Candidate:
     tensor_impl: str = "auto"      # parallel.tensor
     expert_impl: str = "auto"      # parallel.expert
     expert_exchange: str = "auto"  # parallel.expert_exchange: how manual dropless EP sizes its buffers
-    sequence: bool = False         # parallel.sequence (with tensor_impl = manual)
+    sequence: bool = False         # sequence parallelism over tensor: the token-wide activations split (memory.py);
+    #                                jaxpar builds it as parallel.sequence under tensor_impl manual (plan/verify.py)
     virtual: int = 0               # chunks per stage; 0: VIRTUAL for interleaved, DualPipeV's 2 (its V), else 1
     grad_buckets: int = 0          # parallel.grad_buckets (data_impl ddp, zero2): layer gradients reduced in buckets
+    layout: str = "jaxpar"         # model-state layout the planner's memory assumes (plan/layouts.py)
+    tensor_overlap: str = "none"   # parallel.tensor_overlap (tensor_impl manual + sequence): collective matmul
+    prefetch: bool = False         # parallel.prefetch (data_impl zero3): layer i+1 gathered during layer i
 
     def __post_init__(self):
         if not self.virtual:
@@ -75,9 +79,14 @@ class Candidate:
         return mesh
 
     def label(self) -> str:
+        """The words of `jaxpar plan --strategy` that give back this candidate (plan/strategy.py)."""
+        sp = " sp" if self.sequence else ""
         pipe = f" {self.schedule}" if self.pipe > 1 else ""
-        return (f"{self.mesh_text()}{pipe} m={self.microbatches} remat={self.remat} "
-                f"{ {'bfloat16': 'bf16', 'float8': 'fp8', 'float32': 'fp32'}[self.precision]} {self.attention}")
+        if self.pipe > 1 and self.schedule == "interleaved" and self.virtual != VIRTUAL:
+            pipe += f" v={self.virtual}"
+        state = " dist-opt" if self.layout == "distributed-optimizer" else ""
+        return (f"{self.mesh_text()}{sp}{pipe} m={self.microbatches} remat={self.remat} "
+                f"{ {'bfloat16': 'bf16', 'float8': 'fp8', 'float32': 'fp32'}[self.precision]} {self.attention}{state}")
 
     def span(self, axis: str) -> int:
         """Consecutive device ids one collective group of `axis` spans (mesh order, tensor innermost); a group
@@ -153,7 +162,8 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
     if pipe > 1:
         microbatches = parallel.get("pipe_microbatches", 0) or 2 * pipe   # the pipeline strategies' default
         accumulate = config.train.microbatches
-    return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES}, microbatches=microbatches, accumulate=accumulate,
+    return Candidate(**{axis: sizes.get(axis, 1) for axis in AXES},  # type: ignore[arg-type]  # the int mesh axes
+                     microbatches=microbatches, accumulate=accumulate,
                      schedule=parallel.pipe if pipe > 1 else "", remat=config.train.remat,
                      precision=config.train.compute_dtype,
                      attention="flash" if fused_attention(model.get("attention", "dot"), platform) else "dot",
@@ -161,7 +171,9 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
                      expert_exchange=parallel.get("expert_exchange", "auto"),
                      sequence=bool(parallel.get("sequence", False)),
                      virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0,
-                     grad_buckets=parallel.get("grad_buckets", 0))
+                     grad_buckets=parallel.get("grad_buckets", 0),
+                     tensor_overlap=parallel.get("tensor_overlap", "none"),
+                     prefetch=bool(parallel.get("prefetch", False)))
 
 
 def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str, *,

@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write a Slurm job array into --out: one task per top-N buildable candidate, each trains "
                         "--steps steps and records step time and memory; then `jaxpar plan collect DIR`")
     p.add_argument("--steps", type=int, default=5, metavar="K", help="steps each sweep task trains (default 5)")
+    p.add_argument("--repeats", type=int, default=3, metavar="R",
+                   help="times each sweep task measures its candidate, for a noise estimate (default 3, at least 3)")
+    p.add_argument("--framework", default="jaxpar", metavar="NAME",
+                   help="whose fitted compute efficiency η predicts a GPU plan: jaxpar (default; MaxText's XLA run "
+                        "stands in), maxtext, nemo or torchtitan (plan/anchors.py)")
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -99,6 +104,11 @@ def check_inputs(args):
         raise ConfigError("--sweep", f"is {sweep}; give how many candidates to measure (e.g. 3) and --out DIR")
     if steps < 1:
         raise ConfigError("--steps", f"is {steps}; each sweep task trains at least 1 step")
+    if getattr(args, "repeats", 3) < 3:
+        raise ConfigError("--repeats", f"is {args.repeats}; a noise estimate needs at least 3 repeats")
+    from jaxpar.plan.anchors import FRAMEWORKS
+    if getattr(args, "framework", "jaxpar") not in FRAMEWORKS:
+        raise ConfigError("--framework", f"is '{args.framework}'; valid: {', '.join(FRAMEWORKS)}")
     if getattr(args, "json", None):
         checks.writable_file(args.json, "--json")
     config = load_model_config(args)
@@ -117,14 +127,16 @@ def gpu_cluster_of(args):
 
 
 def host_cluster(devices: int):
-    """N virtual CPU devices of this host: the host probe's rates, collectives at its copy bandwidth (no sweep)."""
+    """N virtual CPU devices of this host: the host probe's rates, collectives at its copy bandwidth (no sweep).
+    The probe is the host's kept one (measure.hardware.kept_host_probe): a probe under load moves, and two
+    identical invocations must plan identically."""
     from jaxpar.mesh import set_cpu_devices
     set_cpu_devices(devices)
-    from jaxpar.measure.hardware import probe_host
+    from jaxpar.measure.hardware import kept_host_probe
     from jaxpar.plan.cpu_links import host_cores
     from jaxpar.plan.fleet import cpu_cluster
-    host = probe_host(1.0)
-    return cpu_cluster(devices, {}, host.fp32_flops, host.hbm_bw, host.hbm_bytes or 16e9, cores=host_cores())
+    host = kept_host_probe(devices)
+    return cpu_cluster(devices, {}, host["fp32_flops"], host["hbm_bw"], host["hbm_bytes"] or 16e9, cores=host_cores())
 
 
 def run(args) -> int:
@@ -140,12 +152,16 @@ def run(args) -> int:
     seq_len = args.seq_len if args.seq_len is not None else config.data.seq_len
     one = getattr(args, "candidate", None)
     space = {} if cluster.platform == "gpu" else {"precisions": ("float32",), "attentions": ("dot",)}
-    calibration = GPU_CALIBRATION if cluster.platform == "gpu" else HOST_CALIBRATION
+    calibration = HOST_CALIBRATION
+    if cluster.platform == "gpu":
+        from jaxpar.plan.anchors import FRAMEWORKS
+        from jaxpar.plan.anchors import calibration as framework_calibration
+        calibration = framework_calibration(FRAMEWORKS[args.framework], GPU_CALIBRATION)
     p = plan(ModelShape.from_config(config), cluster, global_batch=global_batch, seq_len=seq_len, tokens=tokens,
              headroom=args.headroom, layout=args.layout, candidates=[one] if one else None,
              check_fits=one is None, calibration=calibration, **space)
     p.budget_note = note
-    text = strategy_report(p, config) if one else ranked_report(p, config, args)
+    text = strategy_report(p, config, args) if one else ranked_report(p, config, args)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(candidates_json(p), indent=2) + "\n")
@@ -159,24 +175,33 @@ def run(args) -> int:
         if args.sweep:
             from jaxpar.plan.sweep import write_sweep
             script = write_sweep(p, args.config or DEFAULT_CONFIG, args.overrides, args.sweep, args.steps, out,
-                                 cluster.platform, args.host_devices, args.layout)
+                                 cluster.platform, args.host_devices, args.layout, repeats=args.repeats)
             print(f"wrote {script}: sbatch it, then `jaxpar plan collect {out}`")
     return 0
+
+
+def efficiency_lines(p, framework: str = "jaxpar") -> tuple[list[str], tuple[float, float] | None]:
+    """A GPU plan's η (whose, fitted on what, when) and its leave-one-out range (plan/anchors.py); none on CPU."""
+    if p.cluster.platform != "gpu":
+        return [], None
+    from jaxpar.plan.anchors import FRAMEWORKS, describe, spread
+    return [*describe(framework), ""], spread(FRAMEWORKS[framework])
 
 
 def ranked_report(p, config, args) -> str:
     from jaxpar.plan.planner import defence, summary_line, table
     from jaxpar.plan.verify import annotate, buildable_sentence
-    lines = [f"# Plan: {config.name}", "", summary_line(p), ""]
+    efficiency, spread = efficiency_lines(p, getattr(args, "framework", "jaxpar"))
+    lines = [f"# Plan: {config.name}", "", summary_line(p), "", *efficiency]
     verified_text = verify_top(p, config, args.verify, args.gpu) if args.verify else []
     annotate(p, config, args.top, p.cluster.platform)
-    lines += [table(p, args.top), "", "## Defence", "", defence(p) + " " + buildable_sentence(p, config)]
+    lines += [table(p, args.top, spread), "", "## Defence", "", defence(p) + " " + buildable_sentence(p, config)]
     if verified_text:
         lines += ["", "## Checked against the compiler", "", *verified_text]
     return "\n".join(lines)
 
 
-def strategy_report(p, config) -> str:
+def strategy_report(p, config, args) -> str:
     """`--strategy`: one candidate's predictions, whether it fits, and whether jaxpar builds it."""
     from jaxpar.plan.layouts import BUILDABLE
     from jaxpar.plan.verify import candidate_config
@@ -185,12 +210,15 @@ def strategy_report(p, config) -> str:
     why = candidate_config(config, r.cand, p.global_batch, p.seq_len, p.cluster.platform)[1]
     if r.memory.layout not in BUILDABLE:
         why = f"formula only: jaxpar does not build the {r.memory.layout} layout"
+    efficiency, spread = efficiency_lines(p, getattr(args, "framework", "jaxpar"))
+    ranged = "" if spread is None else (f" ({t.total_s * spread[0]:.4f}-{t.total_s * spread[1]:.4f} s, leave-one-out "
+                                        "over the anchors)")
     lines = [f"# Strategy: {r.label}", "", f"{p.shape.describe()}; {p.cluster.describe()}; global batch "
              f"{p.global_batch} x {p.seq_len}; model state in the {r.memory.layout} layout. Predictions.", "",
-             f"- buildable by jaxpar: {'yes' if why is None else 'no (' + why + ')'}",
+             *efficiency, f"- buildable by jaxpar: {'yes' if why is None else 'no (' + why + ')'}",
              f"- memory per device: {r.memory.total / 1e9:.2f} GB of {r.memory.limit / 1e9:.0f} usable: "
              f"{'fits' if r.memory.fits else 'DOES NOT FIT'}",
-             f"- step: {t.total_s:.4f} s; {r.tokens_per_s / r.cand.devices:,.0f} tokens/s per device; "
+             f"- step: {t.total_s:.4f} s{ranged}; {r.tokens_per_s / r.cand.devices:,.0f} tokens/s per device; "
              f"MFU {r.mfu:.1%} of the bf16 peak" + (f" ({r.mfu_fp8_peak:.1%} of the fp8 peak)"
                                                     if r.cand.precision == "float8" else ""), "",
              "| term | seconds |", "|---|---:|"]

@@ -19,6 +19,7 @@ compute rate of the host probe.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxpar.config import ConfigError
 from jaxpar.measure.hardware import ALPHA_INFINIBAND_S, ALPHA_NVLINK_S, LINK_EFFICIENCY  # noqa: F401 (re-exported)
@@ -30,6 +31,36 @@ GPUS = {   # --gpu name -> jaxpar.measure.hardware.ACCELERATORS key
 }
 # The link assumptions (LINK_EFFICIENCY of the datasheet achieved, α per link) live with the hardware table, which
 # the schedule replay (measure/overlap.py) shares.
+
+
+# ALPHA_NVLINK_S / ALPHA_INFINIBAND_S are one collective's small-message latency over REFERENCE_GROUP GPUs (inside one
+# node, or one GPU in each of that many nodes). A collective pays a start-up per step of its algorithm, so α grows
+# with the group: a ring all-gather or reduce-scatter takes p-1 steps, an all-to-all p-1 sends, a permute one, an
+# all-reduce 2(p-1) as a ring or 2·log2(p) as NCCL's (double binary) tree, which NCCL picks where latency
+# dominates: the planner charges the smaller. As in NCCL's own tuning model, a ring's steps between nodes cost the
+# network's latency and its steps inside a node NVLink's; a step costs α / (the steps of a REFERENCE_GROUP collective).
+REFERENCE_GROUP = 8
+
+
+def latency_steps(op: str, group: int, nodes: int = 1) -> tuple[float, float]:
+    """(steps inside nodes, steps between nodes) of one collective `op` over `group` devices on `nodes` nodes."""
+    if group <= 1:
+        return 0.0, 0.0
+    if op == "permute":
+        return (0.0, 1.0) if nodes > 1 else (1.0, 0.0)
+    if op == "all-reduce":
+        ring = (2.0 * (group - nodes), 2.0 * (nodes - 1))
+        depth, across = math.ceil(math.log2(group)), math.ceil(math.log2(nodes)) if nodes > 1 else 0
+        tree = (2.0 * (depth - across), 2.0 * across)
+        return min(ring, tree, key=sum)
+    return float(group - nodes), float(nodes - 1)
+
+
+def collective_alpha(op: str, group: int, nodes: int, alpha_nvlink: float, alpha_network: float) -> float:
+    """Start-up latency of one collective `op` over `group` devices spread over `nodes` nodes (see REFERENCE_GROUP)."""
+    inside, between = latency_steps(op, group, nodes)
+    reference = sum(latency_steps(op, REFERENCE_GROUP))
+    return (inside * alpha_nvlink + between * alpha_network) / reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,14 +121,31 @@ class Cluster:
         bw = min(per_node * self.scaleout.bus_bw, self.scaleup.bus_bw)
         return dataclasses.replace(self.scaleout, name=f"{self.scaleout.name} x{per_node} NICs", bus_bw=bw)
 
-    def axis_link(self, cand, axis: str) -> Link:
-        """The link one collective group of a candidate's mesh `axis` ("data+expert": both) crosses."""
+    def axis_link(self, cand, axis: str, op: str = "") -> Link:
+        """The link one collective `op` over a candidate's mesh `axis` ("data+expert": both) crosses, with the group
+        size its α grows with (GPU links; the CPU's α-β are measured per collective as they are).
+
+        Across nodes an all-gather, reduce-scatter or all-reduce is a ring or tree through every NIC the group holds
+        per node (`link`). An all-to-all is not: each device sends its own share to the other nodes through its own
+        NIC, (n-g)/n of its buffer for g of the group's n devices on its node, while the (g-1)/n inside the node
+        moves over NVLink at the same time; of the bytes it sends, (n-1)/n of the buffer, the NIC carries
+        (n-g)/(n-1). A pipeline's permute sends each device's activation through its own NIC too."""
         names = axis.split("+")
         span = max(cand.span(a) for a in names)
-        size = 1
-        for a in names:
-            size *= getattr(cand, a)
-        return self.link(span, size)
+        size = math.prod(getattr(cand, a) for a in names)
+        link = self.link(span, size)
+        if self.platform == "cpu" or self.scaleout is None:
+            return link
+        here = size if span <= self.per_node else max(1, min(size, self.per_node // max(1, span // size)))
+        nodes = -(-size // here)                         # nodes the group spans; `here` of its devices on each
+        if nodes > 1 and op in ("all-to-all", "permute"):
+            nic = self.scaleout.bus_bw
+            bw = min(nic * (size - 1) / (size - here), self.scaleup.bus_bw) if op == "all-to-all" else nic
+            link = dataclasses.replace(self.scaleout, name=f"{self.scaleout.name} (each GPU's NIC)", bus_bw=bw)
+        if op:
+            alpha = collective_alpha(op, size, nodes, self.scaleup.alpha_s, self.scaleout.alpha_s)
+            link = dataclasses.replace(link, alpha_s=alpha)
+        return link
 
     def resized(self, nodes: int) -> Cluster:
         return dataclasses.replace(self, nodes=nodes)

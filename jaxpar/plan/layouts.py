@@ -15,6 +15,7 @@ Activations and working buffers are the same in both (the compute is bf16 either
 from __future__ import annotations
 
 import dataclasses
+import math
 
 LAYOUTS = {
     "jaxpar": "jaxpar's: fp32 params on every data device + fp32 gradients (+ an fp32 accumulator) + AdamW",
@@ -45,16 +46,28 @@ def apply_layout(mem, cand, layout: str):
     return dataclasses.replace(out, fits=out.total <= out.limit)
 
 
-def layout_flows(flow_list: list, shape, cand, layout: str) -> list:
-    """The collectives of `layout`: a distributed optimizer reduce-scatters the fp32 gradients over `data` once
-    per step (not per microbatch) and all-gathers the updated bf16 parameters, both overlapped with the backward
-    and the next forward (Megatron's overlap_grad_reduce / overlap_param_gather: hideable). Dense models without
-    pipe or expert only; the others keep jaxpar's flows."""
-    if layout == "jaxpar" or cand.data == 1 or cand.pipe > 1 or cand.expert > 1 or cand.data_impl != "auto":
+def layout_flows(prediction, shape, cand, layout: str) -> list:
+    """The collectives of `layout` (a `Prediction`'s flows in, the layout's out). A distributed optimizer
+    reduce-scatters the fp32 gradients of what a device stores over `data` once per step (not per microbatch)
+    and all-gathers the updated bf16 parameters, both overlapped with the backward and the next forward
+    (Megatron's overlap_grad_reduce / overlap_param_gather: hideable). It takes over the gradients' all-reduce
+    over `data`; one over a group of `data` and other axes (a pipeline's "data+pipe") keeps its other axes."""
+    flow_list = prediction.flows
+    if layout == "jaxpar" or cand.data == 1 or cand.data_impl != "auto":
         return flow_list
     from jaxpar.parallel.theory import Flow
+    kept = []
+    for f in flow_list:
+        axes = f.axis.split("+")
+        if "data" not in axes or f.op != "all-reduce":
+            kept.append(f)
+            continue
+        rest = [a for a in axes if a != "data"]
+        if rest:    # the part over the other axes stays an all-reduce of the same buffer, over a smaller group
+            n, n_rest = math.prod(getattr(cand, a) for a in axes), math.prod(getattr(cand, a) for a in rest)
+            buffer = f.bytes / (2 * (n - 1) / n)
+            kept.append(Flow("+".join(rest), "all-reduce", 2 * (n_rest - 1) / n_rest * buffer, f.count, f.hideable))
     ring = (cand.data - 1) / cand.data
-    shard = shape.params / (cand.fsdp * cand.tensor)
-    kept = [f for f in flow_list if f.axis != "data"]
+    shard = prediction.stored["params"]             # parameters this device stores (over pipe, fsdp, tensor, expert)
     return kept + [Flow("data", "reduce-scatter", ring * 4 * shard, 1, True),
                    Flow("data", "all-gather", ring * 2 * shard, 1, True)]

@@ -19,8 +19,9 @@ from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.layouts import apply_layout, layout_flows
-from jaxpar.plan.space import enumerate_candidates
+from jaxpar.plan.space import enumerate_candidates, microbatch_choices
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, StepTime, step_time
+from jaxpar.plan.strategy import check_fits_model
 from jaxpar.units import GB
 
 DAY = 86400.0
@@ -77,11 +78,14 @@ def check_budget(tokens: float | None, global_batch: int, seq_len: int) -> float
 
 
 def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch: int, seq_len: int, tokens: float,
-             headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION, layout: str = "jaxpar") -> Evaluated:
-    """Memory (in `layout`, plan/layouts.py), step time and what they mean for the run, for one candidate.
-    MFU is against the dense bf16 peak, also for fp8 candidates (NeMo's convention); `mfu_fp8_peak` beside it."""
+             headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION, layout: str | None = None) -> Evaluated:
+    """Memory (in `layout`, default the candidate's: plan/layouts.py), step time and what they mean for the run,
+    for one candidate. MFU is against the dense bf16 peak, also for fp8 candidates (NeMo's convention);
+    `mfu_fp8_peak` beside it."""
+    layout = layout or cand.layout
+    cand = dataclasses.replace(cand, layout=layout)
     prediction = predict(shape, cand, global_batch, seq_len, cluster.platform)
-    prediction = dataclasses.replace(prediction, flows=layout_flows(prediction.flows, shape, cand, layout))
+    prediction = dataclasses.replace(prediction, flows=layout_flows(prediction, shape, cand, layout))
     mem = apply_layout(memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom, prediction,
                               cluster.platform), cand, layout)
     t = step_time(shape, cand, cluster, global_batch, seq_len, calibration, prediction)
@@ -99,17 +103,25 @@ def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch:
 def plan(shape: ModelShape, cluster: Cluster, *, global_batch: int, seq_len: int, tokens: float,
          headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION, candidates: list[Candidate] | None = None,
          check_fits: bool = True, layout: str = "jaxpar", **space) -> Plan:
-    """Evaluate the space (or `candidates`) on `cluster`; raise ConfigError when nothing fits (check_fits)."""
+    """Evaluate the space (or `candidates`) on `cluster`; raise ConfigError when nothing fits (check_fits).
+    `layout` is the model-state layout of every candidate that does not name its own (`dist-opt`); a given
+    candidate whose pipeline leaves its microbatches open (0) gets them by `choose_microbatches`."""
     tokens = check_budget(tokens, global_batch, seq_len)
     if not 0 <= headroom < 1:
         raise ConfigError("--headroom", f"is {headroom}; the fraction of device memory kept free must be in [0, 1)")
+    given = candidates is not None
     if candidates is None:
         candidates = enumerate_candidates(shape, cluster.devices, global_batch, **space)
     if not candidates:
         raise ConfigError("--global-batch", f"{global_batch} sequences cannot be split over {cluster.devices} devices "
                           "by any strategy (data x fsdp x expert must divide it); use a multiple of the device count")
-    results = [evaluate(shape, c, cluster, global_batch, seq_len, tokens, headroom, calibration, layout)
-               for c in candidates]
+    candidates = [c if c.layout != "jaxpar" else dataclasses.replace(c, layout=layout) for c in candidates]
+    run = (cluster, global_batch, seq_len, tokens, headroom, calibration)
+    results = []
+    for c in candidates:
+        if given:
+            check_fits_model(c, shape)
+        results.append(choose_microbatches(shape, c, *run) if c.microbatches == 0 else evaluate(shape, c, *run))
     fits = sorted((r for r in results if r.memory.fits), key=lambda r: (r.time.total_s, r.memory.total))
     too_big = sorted((r for r in results if not r.memory.fits), key=lambda r: r.memory.total)[:1]
     too_big += sorted((r for r in results if not r.memory.fits and fits and r.time.total_s < fits[0].time.total_s),
@@ -123,6 +135,24 @@ def plan(shape: ModelShape, cluster: Cluster, *, global_batch: int, seq_len: int
                           f"{cluster.per_node} {cluster.name} ({least.memory.total / GB:.0f} GB per device at best, "
                           f"{least.memory.limit / GB:.0f} GB usable); {where}")
     return Plan(shape, cluster, global_batch, seq_len, tokens, headroom, fits, len(results), too_big, results=results)
+
+
+def choose_microbatches(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch: int, seq_len: int,
+                        tokens: float, headroom: float = 0.1, calibration: Calibration = GPU_CALIBRATION) -> Evaluated:
+    """The planner's own rule for a pipeline whose microbatches the strategy leaves open: of the counts the space
+    enumerates (`space.microbatch_choices`), the fastest that fits, else the most frugal."""
+    run = (cluster, global_batch, seq_len, tokens, headroom, calibration)
+    rows = global_batch // cand.batch_shards
+    counts = microbatch_choices(rows, cand.pipe, cand.schedule) if global_batch % cand.batch_shards == 0 else []
+    if not counts:
+        raise ConfigError("--strategy", f"pipe={cand.pipe} ({cand.schedule}) needs at least {cand.pipe} "
+                          f"microbatches of the {global_batch / cand.batch_shards:g} sequences each batch shard gets; "
+                          "give m=N or a larger --global-batch")
+    tried = [evaluate(shape, dataclasses.replace(cand, microbatches=m), *run) for m in counts]
+    fitting = [r for r in tried if r.memory.fits]
+    if fitting:
+        return min(fitting, key=lambda r: (r.time.total_s, r.memory.total))
+    return min(tried, key=lambda r: r.memory.total)
 
 
 def smallest_cluster(shape: ModelShape, cluster: Cluster, global_batch: int, seq_len: int, headroom: float,
@@ -228,9 +258,17 @@ def variants(p: Plan) -> list[tuple[str, Evaluated]]:
 
 # ----------------------------------------------------------------------------- tables
 
-def table(p: Plan, top: int = 10) -> str:
-    """The ranked plan as markdown (predictions)."""
+def table(p: Plan, top: int = 10, spread: tuple[float, float] | None = None) -> str:
+    """The ranked plan as markdown (predictions); `spread`: (low, high) factors on each step time (plan/anchors.py),
+    printed as a range beside the step, tokens/s and days."""
     money = p.cluster.price_per_gpu_hour is not None
+    low, high = spread or (1.0, 1.0)
+
+    def ranged(value: float, text: str, inverse: bool = False) -> str:
+        if spread is None:
+            return text.format(value)
+        a, b = (value / high, value / low) if inverse else (value * low, value * high)
+        return f"{text.format(value)} ({text.format(a)}-{text.format(b)})"
     head = ("| # | strategy | memory GB | step s | compute s | exposed comm s | bubble s | tokens/s | "
             "MFU (bf16 peak) | days | "
             "GPU-hours |" + (" cost |" if money else "") + " note |")
@@ -238,9 +276,10 @@ def table(p: Plan, top: int = 10) -> str:
     for i, r in enumerate(p.ranked[:top], 1):
         t = r.time
         cost = f" {r.cost:,.0f} |" if money else ""
-        lines.append(f"| {i} | {r.label} | {r.memory.total / GB:.1f} | {t.total_s:.3f} | {t.compute_s:.3f} | "
-                     f"{sum(t.exposed_s.values()):.3f} | {t.bubble_s:.3f} | {r.tokens_per_s:,.0f} | {r.mfu:.1%} | "
-                     f"{r.days:.1f} | {r.gpu_hours:,.0f} |{cost} {r.note} |")
+        lines.append(f"| {i} | {r.label} | {r.memory.total / GB:.1f} | {ranged(t.total_s, '{:.3f}')} | "
+                     f"{t.compute_s:.3f} | {sum(t.exposed_s.values()):.3f} | {t.bubble_s:.3f} | "
+                     f"{ranged(r.tokens_per_s, '{:,.0f}', inverse=True)} | {r.mfu:.1%} | {ranged(r.days, '{:.1f}')} | "
+                     f"{r.gpu_hours:,.0f} |{cost} {r.note} |")
     return "\n".join(lines)
 
 

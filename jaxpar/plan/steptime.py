@@ -10,15 +10,15 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.model.counting import ModelShape
-from jaxpar.parallel.memory import kept_per_layer
+from jaxpar.parallel.memory import kept_per_layer, sequence_split
 from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
 from jaxpar.plan.fleet import Cluster
 from jaxpar.plan.gemm import gemm_efficiency
-from jaxpar.plan.overlap import hidden_fraction
+from jaxpar.plan.overlap import hidden_fraction, layout_key
 from jaxpar.plan.overlap import measured as measured_overlap
 
-COMPUTE_EFFICIENCY = 0.6867     # jaxpar/plan/anchors.py FITTED["jaxpar (XLA)"]
+COMPUTE_EFFICIENCY = 0.6908     # jaxpar/plan/anchors.py FITTED["jaxpar (XLA)"]
 FP8_EFFICIENCY = 0.7149         # NeMo's, FITTED["NeMo"]: no published XLA fp8 run is anchored
 OVERLAP = 0.6
 MEMORY_EFFICIENCY = 0.8
@@ -36,7 +36,8 @@ ADAM_BYTES_PER_PARAM = {"cpu": 48, "gpu": 32}
 # Passes over the residual stream per layer, in elements of the activation dtype: forward, two RMSNorms (read,
 # write) and two residual adds (two reads, a write) = 10; the backward pass twice that; remat `full` the forward
 # again. Tensor parallelism without sequence parallelism does not split the residual stream: every device of a
-# tensor group makes these passes over all of its group's tokens (why Megatron added sequence parallelism).
+# tensor group makes these passes over all of its group's tokens (why Megatron added sequence parallelism); with it
+# (`sequence`), each device makes them over its 1/tensor of the tokens.
 RESIDUAL_PASSES = {"forward": 10, "backward": 20}
 # parallel.data = zero1 / zero2 (parallel/zero.py): the compiled step copies a full fp32 parameter-sized buffer three
 # more times than DDP (gradient into the reduce-scatter's layout, gathered parameters into the state), each read
@@ -70,7 +71,7 @@ class Calibration:
     layer_overhead_s: float = LAYER_OVERHEAD_S      # per layer per microbatch
     gemm_size: bool = True                          # scale matmul efficiency by GEMM size (plan/gemm.py)
     source: str = "assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py)"
-    measured: tuple = ()    # ((strategy, axis), hidden fraction): compiled schedules (plan/overlap.py)
+    measured: tuple = ()    # ((layout key, axis), hidden fraction): compiled schedules (plan/overlap.py)
 
 
 GPU_CALIBRATION = Calibration(measured=measured_overlap(),
@@ -163,7 +164,8 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     memory = ADAM_BYTES_PER_PARAM[cluster.platform] * updated / mem_rate
     e = 4 if cand.precision == "float32" else 2
     passes = RESIDUAL_PASSES["forward"] * (2 if cand.remat == "full" else 1) + RESIDUAL_PASSES["backward"]
-    residual_tokens = tokens / cand.batch_shards * shape.layers / cand.pipe      # token-layers one device sees
+    residual_tokens = (tokens / cand.batch_shards * shape.layers / cand.pipe      # token-layers one device sees
+                       / sequence_split(cand))
     memory += residual_tokens * shape.d_model * e * passes / mem_rate
     if cand.data > 1:
         memory += ZERO_COPIES.get(cand.data_impl, 0) * 2 * 4 * shape.params / (cand.fsdp * cand.tensor) / mem_rate
@@ -179,11 +181,11 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     comm: dict[str, float] = {}
     hideable = 0.0
     exposed: dict[str, float] = {}
-    strategy = cand.data_impl + ("+tensor" if cand.tensor > 1 else "")
-    measured = {f.axis: hidden_fraction(calibration.measured, strategy, f.axis) for f in flow_list
+    layout = layout_key(cand)           # every axis's implementation and overlap option (plan/overlap.py)
+    measured = {f.axis: hidden_fraction(calibration.measured, layout, f.axis) for f in flow_list
                 if cluster.platform != "cpu"}
     for f in flow_list:
-        link = cluster.axis_link(cand, f.axis)
+        link = cluster.axis_link(cand, f.axis, f.op)
         t = link.time(f.op, f.bytes, f.count)
         comm[f.axis] = comm.get(f.axis, 0.0) + t
         known = measured.get(f.axis)
@@ -199,7 +201,7 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     if spill and hideable:
         for f in flow_list:
             if f.hideable and measured.get(f.axis) is None:
-                exposed[f.axis] += spill * cluster.axis_link(cand, f.axis).time(f.op, f.bytes, f.count) / hideable
+                exposed[f.axis] += spill * cluster.axis_link(cand, f.axis, f.op).time(f.op, f.bytes, f.count) / hideable
 
     fraction = prediction.bubble
     busy = compute + memory + exposed.get("tensor", 0.0)

@@ -1,10 +1,16 @@
 """`jaxpar plan --strategy TEXT`: one candidate written as the planner's labels write it.
 
 Words, separated by spaces or commas (the label of any ranked row parses back to its candidate):
-  data=8 fsdp=8 tp=2 pipe=4 ep=2      mesh sizes (tensor= and expert= also); zero1=8 / zero3=8 / ddp=8: `data`
-                                      run by parallel/zero.py's stage
-  m=4 (microbatches=4)                gradient accumulation, or a pipeline's microbatches
-  1f1b / gpipe / interleaved / zb-h1  the pipeline schedule (schedule=...); default 1f1b when pipe > 1
+  data=8 fsdp=8 tp=2 pipe=4 ep=2      mesh sizes (tensor= and expert= also); <data implementation>=N, e.g.
+                                      zero1=8 / zero3=8 / ddp=8: `data` run by that registered strategy
+  sp (sequence)                       sequence parallelism over tensor (Megatron's; needs tp=N > 1)
+  m=4 (microbatches=4)                gradient accumulation, or a pipeline's microbatches; left out with
+                                      pipe > 1, the planner's rule chooses it (the fastest m that fits)
+  1f1b / gpipe / interleaved / ...    the pipeline schedule (schedule=...): every one the strategy registry
+                                      runs; default 1f1b when pipe > 1
+  v=4 (virtual=4)                     chunks per stage of interleaved (default 2; must divide layers / pipe)
+  dist-opt                            the distributed optimizer (plan/layouts.py): ZeRO-1 over data with
+                                      Megatron's bf16 parameters, in any mesh (pipe, expert included)
   remat=none|dots|full                default full
   bf16 / fp8 / fp32 (precision=...)   default bf16
   dot / flash (attention=...)         default flash on GPU, dot on CPU
@@ -16,13 +22,20 @@ from jaxpar.config import ConfigError
 
 AXIS_WORDS = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "tp": "tensor", "pipe": "pipe", "pp": "pipe",
               "expert": "expert", "ep": "expert"}
-DATA_IMPLS = ("ddp", "zero1", "zero2", "zero3")
 PRECISION_WORDS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8": "float8", "float8": "float8",
                    "fp32": "float32", "float32": "float32"}
 ATTENTIONS = ("dot", "flash")
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 REMATS = ("none", "dots", "full")
+FLAGS = {"sp": ("sequence", True), "sequence": ("sequence", True),
+         "dist-opt": ("layout", "distributed-optimizer"), "distributed-optimizer": ("layout", "distributed-optimizer")}
 FIELD = "--strategy"
+
+
+def registered() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(data implementations, pipeline schedules) the strategy registry runs (parallel/registry.py), auto aside."""
+    from jaxpar.parallel.registry import implementations
+    valid = implementations()
+    return tuple(n for n in valid["data"] if n != "auto"), tuple(n for n in valid["pipe"] if n != "auto")
 
 
 def _positive(word: str, value: str) -> int:
@@ -31,28 +44,69 @@ def _positive(word: str, value: str) -> int:
     return int(value)
 
 
-def _keyed(key: str, value: str, word: str, fields: dict) -> None:
-    if key in AXIS_WORDS:
+def _word(word: str, fields: dict) -> None:
+    """The fields one word sets, into `fields`."""
+    data_impls, schedules = registered()
+    key, _, value = word.partition("=")
+    if not value and word in FLAGS:
+        fields[FLAGS[word][0]] = FLAGS[word][1]
+    elif not value and word in PRECISION_WORDS:
+        fields["precision"] = PRECISION_WORDS[word]
+    elif not value and word in ATTENTIONS:
+        fields["attention"] = word
+    elif not value and word in schedules:
+        fields["schedule"] = word
+    elif value and key in AXIS_WORDS:
         fields[AXIS_WORDS[key]] = _positive(word, value)
-    elif key in DATA_IMPLS:
+    elif value and key in data_impls:
         fields["data"], fields["data_impl"] = _positive(word, value), key
-    elif key in ("m", "microbatches"):
+    elif key in ("m", "microbatches") and value:
         fields["microbatches"] = _positive(word, value)
+    elif key in ("v", "virtual") and value:
+        fields["virtual"] = _positive(word, value)
     elif key == "remat" and value in REMATS:
         fields["remat"] = value
     elif key == "precision" and value in PRECISION_WORDS:
         fields["precision"] = PRECISION_WORDS[value]
     elif key == "attention" and value in ATTENTIONS:
         fields["attention"] = value
-    elif key == "schedule" and value in SCHEDULES:
+    elif key == "schedule" and value in schedules:
         fields["schedule"] = value
     else:
-        raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|zero1|zero3=N, m=N, "
-                          f"remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, {'|'.join(SCHEDULES)}")
+        raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|{'|'.join(data_impls)}=N, "
+                          f"sp, m=N, v=N, dist-opt, remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, "
+                          f"{'|'.join(schedules)}")
+
+
+def _check(fields: dict) -> None:
+    """What the words say together: sp needs a tensor axis, v= an interleaved pipeline, dist-opt `data=`."""
+    pipe, schedule = fields.get("pipe", 1), fields.get("schedule", "")
+    if fields.get("sequence") and fields.get("tensor", 1) < 2:
+        raise ConfigError(FIELD, "'sp' splits the activations over tensor: it needs tp=N with N > 1")
+    virtual = fields.get("virtual")
+    if virtual is not None and not (pipe > 1 and (schedule == "interleaved" and virtual >= 2
+                                                  or schedule == "dualpipev" and virtual == 2)):
+        raise ConfigError(FIELD, f"'v={virtual}': chunks per stage need pipe=N > 1 with interleaved (v >= 2) "
+                          "or dualpipev (v=2)")
+    if fields.get("layout") and fields.get("data_impl", "auto") != "auto":
+        raise ConfigError(FIELD, f"'dist-opt' splits the optimizer over data itself; write data={fields['data']}, "
+                          f"not {fields['data_impl']}={fields['data']}")
+
+
+def _check_predicted(cand) -> None:
+    """A strategy of the registry must run (and so predict) the candidate: `zero1=8 pipe=4` has none."""
+    from jaxpar.parallel.registry import strategy_for
+    try:
+        strategy_for(cand.impls)
+    except ConfigError as err:
+        hint = (f"; for ZeRO-1 over data in this mesh write data={cand.data} dist-opt (the distributed optimizer)"
+                if cand.data_impl != "auto" else "")
+        raise ConfigError(FIELD, f"'{cand.label()}': {err}{hint}") from None
 
 
 def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu"):
-    """The `Candidate` `text` describes (see the module docstring); ConfigError naming --strategy otherwise."""
+    """The `Candidate` `text` describes (see the module docstring); ConfigError naming --strategy otherwise.
+    With pipe > 1 and no m= its microbatches are 0: `planner.plan` chooses them (`planner.choose_microbatches`)."""
     from jaxpar.parallel.theory import Candidate
     fields: dict = {"attention": "flash" if platform == "gpu" else "dot"}
     words = text.replace(",", " ").split()
@@ -60,19 +114,8 @@ def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu")
         raise ConfigError(FIELD, "is empty; e.g. --strategy 'fsdp=64 m=2 remat=dots bf16 flash'")
     said: dict[str, tuple[str, object]] = {}   # field: (the word that set it, its value)
     for word in words:
-        key, _, value = word.partition("=")
         got: dict = {}
-        if not value:
-            if word in PRECISION_WORDS:
-                got["precision"] = PRECISION_WORDS[word]
-            elif word in ATTENTIONS:
-                got["attention"] = word
-            elif word in SCHEDULES:
-                got["schedule"] = word
-            else:
-                _keyed(word, "", word, got)
-        else:
-            _keyed(key, value, word, got)
+        _word(word, got)
         for field, setting in got.items():
             if field in said and said[field][1] != setting:   # `bf16 fp32`, `m=2 m=4`: the last used to win
                 raise ConfigError(FIELD, f"'{word}' contradicts '{said[field][0]}'; say each setting once")
@@ -80,10 +123,20 @@ def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu")
         fields.update(got)
     if fields.get("pipe", 1) > 1:
         fields.setdefault("schedule", "1f1b")
+        fields.setdefault("microbatches", 0)       # chosen by the planner's rule
     else:
         fields["schedule"] = ""
+    _check(fields)
     cand = Candidate(**fields)
+    _check_predicted(cand)
     if devices is not None and cand.devices != devices:
         raise ConfigError(FIELD, f"'{text}' uses {cand.devices} devices; the cluster has {devices} "
                           "(the mesh sizes' product must equal --nodes x --gpus-per-node)")
     return cand
+
+
+def check_fits_model(cand, shape) -> None:
+    """What only the model can refuse: pipe x chunks per stage (v) must divide the model's layers."""
+    if cand.pipe > 1 and shape.layers % (cand.pipe * cand.virtual):
+        raise ConfigError(FIELD, f"pipe={cand.pipe} x v={cand.virtual} chunks per stage do not divide the model's "
+                          f"{shape.layers} layers; use a pipe and a v whose product divides {shape.layers}")

@@ -2,12 +2,14 @@
 
 `jaxpar plan ... --sweep N --out DIR` writes DIR/candidates.json (the N best candidates this
 checkout builds, with the planner's predictions and the config each runs) and DIR/sweep.sbatch,
-a job array with one task per candidate. Each task (`python -m jaxpar.plan.sweep DIR INDEX`)
-compiles its candidate's training step, trains K steps on one batch (after one warm-up step) and
-writes DIR/results/INDEX.json: each step's wall-clock time and the compiled step's per-device
-memory peak (and the device's own peak where the backend reports one). `jaxpar plan collect DIR`
-merges them into DIR/defence.md: predicted vs measured, the ranking by measurement, and the
-Spearman rank correlation of predicted and measured step times.
+a job array with one task per candidate, run one at a time (`%1`: tasks sharing a node would time
+each other's load). Each task (`python -m jaxpar.plan.sweep DIR INDEX`) compiles its candidate's
+training step and, after one warm-up step, trains R repeats of K steps on one batch, writing
+DIR/results/INDEX.json: each step's wall-clock time, each repeat's median, and the compiled step's
+per-device memory peak (and the device's own peak where the backend reports one). `jaxpar plan
+collect DIR` merges them into DIR/defence.md: predicted vs measured, the ranking by measurement, the
+noise (each candidate's spread over its repeats), and the Spearman rank correlation; a difference
+inside the noise (the repeats' ranges overlap) is reported as not resolved, never as a choice.
 
 One process per task: a candidate must fit one node's devices (the CPU candidates of the test,
 or a single-node GPU plan); multi-node candidates need `jaxpar slurm`'s multi-process launch.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -25,10 +28,11 @@ from jaxpar.config import ConfigError
 from jaxpar.measure.host_allocator import JEMALLOC_CONF, jemalloc_library
 
 RESULTS = "results"
+MIN_REPEATS = 3       # fewer repeats give no noise estimate
 
 
 def write_sweep(p, config_path: str, overrides: list[str], count: int, steps: int, out: Path,
-                platform: str, cpu_devices: int | None, layout: str = "jaxpar") -> Path:
+                platform: str, cpu_devices: int | None, layout: str = "jaxpar", repeats: int = MIN_REPEATS) -> Path:
     """candidates.json and sweep.sbatch for the `count` best candidates the checkout builds."""
     from jaxpar.config import apply_overrides, config_reference, load_config
     from jaxpar.plan.verify import candidate_config, candidate_overrides
@@ -54,6 +58,7 @@ def write_sweep(p, config_path: str, overrides: list[str], count: int, steps: in
     # the array tasks run elsewhere: a preset by name, the user's own file by its absolute path
     spec = {"config": config_reference(config_path), "overrides": overrides, "platform": platform,
             "cpu_devices": cpu_devices, "global_batch": p.global_batch, "seq_len": p.seq_len, "steps": steps,
+            "repeats": repeats,
             "cluster": p.cluster.describe(), "candidates": entries}
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULTS).mkdir(exist_ok=True)
@@ -71,10 +76,11 @@ def sbatch_text(out: Path, tasks: int, platform: str, per_node: int) -> str:
     keep = [f'export LD_PRELOAD="{jemalloc}${{LD_PRELOAD:+ $LD_PRELOAD}}" MALLOC_CONF={JEMALLOC_CONF}'
             "   # keep freed host memory (jemalloc)"] if jemalloc else []
     run = f"{shlex.quote(sys.executable)} -m jaxpar.plan.sweep {shlex.quote(str(out))} \"$SLURM_ARRAY_TASK_ID\""
-    return "\n".join(["#!/bin/bash", "#SBATCH --job-name=jaxpar-sweep", f"#SBATCH --array=0-{tasks - 1}",
+    return "\n".join(["#!/bin/bash", "#SBATCH --job-name=jaxpar-sweep", f"#SBATCH --array=0-{tasks - 1}%1",
                       "#SBATCH --nodes=1", "#SBATCH --ntasks=1", *gpus,
                       f"#SBATCH --output={out}/logs/task-%a.out", f"#SBATCH --chdir={Path.cwd()}",
-                      "# one array task per candidate: train K steps, record step time and memory", *keep,
+                      "# one array task per candidate, one at a time (%1: no task times another's load): R repeats "
+                      "of K steps, step times and memory", *keep,
                       f"srun --kill-on-bad-exit=1 {run}", ""])
 
 
@@ -89,6 +95,9 @@ def run_task(out: Path, index: int) -> dict:
         set_cpu_devices(spec["cpu_devices"])
         allocator = keep_freed_memory()     # as lab 07's CPU check (jemalloc if the script preloaded it): no
         # per-step page faults a GPU would not pay
+    else:                                   # jaxpar's GPU XLA_FLAGS, as `jaxpar train` gets them (before JAX starts)
+        from jaxpar.env import with_gpu_defaults
+        os.environ["XLA_FLAGS"] = with_gpu_defaults(os.environ.get("XLA_FLAGS", ""))
     import jax
 
     from jaxpar.config import apply_overrides, load_config
@@ -97,11 +106,13 @@ def run_task(out: Path, index: int) -> dict:
     base = load_config(spec["config"])
     apply_overrides(base, spec["overrides"])
     cand = Candidate(**entry["candidate"])
-    measured = measure_steps(base, [cand], spec["global_batch"], spec["seq_len"], spec["steps"], warmup=1,
+    steps, repeats = spec["steps"], spec.get("repeats", MIN_REPEATS)
+    measured = measure_steps(base, [cand], spec["global_batch"], spec["seq_len"], steps * repeats, warmup=1,
                              log=lambda line: print(line, flush=True))[0]
     stats = jax.devices()[0].memory_stats() or {}
-    result = {"index": index, "strategy": entry["strategy"], "times_s": measured.times,
-              "step_s": measured.median_s, "compile_s": measured.compile_s, "allocator": allocator,
+    medians = [statistics.median(measured.times[r * steps:(r + 1) * steps]) for r in range(repeats)]
+    result = {"index": index, "strategy": entry["strategy"], "times_s": measured.times, "repeats_s": medians,
+              "step_s": statistics.median(medians), "compile_s": measured.compile_s, "allocator": allocator,
               "page_faults": measured.faults,
               "memory_compiled": measured.memory_bytes, "memory_device_peak": stats.get("peak_bytes_in_use")}
     (out / RESULTS / f"{index}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -144,7 +155,42 @@ def collect(out: Path) -> tuple[str, dict]:
         raise ConfigError("collect", f"{len(rows)} of {len(spec['candidates'])} array tasks left results in "
                           f"{out / RESULTS}; the defence needs at least 2 (see {out / 'logs'})")
     rho = spearman([r["predicted_step_s"] for r in rows], [r["step_s"] for r in rows])
-    return markdown(spec, rows, rho, missing), {"rows": rows, "spearman": rho, "missing": missing}
+    verdict = decide(rows)
+    return markdown(spec, rows, rho, missing, verdict), {"rows": rows, "spearman": rho, "missing": missing,
+                                                         "verdict": verdict}
+
+
+def noise(row: dict) -> tuple[float, float] | None:
+    """The (lowest, highest) of a candidate's repeat medians: its measured step within the noise; None with fewer
+    than MIN_REPEATS repeats (no noise estimate)."""
+    repeats = row.get("repeats_s") or []
+    return (min(repeats), max(repeats)) if len(repeats) >= MIN_REPEATS else None
+
+
+def resolved(a: dict, b: dict) -> bool:
+    """Whether two candidates' measured steps differ beyond the noise: their repeats' ranges do not overlap."""
+    na, nb = noise(a), noise(b)
+    return na is not None and nb is not None and (na[1] < nb[0] or nb[1] < na[0])
+
+
+def decide(rows: list[dict]) -> dict:
+    """The verdict on the planner's choice: 'confirmed', 'choose' (another candidate is faster beyond the noise)
+    or 'not resolved' (the fastest measured and the planner's choice differ by less than the noise)."""
+    fastest = min(rows, key=lambda r: r["step_s"])
+    chosen = next((r for r in rows if r["index"] == 0), None)
+    ties = [r["strategy"] for r in rows if r is not fastest and not resolved(r, fastest)]
+    if chosen is None:
+        return {"verdict": "not resolved", "text": "not resolved: the planner's choice left no result"}
+    if fastest is chosen:
+        if ties:
+            return {"verdict": "not resolved", "text": "not resolved: the planner's choice measured fastest, but "
+                    f"inside the noise of {', '.join(ties)}"}
+        return {"verdict": "confirmed", "text": "the planner's choice is also the fastest measured, beyond the noise"}
+    if not resolved(fastest, chosen):
+        return {"verdict": "not resolved", "text": f"not resolved: the fastest measured, {fastest['strategy']} (the "
+                f"planner's #{fastest['index'] + 1}), is inside the noise of the planner's choice"}
+    return {"verdict": "choose", "text": f"the fastest measured is the planner's #{fastest['index'] + 1}, "
+            f"{fastest['strategy']}, beyond the noise: choose it"}
 
 
 def _json(path: Path):
@@ -163,7 +209,8 @@ def _a_result(measured) -> bool:
     return (isinstance(measured, dict) and _positive(measured.get("step_s"))
             and _positive(measured.get("memory_compiled"), zero_too=True)
             and isinstance(measured.get("times_s"), list) and bool(measured["times_s"])
-            and all(map(_positive, measured["times_s"])))
+            and all(map(_positive, measured["times_s"]))
+            and isinstance(measured.get("repeats_s", []), list) and all(map(_positive, measured.get("repeats_s", []))))
 
 
 def _sweep_spec(path: Path) -> dict:
@@ -180,23 +227,30 @@ def _sweep_spec(path: Path) -> dict:
     return spec
 
 
-def markdown(spec: dict, rows: list[dict], rho: float, missing: list[str]) -> str:
+def _noise_text(r: dict) -> str:
+    band = noise(r)
+    if band is None:
+        return "no estimate (fewer than 3 repeats)"
+    return f"{band[0]:.4f}-{band[1]:.4f} (±{(band[1] - band[0]) / 2 / r['step_s']:.1%})"
+
+
+def markdown(spec: dict, rows: list[dict], rho: float, missing: list[str], verdict: dict) -> str:
     by_measured = sorted(rows, key=lambda r: r["step_s"])
-    best = by_measured[0]
+    pairs = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]]
     lines = ["# The plan's defence, measured", "",
-             f"{spec['cluster']}; global batch {spec['global_batch']} x {spec['seq_len']} tokens; each array task "
-             f"trained {spec['steps']} steps after one warm-up (median step, wall clock).", "",
-             "| measured rank | planner's rank | strategy | predicted s | measured s (min-max) | measured / predicted "
-             "| memory MB predicted / compiled |", "|---:|---:|---|---:|---:|---:|---|"]
+             f"{spec['cluster']}; global batch {spec['global_batch']} x {spec['seq_len']} tokens; the array tasks ran "
+             f"one at a time, each {spec.get('repeats', 1)} repeats of {spec['steps']} steps after one warm-up "
+             "(measured: the median of the repeats' median steps, wall clock; noise: the lowest-highest repeat).", "",
+             "| measured rank | planner's rank | strategy | predicted s | measured s | noise: repeats s | "
+             "measured / predicted | memory MB predicted / compiled |", "|---:|---:|---|---:|---:|---|---:|---|"]
     for rank, r in enumerate(by_measured, 1):
         lines.append(f"| {rank} | {r['index'] + 1} | {r['strategy']} | {r['predicted_step_s']:.4f} | "
-                     f"{r['step_s']:.4f} ({min(r['times_s']):.4f}-{max(r['times_s']):.4f}) | {r['ratio']:.2f} | "
+                     f"{r['step_s']:.4f} | {_noise_text(r)} | {r['ratio']:.2f} | "
                      f"{r['predicted_memory'] / 1e6:,.1f} / {r['memory_compiled'] / 1e6:,.1f} |")
-    verdict = ("the planner's choice is also the fastest measured" if best["index"] == 0 else
-               f"the fastest measured is the planner's #{best['index'] + 1}, {best['strategy']}: choose it")
     spread = statistics.median(r["ratio"] for r in rows)
-    lines += ["", f"Spearman rank correlation of predicted and measured step times: **{rho:.2f}** over {len(rows)} "
-              f"candidates; {verdict}. Median measured / predicted: {spread:.2f}."]
+    lines += ["", f"**Verdict: {verdict['text']}.** Spearman rank correlation of predicted and measured step times: "
+              f"{rho:.2f} over {len(rows)} candidates, {sum(resolved(a, b) for a, b in pairs)} of {len(pairs)} pairs "
+              f"resolved beyond the noise (the rest rank noise). Median measured / predicted: {spread:.2f}."]
     if missing:
         lines.append(f"No result (task failed or still running): {', '.join(missing)}.")
     return "\n".join(lines) + "\n"

@@ -33,10 +33,14 @@ def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platfo
     if cand.pipe > 1:
         out += [f"parallel.pipe={cand.schedule}", f"parallel.pipe_microbatches={cand.microbatches}",
                 "train.microbatches=1"]
+        if cand.virtual > 1:
+            out += [f"parallel.pipe_virtual={cand.virtual}"]
     else:
         out += [f"train.microbatches={cand.microbatches}"]
     if cand.expert > 1:
         out += ["parallel.expert=manual"]
+    if cand.sequence:     # jaxpar builds sequence parallelism under Megatron's hand-written tensor axis
+        out += ["parallel.tensor=manual", "parallel.sequence=true"]
     if cand.attention == "flash":
         out += [f"model.attention={FLASH}"]
     return out
@@ -45,6 +49,9 @@ def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platfo
 def candidate_config(base, cand: Candidate, global_batch: int, seq_len: int, platform: str = "gpu"):
     """(config, None) when this checkout can build `cand`, else (None, the reason it stays formula only)."""
     from jaxpar.parallel.registry import select
+    from jaxpar.plan.layouts import BUILDABLE
+    if cand.layout not in BUILDABLE:
+        return None, f"formula only: jaxpar does not build the {cand.layout} layout"
     overrides = candidate_overrides(cand, global_batch, seq_len, platform)
     config = copy.deepcopy(base)
     try:

@@ -11,7 +11,12 @@ processes, loading data, restoring, compiling): `jaxpar train` listens from its 
 directory nothing exists to save or tidy, so a notice then ends the process at once with
 EXIT_PREEMPTED (`_exit_now`; in a multi-process job only until the process joins the job).
 After that, `train` looks again before its first step; a notice there also saves nothing,
-as nothing new exists to save.
+as nothing new exists to save. While it restores or initialises the state and compiles and runs the
+first step, nothing new exists either, yet the main thread sits in XLA for seconds to
+minutes and a Python signal handler runs only when it comes back: `exits_at_once` watches
+from a thread (the signal's byte on `signal.set_wakeup_fd`; in a multi-process job also
+the notice JAX's service records for the whole job) and ends the process with
+EXIT_PREEMPTED at once, the compile abandoned, not awaited.
 
 Every process must stop at the same point or the ones that go on wait forever in a
 collective. In a multi-process job JAX's own preemption service does this: it turns
@@ -24,17 +29,26 @@ steps start later, would never reach it. A single process just sets a flag.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import signal
 import sys
-from typing import Any
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
 from jaxpar.env import EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 # After a preemption save process 0 waits this long before it exits: it hosts JAX's distributed service, and a
 # peer still on its way out when the service goes is aborted (exit 134, not 75: Slurm would not requeue the job).
 PEERS_LEAVE_FIRST_S = 1.0
+NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"   # where JAX's preemption service records a notice for every process
+WATCH_POLL_S = 0.1
 
 _early: dict[str, Any] = {"requested": False, "previous": {}, "exit_at_once": False}   # listen_from_start
 
@@ -74,13 +88,23 @@ def _joined() -> bool:
     return jax is not None and hasattr(jax, "distributed") and jax.distributed.is_initialized()
 
 
-def _exit_now() -> None:
-    """End a process that has written nothing yet: one line, EXIT_PREEMPTED. Not an exception raised from the
+def _exit_now(stage: str = "before the run directory was written") -> None:
+    """End a process that has nothing new to save: one line, EXIT_PREEMPTED. Not an exception raised from the
     handler: that surfaces wherever the main thread is, and a library may swallow or rewrap it (measured: an
     ImportError from jaxlib's extension, an "Exception ignored" in a gc callback)."""
     sys.stdout.flush()
-    print(during_start_up("before the run directory was written"), file=sys.stderr, flush=True)
+    print(during_start_up(stage), file=sys.stderr, flush=True)
     os._exit(EXIT_PREEMPTED)
+
+
+def _job_noticed() -> bool:
+    """JAX's preemption service recorded a notice to some process of this job (False when it cannot tell)."""
+    try:
+        from jax._src import distributed
+        client = distributed.global_state.client
+        return client is not None and client.key_value_try_get(NOTICE_KEY) is not None
+    except Exception:   # noqa: BLE001 - not recorded yet (NOT_FOUND), or no client: nothing known
+        return False
 
 
 def stop_listening() -> None:
@@ -98,6 +122,7 @@ class Preemption:
         self.requested, _early["requested"] = _early["requested"], False
         self.multi_process = jax.process_count() > 1
         self.calls = 0
+        self.owns_process = bool(_early.get("exit_at_once"))   # the command is this process: it may end it
         # until the run directory is written, a notice to a single process ends it at once (see listen_from_start)
         self.exit_at_once = bool(_early.get("exit_at_once")) and not self.multi_process
         self._previous, _early["previous"] = dict(_early["previous"]), {}
@@ -125,6 +150,60 @@ class Preemption:
             from jax.experimental import multihost_utils
             return multihost_utils.reached_preemption_sync_point(self.calls)
         return self.requested
+
+    @contextlib.contextmanager
+    def exits_at_once(self, stage: str, release: Callable[[], None]) -> Iterator[None]:
+        """Within: nothing new exists since the last durable checkpoint (or none is needed), so a notice ends the
+        process at once, from a thread, with EXIT_PREEMPTED after `release` (the run lock), on every process.
+        In a job, process 0 (the host of JAX's service) leaves last. Only where the command is the process and
+        this is the main thread; elsewhere the notice is acted on after the step, as before."""
+        if not self.owns_process or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        window, lock = {"open": True}, threading.Lock()
+        watcher = threading.Thread(target=self._watch, args=(read_fd, window, lock, stage, release), daemon=True,
+                                   name="jaxpar-preemption-watch")
+        watcher.start()
+        try:
+            yield
+        finally:
+            with lock:   # from here on a notice is acted on after the step
+                window["open"] = False
+            signal.set_wakeup_fd(previous_fd)
+            watcher.join()
+            os.close(read_fd)
+            os.close(write_fd)
+
+    def _watch(self, read_fd: int, window: dict[str, bool], lock: threading.Lock, stage: str,
+               release: Callable[[], None]) -> None:
+        wanted = {int(sig) for sig in SIGNALS}
+        while window["open"]:
+            ready, _, _ = select.select([read_fd], [], [], WATCH_POLL_S)
+            signalled = (bool(ready) and bool(wanted & set(os.read(read_fd, 64)))) or self.requested   # or before
+            if not (signalled or (self.multi_process and _job_noticed())):
+                continue
+            with lock:
+                if not window["open"]:
+                    return
+                if self.multi_process:
+                    self._tell_the_job(signalled)
+                release()
+                _exit_now(stage)
+
+    def _tell_the_job(self, signalled: bool) -> None:
+        """Make sure every process hears of a notice this one got (JAX's notifier listens for SIGTERM), then, on
+        process 0, give the peers time to leave before the service they are connected to goes."""
+        import jax
+        deadline = time.monotonic() + PEERS_LEAVE_FIRST_S
+        if signalled:
+            os.kill(os.getpid(), signal.SIGTERM)
+            while not _job_noticed() and time.monotonic() < deadline:
+                time.sleep(WATCH_POLL_S / 4)
+        if jax.process_index() == 0:
+            time.sleep(PEERS_LEAVE_FIRST_S)
 
     def stop_if_requested(self, stage: str) -> None:
         """During start-up: raise `Preempted` (nothing saved: there is nothing new) once a notice came."""

@@ -1,0 +1,134 @@
+"""Recipes people copy, through `jaxpar plan --strategy` (issue 31): sequence parallelism, interleaving's v, the
+distributed optimizer in any mesh, a pipeline's m chosen by the planner's rule, the registry's names; and the
+physics they need: all-to-all through each GPU's NIC, start-up latency growing with the group. Planner only."""
+import dataclasses
+
+import pytest
+from test_plan import seven_b
+
+from jaxpar.parallel.memory import kept_per_layer
+from jaxpar.parallel.registry import implementations
+from jaxpar.parallel.theory import Candidate
+from jaxpar.plan import anchors
+from jaxpar.plan.fleet import collective_alpha, gpu_cluster
+from jaxpar.plan.planner import evaluate, plan
+from jaxpar.plan.space import microbatch_choices
+from jaxpar.plan.strategy import parse_strategy
+
+H100 = gpu_cluster("h100", 8, 8)
+TITAN = "fsdp=32 tp=8 sp m=1 remat=full bf16 flash"
+
+
+def test_recipe_words_parse_and_round_trip():
+    """sp, v=N, dist-opt and every data implementation and schedule the strategy registry runs are words."""
+    for text in (TITAN, "data=2 pipe=4 tp=2 sp interleaved v=8 m=16 remat=full bf16 flash",
+                 "data=8 pipe=4 1f1b m=8 remat=full bf16 flash dist-opt",
+                 "data=128 m=16 remat=none bf16 flash dist-opt"):
+        assert parse_strategy(text).label() == text
+    c = parse_strategy("data=2 pipe=4 tp=2 sp interleaved v=8 m=16 dist-opt")
+    assert (c.sequence, c.virtual, c.layout) == (True, 8, "distributed-optimizer")
+    valid = implementations()
+    for impl in (n for n in valid["data"] if n != "auto"):
+        assert parse_strategy(f"{impl}=8 m=1").data_impl == impl
+    for schedule in (n for n in valid["pipe"] if n != "auto"):
+        cand = parse_strategy(f"pipe=4 {schedule} m=8")
+        assert cand.schedule == schedule and parse_strategy(cand.label()) == cand
+    for bad in ("data=8 sp", "pipe=4 1f1b v=4 m=8", "data=8 v=2", "zero1=8 dist-opt", "pipe=2 dualpipev v=4 m=4"):
+        with pytest.raises(Exception, match="--strategy"):
+            parse_strategy(bad)
+    with pytest.raises(Exception, match="--strategy: .*no strategy runs.*data=2 dist-opt"):   # ZeRO-1 in a pipeline
+        parse_strategy("zero1=2 pipe=4 m=8")
+
+
+def test_every_ranked_label_parses_back_to_its_candidate():
+    """The space's rows (and given recipes with sp, v, dist-opt) print labels that `--strategy` reads back."""
+    s, node = seven_b(), gpu_cluster("h100", 1, 8)
+    given = [parse_strategy(t) for t in ("fsdp=2 tp=4 sp m=2 remat=full bf16 flash",
+                                         "data=2 pipe=2 tp=2 sp interleaved v=4 m=8 remat=full bf16 flash dist-opt")]
+    for p in (plan(s, node, global_batch=16, seq_len=4096, tokens=1e12, check_fits=False),
+              plan(s, node, global_batch=16, seq_len=4096, tokens=1e12, candidates=given, check_fits=False)):
+        assert p.results
+        for r in p.results:
+            assert parse_strategy(r.label, r.cand.devices) == r.cand, r.label
+
+
+def test_a_pipeline_without_m_gets_the_planners_choice():
+    """pipe > 1 and no m: the fastest fitting m of the space's choices, not m = 1 (a 1F1B it cannot build)."""
+    s = seven_b()
+    open_m = parse_strategy("data=8 pipe=8 1f1b remat=full bf16 flash")
+    assert open_m.microbatches == 0
+    chosen = plan(s, H100, global_batch=256, seq_len=4096, tokens=1e12, candidates=[open_m]).results[0]
+    counts = microbatch_choices(256 // 8, 8, "1f1b")
+    each = [evaluate(s, dataclasses.replace(open_m, microbatches=m), H100, 256, 4096, 1e12) for m in counts]
+    fastest = min((r for r in each if r.memory.fits), key=lambda r: r.time.total_s)
+    assert chosen.cand.microbatches == fastest.cand.microbatches >= 8
+    with pytest.raises(Exception, match="--strategy"):     # 2 sequences per shard cannot fill 8 stages
+        plan(s, H100, global_batch=16, seq_len=4096, tokens=1e12, candidates=[open_m])
+    with pytest.raises(Exception, match="--strategy"):     # v=3 chunks of 8 stages do not divide 32 layers
+        plan(s, H100, global_batch=256, seq_len=4096, tokens=1e12,
+             candidates=[parse_strategy("data=8 pipe=8 interleaved v=3 m=16")])
+
+
+def test_sequence_parallelism_splits_the_activations_over_tensor():
+    """torchtitan's Llama-3.1-70B recipe (FSDP 32 x TP 8 with SP) fits: the kept layer input is split over tensor."""
+    shape, cluster = anchors.LLAMA31_70B, gpu_cluster("h100", 32, 8)
+    sp = parse_strategy(TITAN, 256)
+    tp = dataclasses.replace(sp, sequence=False)
+    assert kept_per_layer(shape, tp, 512, 8192) == pytest.approx(8 * kept_per_layer(shape, sp, 512, 8192))
+    with_sp, without = (evaluate(shape, c, cluster, 512, 8192, 1e12) for c in (sp, tp))
+    assert with_sp.memory.fits and not without.memory.fits
+    assert with_sp.time.memory_s < without.time.memory_s            # the residual passes over 1/8 of the tokens
+    assert with_sp.comm_bytes == without.comm_bytes                 # SP sends what TP sends
+
+
+def test_the_distributed_optimizer_in_a_pipeline_reduce_scatters_over_data():
+    """dist-opt in a pipe layout: ZeRO-1 over data (reduce-scatter + all-gather of what a device stores) in place of
+    the gradients' all-reduce over data; the pipe part of a data+pipe group stays; the optimizer split over data."""
+    s = seven_b()
+    own = parse_strategy("data=8 pipe=8 1f1b m=16 remat=full bf16 flash")
+    dist = dataclasses.replace(own, layout="distributed-optimizer")
+    a, b = (evaluate(s, c, H100, 256, 4096, 1e12) for c in (own, dist))
+    assert "data+pipe" in a.comm_bytes and "data+pipe" not in b.comm_bytes and "pipe" in b.comm_bytes
+    assert b.comm_bytes["data"] == pytest.approx(7 / 8 * 6 * b.memory.params / 2)   # 4 + 2 bytes per stored param
+    assert b.memory.optimizer == pytest.approx(a.memory.optimizer * 12 / 8 / 8)
+    assert b.memory.layout == "distributed-optimizer" and b.label.endswith("dist-opt")
+
+
+def test_all_to_all_across_nodes_goes_through_each_gpus_nic():
+    """An expert group over 2 nodes: each GPU's NIC carries (n-g)/(n-1) of what it sends, not 8 NICs' worth."""
+    nic = H100.scaleout.bus_bw
+    cand = Candidate(data=4, expert=16)                     # 16 experts' devices: 8 per node on 2 nodes
+    link = H100.axis_link(cand, "expert", "all-to-all")
+    assert link.bus_bw == pytest.approx(nic * 15 / 8)
+    assert H100.axis_link(cand, "expert", "all-gather").bus_bw == pytest.approx(min(8 * nic, H100.scaleup.bus_bw))
+    assert H100.axis_link(Candidate(data=8, expert=8), "expert", "all-to-all").name == "NVLink"   # one node
+
+
+def test_collective_latency_grows_with_the_group():
+    """Ring all-gather: p-1 steps; all-reduce: the smaller of ring and tree (log p); 8 GPUs keep the stated α."""
+    nv, ib = H100.scaleup.alpha_s, H100.scaleout.alpha_s
+    assert collective_alpha("all-gather", 8, 1, nv, ib) == pytest.approx(nv)
+    assert collective_alpha("all-reduce", 8, 8, nv, ib) == pytest.approx(ib)
+    ring = [collective_alpha("all-gather", p, p // 8, nv, ib) for p in (64, 512, 4096)]
+    assert ring == sorted(ring) and ring[-1] / ring[0] > 50
+    tree = collective_alpha("all-reduce", 4096, 512, nv, ib)
+    assert tree < 4 * collective_alpha("all-reduce", 64, 8, nv, ib)          # log p, not p
+
+
+def test_fsdp_per_gpu_throughput_falls_as_the_job_grows():
+    """A fixed-per-GPU FSDP job (8B, 2 sequences per GPU) from 64 to 32,768 GPUs: each GPU gets slower."""
+    per_gpu = []
+    for n in (64, 512, 4096, 32768):
+        cand = parse_strategy(f"fsdp={n} m=1 remat=dots bf16 flash", n)
+        r = evaluate(anchors.LLAMA31_8B, cand, gpu_cluster("h100", n // 8, 8), 2 * n, 8192, 1e12)
+        per_gpu.append(r.tokens_per_s / n)
+    assert per_gpu == sorted(per_gpu, reverse=True) and per_gpu[-1] < 0.5 * per_gpu[0]
+
+
+def test_published_recipes_fit_and_are_predicted():
+    """The torchtitan 70B recipe fits and is within 15% of its published tokens/s per GPU (the anchor table)."""
+    rows = {r["anchor"]: r for r in anchors.anchor_table()}
+    titan = rows["torchtitan Llama-3.1-70B FSDP x TP+SP compiled"]
+    assert titan["fits"] and abs(titan["ratio"] - 1) <= 0.15
+    nemo = rows["NeMo 24.09 Llama-3.1-8B bf16, 128 GPUs"]
+    assert abs(nemo["ratio"] - 1) <= 0.15
