@@ -96,6 +96,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.pipe_microbatches = 0   # the pipeline's own microbatches m (0: 2 x mesh.pipe)
     c.parallel.pipe_virtual = 0        # chunks per stage v (0: 2 for interleaved, dualpipev; else 1); circular: repeats
     c.parallel.expert = "auto"    # auto: experts split over `expert` by the rules | manual: all_to_all in shard_map
+    c.parallel.expert_exchange = "auto"   # manual dropless EP's buffers: auto (ragged on GPU/TPU, else capacity) |
+                                          # ragged | capacity (+ overflow round) | padded (parallel/expert_exchange.py)
     c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (parallel/tensor.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
     c.parallel.prefetch = False   # parallel.data=zero3: gather layer i+1 while layer i computes (parallel/prefetch.py)

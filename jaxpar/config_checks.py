@@ -16,6 +16,7 @@ REMAT_NAMES = ("attn_out", "mlp_out")
 FAULT_SIGNALS = ("SIGKILL", "SIGTERM", "SIGUSR1")
 MOE_ROUTERS = ("softmax", "noisy", "sigmoid")
 MOE_DISPATCH = ("dropless", "capacity")
+EXPERT_EXCHANGES = ("auto", "ragged", "capacity", "padded")   # parallel/expert_exchange.py
 
 
 class ConfigError(ValueError):
@@ -183,6 +184,9 @@ def validate_fields(config) -> None:
             raise ConfigError(f"train.{field}", f"is {t[field]}; must be positive")
     _validate_optimizer(t)
     _validate_run_options(config)
+    exchange = config.parallel.expert_exchange
+    if exchange not in EXPERT_EXCHANGES:
+        raise ConfigError("parallel.expert_exchange", f"is '{exchange}'; valid: {', '.join(EXPERT_EXCHANGES)}")
 
 
 def validate_tensor_overlap(config) -> None:
@@ -237,6 +241,9 @@ def validate(config, num_devices: int, processes: int | None = None, platform: s
         if config.parallel[field] < 0:
             raise ConfigError(f"parallel.{field}", f"is {config.parallel[field]}; must be positive, or 0 (default)")
     validate_moe(config, sizes)
+    if platform == "cpu" and config.parallel.expert_exchange == "ragged" and sizes["expert"] > 1:
+        raise ConfigError("parallel.expert_exchange", "is 'ragged', which XLA:CPU cannot compile "
+                          "(no ragged-all-to-all); use auto, capacity or padded on CPU")
     tp = sizes["tensor"]
     if m.heads % tp:
         raise ConfigError("model.heads", f"heads={m.heads} is not divisible by mesh.tensor={tp}")

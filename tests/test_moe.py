@@ -274,6 +274,9 @@ def test_moe_presets_validate(path):
     (["--set", "model.moe.experts=0", "--set", "parallel.expert=manual"], "parallel.expert"),
     (["--set", "mesh.tensor=2", "--set", "mesh.expert=2", "--set", "mesh.data=2", "--set", "parallel.tensor=manual"],
      "parallel.expert"),                                           # manual TP exchanges over expert by hand only
+    (["--set", "parallel.expert_exchange=sparse"], "parallel.expert_exchange"),
+    (["--set", "mesh.expert=8", "--set", "mesh.data=1", "--set", "parallel.expert=manual",
+      "--set", "parallel.expert_exchange=ragged"], "parallel.expert_exchange"),     # XLA:CPU has no ragged all-to-all
 ])
 def test_bad_moe_input_is_one_line_exit_2(capsys, tmp_path, extra, field):
     argv = ["train", "--config", "configs/test.py", "--run-dir", str(tmp_path / "run"), *(f for o in MOE for f in

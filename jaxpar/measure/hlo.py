@@ -23,6 +23,10 @@ writes into the loop's `backend_config` (present for every `scan`/`fori_loop` wi
 static bounds); when it is missing we fall back to the integer constant that the
 loop condition compares against (assumes a 0-based counter with step 1), and if
 that fails too we count the loop once and mark the collective `trip_count_known=False`.
+
+Overflow rounds: the collectives of the expert exchange's overflow round (parallel/expert_exchange.py, a
+`lax.cond` branch in the `expert_overflow` scope) run only on a step whose routing overflows the exchange's
+capacity; they are listed with `on_overflow=True` and 0 runs per step: the count is the step without overflow.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ from jaxpar.measure.hlo_module import matching_bracket, parse_module, runs_per_c
 
 if TYPE_CHECKING:
     import jax
+
+OVERFLOW_SCOPE = "expert_overflow"     # parallel/expert_exchange.py's overflow round
 
 # HLO opcode -> our name. `-start` variants are the async form (GPU); counted once.
 COLLECTIVE_OPS = (
@@ -81,6 +87,7 @@ class Collective:
     computation: str                            # HLO computation holding the instruction
     runs_per_step: int                          # product of the trip counts of the enclosing loops
     trip_count_known: bool = True
+    on_overflow: bool = False                   # the expert exchange's overflow round: counted 0 times
 
     @property
     def shape(self) -> str:
@@ -360,12 +367,14 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
             groups = parse_replica_groups(text, num_devices) if text else [list(range(num_devices))]
         group_size = max((len(g) for g in groups), default=1)
         n, known = runs(ins.computation)
+        on_overflow = f"/{OVERFLOW_SCOPE}/" in (re.search(r'op_name="([^"]*)"', ins.line) or [""])[0]
         found.append(Collective(
             name=ins.name, op=op, is_async=is_async, shapes=shapes,
             result_bytes=shapes_bytes(shapes),
             replica_groups=tuple(tuple(g) for g in groups), group_size=group_size,
             axes=match_axes(groups, axis_groups) if axis_groups is not None else None,
-            computation=ins.computation, runs_per_step=n, trip_count_known=known,
+            computation=ins.computation, runs_per_step=0 if on_overflow else n, trip_count_known=known,
+            on_overflow=on_overflow,
         ))
     return found
 

@@ -17,6 +17,8 @@ fsdp / tensor splits) is the automatic strategy's: the logical-axis rules place 
 With parallel.expert=manual the routed experts exchange their tokens by hand (parallel/expert.py's shard_map
 of all_to_alls over `expert`, manual over the whole mesh): `vmap` over the stages batches that shard_map, so
 each pipe device runs its own stage's exchange, the experts split over `expert` as the automatic layout does.
+The dropless exchange is the padded one (`EXCHANGE`): batched by vmap, the overflow round's `lax.cond` of the
+other two would be a select that runs both rounds every step, and JAX cannot batch it inside the shard_map.
 
 MoE models pipeline their `moe_blocks` (the dense leading layers run before, with the
 embedding). Each iteration's per-layer auxiliary outputs of the stages that hold a real
@@ -29,6 +31,7 @@ manual experts' all_to_alls; the rest is not predicted.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -38,6 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.config import ConfigError
 from jaxpar.model.axes import ACTIVATION_AXES
 from jaxpar.model.counting import block_params
 from jaxpar.model.moe import noise_seeds, with_routed_experts
@@ -54,6 +58,7 @@ from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.theory import Candidate, Flow, Prediction, moe_all_to_all_bytes, stored_params, wire_bytes
 
 AXIS = "pipe"
+EXCHANGE = "padded"      # parallel.expert_exchange under vmap (the module docstring says why)
 
 
 def pipelined_blocks(staged, x, *, cfg, ops, policy, constrain, seeds=None):
@@ -156,6 +161,9 @@ class CircularStrategy(Strategy):
         check_pipeline(config, sizes, "circular", virtual_ok=True, min_microbatches=sizes[AXIS] if v > 1 else 1)
         if config.parallel.expert == "manual":
             ExpertStrategy.check(config, sizes)
+            if config.parallel.expert_exchange not in ("auto", EXCHANGE):
+                raise ConfigError("parallel.expert_exchange", f"the circular pipeline's stages exchange tokens "
+                                  f"padded (vmap runs both rounds of the others); use auto or {EXCHANGE}")
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
@@ -166,8 +174,9 @@ class CircularStrategy(Strategy):
         self.ops = self.ops.replace(embed=rules_embedding(self.rules), constrain=self.rules.constrain)
         if config.parallel.expert == "manual":   # the exchange's shard_map, vmapped over the stages (pipe)
             batch = self.rules.spec(("batch",))[0]
-            self.ops = with_routed_experts(self.ops, partial(manual_routed_experts, mesh=mesh, batch_axes=(
-                batch if isinstance(batch, tuple) else (batch,))))
+            self.ops = with_routed_experts(self.ops, partial(
+                manual_routed_experts, mesh=mesh, batch_axes=batch if isinstance(batch, tuple) else (batch,),
+                exchange=EXCHANGE))
         batch = (config.train.batch_size // self.microbatches) % (int(mesh.shape["data"]) * int(mesh.shape["fsdp"])
                                                                   * self.p) == 0
         batch_rule = {"batch": ("data", "fsdp", AXIS)} if batch else {}
@@ -221,7 +230,8 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     iterations = v * m + p - 1
     flows = pipe_flows(shape, cand, global_batch, a, iterations)
     if shape.moe and cand.expert > 1 and cand.expert_impl == "manual":
-        per_microbatch = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
+        padded = dataclasses.replace(cand, expert_exchange=EXCHANGE)
+        per_microbatch = moe_all_to_all_bytes(shape, padded, global_batch, seq_len, platform, microbatches=m * r,
                                               layers=shape.moe_layers // (p * v))   # m·r microbatches' worth
         flows.append(Flow("expert", "all-to-all", per_microbatch["predicted"] * iterations / m,
                           per_microbatch["runs"] * iterations / m, False))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.model.counting import ModelShape
+from jaxpar.parallel.expert_sizes import received_rows, resolve
 from jaxpar.parallel.registry import held_memory, predict, workload
 from jaxpar.parallel.theory import Candidate, Prediction
 
@@ -90,6 +91,26 @@ def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: int) -> float
     return inputs + weights
 
 
+def expert_buffers(shape: ModelShape, cand: Candidate, b: float, s: int, platform: str) -> float:
+    """Bytes one MoE layer's routed experts hold on a device while they run (the forward, or the backward's
+    recomputation): the rows the device's experts receive, each with its input and output [d_model] and its
+    gate, up and hidden [expert_mlp_dim / tensor]. Rows: dropless on one expert device its T·k assignments,
+    over `expert` what parallel.expert_exchange receives (parallel/expert_sizes.py: ragged and capacity about
+    1.25·T·k, padded X·T·min(k, E/X)); the capacity dispatch its slots, capacity_factor·T·k. T = b·s tokens."""
+    moe = shape.moe
+    if moe is None:
+        return 0.0
+    e = 4 if cand.precision == "float32" else 2
+    T, k = int(b * s), moe.top_k
+    if moe.dispatch == "capacity":
+        rows = moe.capacity_factor * T * k
+    elif cand.expert == 1:
+        rows = T * k
+    else:
+        rows = received_rows(resolve(cand.expert_exchange, platform), T, k, moe.experts, cand.expert)
+    return rows * (2 * shape.d_model + 3 * shape.expert_mlp_dim / cand.tensor) * e
+
+
 def sequence_split(cand: Candidate) -> int:
     """How many ways the token-wide activations (the residual stream, norms, the layer's input kept for the
     backward) are split: tensor under sequence parallelism (Megatron's point: [s/t, b, h] between the
@@ -138,7 +159,7 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     # under sequence parallelism the working set is split too, but for the gathered [b, s, h] input of a matmul
     split = sequence_split(cand)
     tokens_work = WORKING_TOKEN_BYTES * scale / split + (e if split > 1 else 0)
-    layer_work = scores + tokens_work * b * s * h
+    layer_work = scores + tokens_work * b * s * h + expert_buffers(shape, cand, b, s, platform)
     head_work = LOGIT_BYTES * b * s * shape.vocab / T
     layer_params = (shape.counts()["blocks"] - shape.counts()["experts"] * (1 - 1 / cand.expert)) / L / T
     working = max(layer_work, head_work) + LAYER_WEIGHT_BYTES * scale * layer_params

@@ -231,7 +231,8 @@ class PipelineStrategy(Strategy):
         if self.model_cfg.moe:
             changes = {"batch_mean": self._mean_over_batch}
             if sizes["expert"] > 1:
-                changes["routed_experts"] = exchange_for(self.model_cfg.moe, sizes["expert"])
+                changes["routed_experts"] = exchange_for(self.model_cfg.moe, sizes["expert"],
+                                                         exchange=self.config.parallel.expert_exchange)
             if self.sequence:
                 changes["sequence"] = SequenceShards("tensor", sizes["tensor"])
             ops = with_moe_ops(ops, **changes)

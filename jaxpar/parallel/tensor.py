@@ -106,7 +106,8 @@ class TensorStrategy(Strategy):
             self.ops = tensor_parallel_ops(self.ops, AXIS)
         if model_cfg.moe:    # the balance statistics over the batch, the exchange over `expert`, SP's router
             self.ops = tensor_moe_ops(self.ops, model_cfg.moe, dict(mesh.shape),
-                                      tuple(a for a in self.batch if mesh.shape[a] > 1), self.sequence)
+                                      tuple(a for a in self.batch if mesh.shape[a] > 1), self.sequence,
+                                      config.parallel.expert_exchange)
         self.overlap = config.parallel.tensor_overlap if self.sequence else "none"
         if self.overlap != "none":   # the gathers and reduce-scatters as ppermute rings beside matmuls
             self.ops = collective_matmul_ops(self.ops, AXIS, self.overlap)

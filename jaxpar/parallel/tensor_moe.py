@@ -50,14 +50,16 @@ class SequenceShards:
         return reduce_from_parallel(x, self.axis) / self.size
 
 
-def tensor_moe_ops(ops, moe_cfg, sizes: dict[str, int], batch_axes: tuple[str, ...], sequence: bool):
+def tensor_moe_ops(ops, moe_cfg, sizes: dict[str, int], batch_axes: tuple[str, ...], sequence: bool,
+                   exchange: str = "auto"):
     """`ops` (Megatron's, over `tensor`) with the MoE pieces: the balance statistics over `batch_axes`, with
-    mesh.expert > 1 the all_to_all exchange, under SP the router's view of the sequence's parts."""
+    mesh.expert > 1 the all_to_all exchange (sized by `exchange`, parallel.expert_exchange), under SP the
+    router's view of the sequence's parts."""
     changes: dict[str, Any] = {}
     if batch_axes:
         changes["batch_mean"] = lambda x: jax.lax.pmean(x, batch_axes)
     if sizes["expert"] > 1:
-        changes["routed_experts"] = exchange_for(moe_cfg, sizes["expert"])
+        changes["routed_experts"] = exchange_for(moe_cfg, sizes["expert"], exchange=exchange)
     if sequence:
         changes["sequence"] = SequenceShards("tensor", sizes["tensor"])
     return with_moe_ops(ops, **changes)

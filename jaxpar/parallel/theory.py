@@ -13,6 +13,7 @@ import dataclasses
 from fractions import Fraction
 
 from jaxpar.config import ConfigError, fused_attention
+from jaxpar.parallel.expert_sizes import received_rows, resolve
 from jaxpar.parallel.schedules import chunks_per_stage, pipeline_microbatches
 
 AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
@@ -38,6 +39,7 @@ class Candidate:
     data_impl: str = "auto"        # parallel.data
     tensor_impl: str = "auto"      # parallel.tensor
     expert_impl: str = "auto"      # parallel.expert
+    expert_exchange: str = "auto"  # parallel.expert_exchange: how manual dropless EP sizes its buffers
     sequence: bool = False         # sequence parallelism over tensor: the token-wide activations split (memory.py);
     #                                jaxpar builds it as parallel.sequence under tensor_impl manual (plan/verify.py)
     virtual: int = 0               # chunks per stage; 0: the schedule's own (schedules.chunks_per_stage)
@@ -166,6 +168,7 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
                      precision=config.train.compute_dtype,
                      attention="flash" if fused_attention(model.attention, platform) else "dot",
                      data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
+                     expert_exchange=parallel.expert_exchange,
                      sequence=bool(parallel.sequence),
                      virtual=parallel.pipe_virtual if pipe > 1 else 0,
                      grad_buckets=parallel.grad_buckets,
@@ -180,9 +183,15 @@ def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int
 
     formula    per MoE layer, dispatch + combine move 2·T·k·h·e forward and again backward, T = tokens per
                device per microbatch, x (X-1)/X (a device keeps its own experts' share), x MoE layers x m.
-    predicted  what jaxpar's buffers send (parallel/expert.py): capacity [E, groups, C, h] per exchange;
-               dropless X padded chunks of T·min(k, E/X) rows plus the expert ids (int32, forward only).
-               With remat (any policy but none) the backward recomputes the forward exchanges: 6, not 4.
+    predicted  what jaxpar's buffers send (parallel/expert.py): capacity dispatch [E, groups, C, h] per exchange;
+               dropless by parallel.expert_exchange (parallel/expert_exchange.py; auto: ragged on GPU, else
+               capacity): padded, X chunks of T·min(k, E/X) rows; capacity, X chunks of ceil(1.25·T·k/X) rows
+               (the step without overflow), plus for both the expert ids (int32) and for capacity the overflow
+               vote (an int32 pmax), forward only; ragged, the rows the routing sends, T·k when it is balanced
+               (the HLO lists its receive buffer, 1.25·T·k rows: an upper bound), plus the ids, the chunk sizes
+               and offsets (3 int32[X] all_to_alls) and the vote (a fourth, and the pmax). With remat (any
+               policy but none) the backward recomputes the forward exchanges: 6, not 4. `vote`: the pmax's
+               part of it (an all-reduce; the rest are all_to_alls).
     """
     moe = shape.moe
     if moe is None:   # only a hand-written `plan --strategy ep=N` asks this of a dense model
@@ -197,10 +206,13 @@ def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int
     formula = ring * 2 * T * k * h * e * 2 * per_step
     if moe.dispatch == "capacity":
         slots = b // moe.group_sequences * E * moe.capacity(moe.group_sequences * seq_len)
-        exchange, ids = ring * slots * h * e, 0.0
+        exchange, ids, vote = ring * slots * h * e, 0.0, 0.0
     else:
-        rows = T * min(k, E // X)
-        exchange, ids = ring * X * rows * h * e, ring * X * rows * 4 * forward_runs
+        kind = resolve(cand.expert_exchange, platform)
+        rows = T * k if kind == "ragged" else received_rows(kind, T, k, E, X)
+        vote = 0.0 if kind == "padded" else ring * 2 * 4 * forward_runs             # an all-reduce, not all_to_all
+        sizes = ring * 4 * X * 4 if kind == "ragged" else 0.0
+        exchange, ids = ring * rows * h * e, (ring * rows * 4 + sizes) * forward_runs + vote
     predicted = exchange * 2 * (1 + forward_runs) * per_step + ids * per_step
-    return {"formula": formula, "predicted": predicted, "tokens_per_device": T,
+    return {"formula": formula, "predicted": predicted, "tokens_per_device": T, "vote": vote * per_step,
             "runs": 2 * (1 + forward_runs) * per_step}
