@@ -14,8 +14,8 @@ from fractions import Fraction
 
 from jaxpar.config import ConfigError, fused_attention
 
-AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
-SHORT = {"expert": "ep", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
+AXES = ("data", "fsdp", "pipe", "expert", "context", "tensor")   # jaxpar.mesh's order: tensor innermost
+SHORT = {"expert": "ep", "context": "cp", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
 VIRTUAL = 2                  # chunks per stage of the interleaved schedule when the config leaves it at 0
 WEIGHTS_PER_LAYER = 9        # attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down: one collective each
 OTHER_WEIGHTS = 3            # embed, lm_head, final_norm
@@ -28,6 +28,7 @@ class Candidate:
     tensor: int = 1
     pipe: int = 1
     expert: int = 1
+    context: int = 1               # the sequence split inside attention (parallel.context)
     microbatches: int = 1          # gradient accumulation; with pipe > 1, the pipeline's microbatches
     accumulate: int = 1            # with pipe > 1: train.microbatches, the whole pipeline run that many times
     schedule: str = ""             # parallel.pipe when pipe > 1
@@ -37,6 +38,7 @@ class Candidate:
     data_impl: str = "auto"        # parallel.data
     tensor_impl: str = "auto"      # parallel.tensor
     expert_impl: str = "auto"      # parallel.expert
+    context_impl: str = "auto"     # parallel.context: ring | all_to_all when context > 1
     sequence: bool = False         # parallel.sequence (with tensor_impl = manual)
     virtual: int = 0               # chunks per stage; 0: VIRTUAL for interleaved, DualPipeV's 2 (its V), else 1
     grad_buckets: int = 0          # parallel.grad_buckets (data_impl ddp, zero2): layer gradients reduced in buckets
@@ -54,11 +56,12 @@ class Candidate:
     def impls(self) -> dict[str, str]:
         """`parallel.<axis>` of every mesh axis: what the strategy registry matches on."""
         return {"data": self.data_impl, "fsdp": "auto", "pipe": self.schedule if self.pipe > 1 else "auto",
-                "expert": self.expert_impl, "tensor": self.tensor_impl}
+                "expert": self.expert_impl, "context": self.context_impl if self.context > 1 else "auto",
+                "tensor": self.tensor_impl}
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipe * self.expert
+        return self.data * self.fsdp * self.tensor * self.pipe * self.expert * self.context
 
     @property
     def batch_shards(self) -> int:
@@ -156,6 +159,7 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
                      precision=config.train.compute_dtype,
                      attention="flash" if fused_attention(model.get("attention", "dot"), platform) else "dot",
                      data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
+                     context_impl=parallel.get("context", "auto"),
                      sequence=bool(parallel.get("sequence", False)),
                      virtual=parallel.get("pipe_virtual", 0) if pipe > 1 else 0,
                      grad_buckets=parallel.get("grad_buckets", 0))

@@ -1,0 +1,82 @@
+"""Context parallelism: the sequence split over the `context` mesh axis (`parallel.context`: ring | all_to_all).
+
+Long sequences outgrow one device's activation memory before the weights do. Here every activation's
+sequence axis (`length`, `inner_length`) is split over `context` by the logical-axis rules, so norms, the
+MLP, the head and the loss each work on their own rows; only attention needs the other rows' keys and
+values, and crosses the split by hand inside `shard_map` (parallel/context_attention.py): a ring of
+key/value blocks, or all_to_all between a slice of the sequence and a slice of the heads. Everything else
+is the compiler-driven strategy (data, fsdp and tensor stay `auto` and compose).
+
+Positions follow the split: for the ring, the sequence is reordered once, at the embedding and at the loss
+targets, into the load-balanced chunk order (`zigzag_order`), and RoPE takes each row's true position from
+the same order (`Ops.positions`); the mean loss does not depend on the order. The token rows themselves
+reach every device of a context group whole ([B, S+1] int32, 4 bytes a token: the split starts at the
+embedding). all_to_all keeps the natural order. `predict` is in parallel/context_predict.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config import CONTEXT_IMPLS, validate_context
+from jaxpar.model.axes import ACTIVATION_AXES
+from jaxpar.parallel.auto import AutoStrategy
+from jaxpar.parallel.context_attention import all_to_all_attention, block_attention, ring_attention, zigzag_order
+from jaxpar.parallel.context_predict import predict
+
+AXIS = "context"
+
+
+def split_attention(impl: str, rules, *, inner: Callable, block: Callable = block_attention) -> Callable:
+    """(q, k, v) of the whole program -> attention, each device working on its slice of the sequence.
+
+    A shard_map over every mesh axis still left to the partitioner (as `kernels.kernel_ops.shard_local`):
+    batch, sequence (`context`) and heads (`tensor`) split as the rules say. `inner`: the attention
+    all_to_all runs on whole sequences; `block`: the ring's chunk-pair attention.
+    """
+    def body(q, k, v):
+        if impl == "ring":
+            return ring_attention(q, k, v, axis=AXIS, block=block)
+        return all_to_all_attention(q, k, v, axis=AXIS, attention=inner)
+
+    def run(q, k, v):
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
+        if AXIS not in axes:
+            axes += (AXIS,)            # a context of one: the ring is one device (no ppermute), still exact
+        q_spec, kv_spec = rules.spec(ACTIVATION_AXES["heads"], axes), rules.spec(ACTIVATION_AXES["kv_heads"], axes)
+        return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                             axis_names=set(axes), check_vma=False)(q, k, v)
+    return run
+
+
+def in_order(order, embed: Callable, cross_entropy: Callable) -> dict[str, Callable]:
+    """The ops that put the sequence into `order` (None: the natural order): embedding, targets, positions."""
+    if order is None:
+        return {}
+    index = jnp.asarray(order)
+    return {"embed": lambda tokens, table: embed(tokens[:, index], table),
+            "cross_entropy": lambda x, head, targets, ops: cross_entropy(x, head, targets[:, index], ops),
+            "positions": lambda seq_len: index}
+
+
+class ContextStrategy(AutoStrategy):
+    """The compiler-driven strategy with attention across a sequence split over `context` by hand."""
+
+    RUNS = {"context": CONTEXT_IMPLS}
+
+    @classmethod
+    def check(cls, config, sizes: dict[str, int]) -> None:
+        validate_context(config, sizes)
+
+    def with_ops(self, ops):
+        impl, context = self.config.parallel.context, int(self.mesh.shape[AXIS])
+        order = zigzag_order(self.config.data.seq_len, context) if impl == "ring" else None
+        return ops.replace(attention=split_attention(impl, self.rules, inner=ops.attention),
+                           **in_order(order, ops.embed, ops.cross_entropy))
+
+    @staticmethod
+    def predict(shape, cand, global_batch, seq_len, platform):
+        return predict(shape, cand, global_batch, seq_len, platform)
