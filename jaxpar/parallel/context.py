@@ -9,9 +9,9 @@ is the compiler-driven strategy (data, fsdp and tensor stay `auto` and compose).
 
 Positions follow the split: for the ring, the sequence is reordered once, at the embedding and at the loss
 targets, into the load-balanced chunk order (`zigzag_order`), and RoPE takes each row's true position from
-the same order (`Ops.positions`); the mean loss does not depend on the order. The token rows themselves
-reach every device of a context group whole ([B, S+1] int32, 4 bytes a token: the split starts at the
-embedding). all_to_all keeps the natural order. `predict` is in parallel/context_predict.py.
+the same order (`Ops.positions`); the mean loss does not depend on the order. all_to_all keeps the natural
+order. The token rows themselves reach every device of a context group whole ([B, S+1] int32, 4 bytes a
+token): the split starts at the embedding. `predict` is in parallel/context_predict.py.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.config import CONTEXT_IMPLS, validate_context
 from jaxpar.model.axes import ACTIVATION_AXES
@@ -53,9 +54,8 @@ def split_attention(impl: str, rules, *, inner: Callable, block: Callable = bloc
 
 
 def in_order(order, embed: Callable, cross_entropy: Callable) -> dict[str, Callable]:
-    """The ops that put the sequence into `order` (None: the natural order): embedding, targets, positions."""
-    if order is None:
-        return {}
+    """The ops that put the sequence into `order`: embedding, targets, positions. (The natural order too is
+    taken by index: sliced, the token rows would be resharded over context, a halo exchange per step.)"""
     index = jnp.asarray(order)
     return {"embed": lambda tokens, table: embed(tokens[:, index], table),
             "cross_entropy": lambda x, head, targets, ops: cross_entropy(x, head, targets[:, index], ops),
@@ -73,7 +73,8 @@ class ContextStrategy(AutoStrategy):
 
     def with_ops(self, ops):
         impl, context = self.config.parallel.context, int(self.mesh.shape[AXIS])
-        order = zigzag_order(self.config.data.seq_len, context) if impl == "ring" else None
+        seq_len = self.config.data.seq_len
+        order = zigzag_order(seq_len, context) if impl == "ring" else np.arange(seq_len)
         return ops.replace(attention=split_attention(impl, self.rules, inner=ops.attention),
                            **in_order(order, ops.embed, ops.cross_entropy))
 

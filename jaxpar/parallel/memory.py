@@ -96,12 +96,13 @@ def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_le
     """Bytes one layer keeps for the backward pass, per microbatch on one device (the activations term of
     experiments/07_capstone/README.md, "How the model is built")."""
     e = 4 if cand.precision == "float32" else 2
-    T, h, s = cand.tensor, shape.d_model, seq_len
+    T, h, s = cand.tensor, shape.d_model, seq_len / cand.context     # context parallelism: this device's rows
+    pairs = seq_len * seq_len / cand.context                        # score elements per head, per device
     b = global_batch / cand.batch_shards / cand.microbatches
     widths = (shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
               + 2 * (shape.expert_mlp_dim * shape.top_k if shape.experts else shape.mlp_dim)) / T
     if cand.remat == "none":
-        scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * s * s
+        scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * pairs
         per_layer = b * (scores + NONE_TOKEN_BYTES * e / 2 * s * h + s * h * e)
     else:
         per_layer = b * s * h * e + (b * s * widths * e if cand.remat == "dots" else 0)
@@ -117,7 +118,7 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     prediction = prediction or predict(shape, cand, global_batch, seq_len, platform)
     stored = prediction.stored
     e = 4 if cand.precision == "float32" else 2
-    T, L, h, s = cand.tensor, shape.layers, shape.d_model, seq_len
+    T, L, h, s = cand.tensor, shape.layers, shape.d_model, seq_len / cand.context
     b = global_batch / cand.batch_shards / cand.microbatches
     scale = e / 2                                       # the fitted bytes are bf16's
     grads = 4 * stored["grads"] * (1 + (ACCUMULATOR if cand.microbatches > 1 and cand.pipe == 1 else 0))
@@ -136,7 +137,7 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
             taps = count * L * layers_each * b * s * tap_elements(shape, T) * e
     activations = per_layer * L * layers_each * count
 
-    scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * s
+    scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * seq_len
     layer_work = scores + WORKING_TOKEN_BYTES * scale * b * s * h
     head_work = LOGIT_BYTES * b * s * shape.vocab / T
     layer_params = (shape.counts()["blocks"] - shape.counts()["experts"] * (1 - 1 / cand.expert)) / L / T
