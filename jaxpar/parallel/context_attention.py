@@ -79,17 +79,22 @@ def ring_attention(q, k, v, *, axis: str, block: Callable = block_attention):
     kv = jnp.stack([k, v])                                # one ppermute carries both
     # step 0, the device's own keys: chunk me sees itself causally; chunk 2c-1-me sees chunk me whole and itself
     first = merge(block(q1, k[:, :half], v[:, :half], False), block(q1, k[:, half:], v[:, half:], True))
-    acc = [block(q0, k[:, :half], v[:, :half], True), first]
     ring = [(j, (j + 1) % c) for j in range(c)]
-    for step in range(1, c):
-        kv = jax.lax.ppermute(kv, axis, ring)             # now the blocks of device me - step
+
+    def step(carry, index):
+        kv, acc0, acc1 = carry
+        kv = jax.lax.ppermute(kv, axis, ring)             # now the blocks of device me - index
         k0, k1, v0, v1 = kv[0, :, :half], kv[0, :, half:], kv[1, :, :half], kv[1, :, half:]
-        acc[1] = merge(acc[1], block(q1, k0, v0, False))  # chunk 2c-1-me sees every other device's first chunk
-        earlier = step <= me                              # the sender is device me - step >= 0
+        acc1 = merge(acc1, block(q1, k0, v0, False))      # chunk 2c-1-me sees every other device's first chunk
+        earlier = index <= me                             # the sender is device me - index >= 0
         # an earlier device's first chunk is seen by chunk me; a later device's second chunk by chunk 2c-1-me
         extra = block(jnp.where(earlier, q0, q1), jnp.where(earlier, k0, k1), jnp.where(earlier, v0, v1), False)
-        acc = [_pick(earlier, merge(acc[0], extra), acc[0]), _pick(earlier, acc[1], merge(acc[1], extra))]
-    return jnp.concatenate([acc[0][0], acc[1][0]], axis=1).astype(q.dtype)
+        acc0, acc1 = _pick(earlier, merge(acc0, extra), acc0), _pick(earlier, acc1, merge(acc1, extra))
+        return (kv, acc0, acc1), None
+
+    carry = (kv, block(q0, k[:, :half], v[:, :half], True), first)
+    (_, (out0, _), (out1, _)), _ = jax.lax.scan(step, carry, jnp.arange(1, c))
+    return jnp.concatenate([out0, out1], axis=1).astype(q.dtype)
 
 
 def all_to_all_attention(q, k, v, *, axis: str, attention: Callable):
