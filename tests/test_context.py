@@ -4,14 +4,21 @@ A small matrix on configs/test.py (2 steps, one compile per configuration): ring
 devices alone and over 8 with fsdp and tensor. The larger matrix (context 8, data and remat, growing
 lengths) is the context lab's (`jaxpar lab context`).
 """
+from functools import partial
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from synthetic import build_strategy_for, counting_batches
 
 from jaxpar.config import ConfigError, apply_overrides, load_config, validate
 from jaxpar.measure.hlo import collectives
-from jaxpar.parallel.context_attention import zigzag_order
+from jaxpar.model.ops import dot_attention
+from jaxpar.parallel.context import flash_block
+from jaxpar.parallel.context_attention import block_attention, ring_attention, zigzag_order
 from jaxpar.parallel.registry import predicted_collective_bytes
 
 VOCAB = 512
@@ -97,3 +104,30 @@ def test_bad_context_settings_are_refused_in_one_line(overrides, field):
     with pytest.raises(ConfigError) as err:
         validate(config, 8)
     assert err.value.field == field and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kernel", ["jnp", "pallas"])
+def test_ring_attention_and_its_gradients_match_one_device(kernel):
+    """The ring alone (2 devices, GQA), with the jnp chunk-pair attention or the Pallas flash kernel
+    (interpreted) returning its log-sum-exp: outputs and q/k/v gradients as one device's causal attention."""
+    c, seq = 2, 64
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (2, seq, 4, 16))
+    k, v = (jax.random.normal(key, (2, seq, 2, 16)) for key in keys[1:3])
+    weights = jax.random.normal(keys[3], q.shape)
+    order = zigzag_order(seq, c)
+    block = block_attention if kernel == "jnp" else flash_block(block_q=16, block_k=16, interpret=True)
+    mesh = Mesh(np.array(jax.devices()[:c]), ("context",))
+    ring = jax.shard_map(partial(ring_attention, axis="context", block=block), mesh=mesh,
+                         in_specs=P(None, "context"), out_specs=P(None, "context"), check_vma=False)
+
+    def split(q, k, v):      # the ring sees the zigzag order; its output is put back into the natural order
+        out = ring(q[:, order], k[:, order], v[:, order])
+        return jnp.zeros_like(out).at[:, order].set(out)
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(attend(q, k, v) * weights)
+
+    want = jax.jit(jax.value_and_grad(loss(dot_attention), argnums=(0, 1, 2)))(q, k, v)
+    got = jax.jit(jax.value_and_grad(loss(split), argnums=(0, 1, 2)))(q, k, v)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5), got, want)

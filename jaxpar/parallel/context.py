@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config import CONTEXT_IMPLS, validate_context
+from jaxpar.kernels.flash_attention import flash_attention_with_lse
+from jaxpar.kernels.kernel_ops import platform_of, resolve
 from jaxpar.model.axes import ACTIVATION_AXES
 from jaxpar.parallel.auto import AutoStrategy
 from jaxpar.parallel.context_attention import all_to_all_attention, block_attention, ring_attention, zigzag_order
@@ -53,6 +55,16 @@ def split_attention(impl: str, rules, *, inner: Callable, block: Callable = bloc
     return run
 
 
+def flash_block(*, block_q: int, block_k: int, interpret: bool) -> Callable:
+    """The ring's chunk-pair attention as jaxpar's Pallas flash kernel (model.attention=pallas): its forward
+    keeps the log-sum-exp the merge needs, and its backward takes that statistic's cotangent too."""
+    def block(q, k, v, causal):
+        out, lse = flash_attention_with_lse(q, k, v, causal=causal, block_q=block_q, block_k=block_k,
+                                            interpret=interpret)
+        return out.astype(jnp.float32), lse
+    return block
+
+
 def in_order(order, embed: Callable, cross_entropy: Callable) -> dict[str, Callable]:
     """The ops that put the sequence into `order`: embedding, targets, positions. (The natural order too is
     taken by index: sliced, the token rows would be resharded over context, a halo exchange per step.)"""
@@ -75,7 +87,13 @@ class ContextStrategy(AutoStrategy):
         impl, context = self.config.parallel.context, int(self.mesh.shape[AXIS])
         seq_len = self.config.data.seq_len
         order = zigzag_order(seq_len, context) if impl == "ring" else np.arange(seq_len)
-        return ops.replace(attention=split_attention(impl, self.rules, inner=ops.attention),
+        platform = platform_of(self.mesh)
+        block = block_attention
+        if resolve(self.config, platform, ops.dtype)["attention"] == "pallas":
+            model = self.config.model
+            block = flash_block(block_q=model.attention_block_q, block_k=model.attention_block_kv,
+                                interpret=platform == "cpu")
+        return ops.replace(attention=split_attention(impl, self.rules, inner=ops.attention, block=block),
                            **in_order(order, ops.embed, ops.cross_entropy))
 
     @staticmethod
