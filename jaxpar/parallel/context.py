@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.config import CONTEXT_IMPLS, validate_context
+from jaxpar.config import CONTEXT_IMPLS, ConfigError, validate_context
 from jaxpar.kernels.flash_attention import flash_attention_with_lse
 from jaxpar.kernels.kernel_ops import platform_of, resolve
 from jaxpar.model.axes import ACTIVATION_AXES
@@ -82,14 +82,24 @@ class ContextStrategy(AutoStrategy):
     @classmethod
     def check(cls, config, sizes: dict[str, int]) -> None:
         validate_context(config, sizes)
+        cls._check_loss(config.model.loss)
+
+    @staticmethod
+    def _check_loss(loss: str) -> None:
+        if loss == "chunked":
+            raise ConfigError("model.loss", "is chunked, whose chunks are slices of the whole sequence: across the "
+                              "context split the partitioner gathers each one; use full (each device's logits "
+                              "are its S/context rows)")
 
     def with_ops(self, ops):
         impl, context = self.config.parallel.context, int(self.mesh.shape[AXIS])
         seq_len = self.config.data.seq_len
         order = zigzag_order(seq_len, context) if impl == "ring" else np.arange(seq_len)
         platform = platform_of(self.mesh)
+        chosen = resolve(self.config, platform, ops.dtype)
+        self._check_loss(chosen["loss"])
         block = block_attention
-        if resolve(self.config, platform, ops.dtype)["attention"] == "pallas":
+        if chosen["attention"] == "pallas":
             model = self.config.model
             block = flash_block(block_q=model.attention_block_q, block_k=model.attention_block_kv,
                                 interpret=platform == "cpu")

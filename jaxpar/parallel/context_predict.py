@@ -10,6 +10,8 @@ ring        per layer and pass, c - 1 hops of the device's key/value block, 2·b
             key/value gradients back round the ring.
 all_to_all  per layer and pass, four exchanges (q, k, v in; the output back), (c-1)/c of each local array:
             (c-1)/c·b·(S/c)·Dh·e·(2H + 2KV)/T; the same passes as the ring.
+embedding   an untied embedding split over fsdp alone is looked up, not gathered (`auto.embed_lookup_gathers`):
+            its backward gathers the activations' gradient over context twice, (c-1)/c·e·2·b·S·h per microbatch.
 gradients   the parameters are whole on every device of a context group, which computed their gradients
             from its own rows: an all-reduce over context, 2(c-1)/c of each gradient as the device holds it
             (split over fsdp x tensor; the norms whole; the embedding, gathered over fsdp for the lookup,
@@ -31,12 +33,17 @@ from jaxpar.parallel.theory import (
 )
 
 
+def looked_up(shape, cand: Candidate) -> bool:
+    """Whether the embedding is looked up from its fsdp-split table (not gathered first): auto.predict's rule."""
+    return cand.fsdp > 1 and shape.counts()["lm_head"] > 0 and cand.tensor == 1 and cand.data == 1 and \
+        cand.expert == 1
+
+
 def held_gradient(shape, cand: Candidate) -> float:
     """Gradient elements a device holds when it reduces them over context (module docstring, `gradients`)."""
     counts, F, T, h = shape.counts(), cand.fsdp, cand.tensor, shape.d_model
     norms = (2 * shape.layers + 1) * h
-    looked_up = F > 1 and counts["lm_head"] > 0 and T == 1 and cand.data == 1 and cand.expert == 1
-    embedding = counts["embedding"] / (F if looked_up else T)
+    embedding = counts["embedding"] / (F if looked_up(shape, cand) else T)
     return (counts["blocks"] + counts["lm_head"] + counts["final_norm"] - norms) / (F * T) + norms + embedding
 
 
@@ -56,7 +63,10 @@ def context_flows(shape, cand: Candidate, global_batch: int, seq_len: int, platf
     grad_e = 4 if cand.precision == "float8" and platform != "cpu" else e
     gradients = Flow("context", "all-reduce", 2 * (C - 1) / C * grad_e * held_gradient(shape, cand) * m,
                      m * (WEIGHTS_PER_LAYER + OTHER_WEIGHTS), False)
-    return [exchange, gradients]
+    out = [exchange, gradients]
+    if looked_up(shape, cand):
+        out.append(Flow("context", "all-gather", (C - 1) / C * e * 2 * b * seq_len * shape.d_model * m, 2 * m, False))
+    return out
 
 
 def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
