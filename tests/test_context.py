@@ -131,3 +131,16 @@ def test_ring_attention_and_its_gradients_match_one_device(kernel):
     want = jax.jit(jax.value_and_grad(loss(dot_attention), argnums=(0, 1, 2)))(q, k, v)
     got = jax.jit(jax.value_and_grad(loss(split), argnums=(0, 1, 2)))(q, k, v)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5), got, want)
+
+
+def test_planner_offers_context_sizes_for_long_sequences_only():
+    from jaxpar.model.counting import ModelShape
+    from jaxpar.plan.space import context_choices, enumerate_candidates
+
+    assert context_choices(64, 131072) == [1, 2, 4, 8, 16, 32]
+    assert context_choices(64, 4096) == [1]
+    config = load_config("arabic_7b_long")
+    shape = ModelShape.from_config(config)
+    long = [c for c in enumerate_candidates(shape, 64, 8, remats=("full",), precisions=("bfloat16",),
+                                            attentions=("flash",), seq_len=131072) if c.context > 1]
+    assert long and all(c.pipe == c.expert == 1 and c.context_impl == "ring" and c.devices == 64 for c in long)
