@@ -10,8 +10,10 @@ ring        per layer and pass, c - 1 hops of the device's key/value block, 2·b
             key/value gradients back round the ring.
 all_to_all  per layer and pass, four exchanges (q, k, v in; the output back), (c-1)/c of each local array:
             (c-1)/c·b·(S/c)·Dh·e·(2H + 2KV)/T; the same passes as the ring.
-embedding   an untied embedding split over fsdp alone is looked up, not gathered (`auto.embed_lookup_gathers`):
-            its backward gathers the activations' gradient over context twice, (c-1)/c·e·2·b·S·h per microbatch.
+embedding   an untied embedding split over fsdp alone is looked up, not gathered (`auto.embed_lookup_gathers`).
+            Its backward then costs the context axis the cheaper of two ways, as XLA chooses (seen at S = 1024
+            and 8192): gather the activations' gradient over context twice, (c-1)/c·e·2·b·S·h, or all-reduce
+            the whole table's gradient instead of its fsdp share, 2(c-1)/c·e·V·h·(1 - 1/F) more; per microbatch.
 gradients   the parameters are whole on every device of a context group, which computed their gradients
             from its own rows: an all-reduce over context, 2(c-1)/c of each gradient as the device holds it
             (split over fsdp x tensor; the norms whole; the embedding, gathered over fsdp for the lookup,
@@ -63,10 +65,13 @@ def context_flows(shape, cand: Candidate, global_batch: int, seq_len: int, platf
     grad_e = 4 if cand.precision == "float8" and platform != "cpu" else e
     gradients = Flow("context", "all-reduce", 2 * (C - 1) / C * grad_e * held_gradient(shape, cand) * m,
                      m * (WEIGHTS_PER_LAYER + OTHER_WEIGHTS), False)
-    out = [exchange, gradients]
-    if looked_up(shape, cand):
-        out.append(Flow("context", "all-gather", (C - 1) / C * e * 2 * b * seq_len * shape.d_model * m, 2 * m, False))
-    return out
+    if not looked_up(shape, cand):
+        return [exchange, gradients]
+    gather = (C - 1) / C * e * 2 * b * seq_len * shape.d_model * m
+    table = 2 * (C - 1) / C * grad_e * shape.counts()["embedding"] * (1 - 1 / cand.fsdp) * m
+    if gather <= table:
+        return [exchange, gradients, Flow("context", "all-gather", gather, 2 * m, False)]
+    return [exchange, dataclasses.replace(gradients, bytes=gradients.bytes + table)]
 
 
 def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str) -> Prediction:
