@@ -91,8 +91,9 @@ def context(lab, steps: int, quick: bool) -> dict:
     zigzag, contiguous = ring_work(context_size), ring_work(context_size, zigzag=False)
     markdown = "\n\n".join([
         f"## e. Context parallelism: the sequence split over context={context_size}",
-        f"{steps} fp32 steps of the same synthetic batches (rows counting up) as one device; bytes per step on the context axis (ring hops or "
-        "all_to_alls, and the gradient all-reduce) from the compiled step, beside `parallel/context_predict.py`.",
+        f"{steps} fp32 steps of the same synthetic batches (rows counting up) as one device; bytes per step on "
+        "the context axis (ring hops or all_to_alls, and the gradient all-reduce) from the compiled step, beside "
+        "`parallel/context_predict.py`.",
         md_table(["seq_len", "parallel.context", "max rel. loss dev.", "compiled bytes", "predicted", "ratio"], rows),
         f"The ring's work per hop (chunk pairs with visible scores, (S/2c)² blocks): load-balanced order, the "
         f"busiest device per hop {zigzag.max(axis=0).tolist()} (total {zigzag.max(axis=0).sum():g}); contiguous "

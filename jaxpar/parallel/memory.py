@@ -60,7 +60,7 @@ class Memory:
         return parts
 
 
-def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: int) -> float:
+def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: float) -> float:
     """Per layer, what jaxpar's fp8 matmul (model/fp8.py) saves for its backward pass unless the layer is
     recomputed: each matmul's input in e4m3 (1 byte per element; the inputs of q/k/v and gate/up are whole
     under tensor parallelism, those of wo and w_down split) and its bf16 weight as fetched, i.e. the
