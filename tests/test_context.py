@@ -144,3 +144,19 @@ def test_planner_offers_context_sizes_for_long_sequences_only():
     long = [c for c in enumerate_candidates(shape, 64, 8, remats=("full",), precisions=("bfloat16",),
                                             attentions=("flash",), seq_len=131072) if c.context > 1]
     assert long and all(c.pipe == c.expert == 1 and c.context_impl == "ring" and c.devices == 64 for c in long)
+
+
+def test_activation_memory_is_split_over_context():
+    """Kept activations and the layer's working set per device follow the S/c rows a device holds."""
+    import dataclasses
+
+    from jaxpar.model.counting import ModelShape
+    from jaxpar.parallel.memory import memory
+    from jaxpar.parallel.theory import Candidate
+
+    shape = ModelShape.from_config(load_config("arabic_7b_long"))
+    one = Candidate(fsdp=8, attention="flash", remat="full")
+    split = dataclasses.replace(one, context=8, context_impl="ring")
+    whole, parts = (memory(shape, c, 8, 131072, 80e9) for c in (one, split))
+    assert parts.activations == pytest.approx(whole.activations / 8)
+    assert parts.working < whole.working
