@@ -189,7 +189,7 @@ def bench_table():
 # (name, one-line help, description, what adds its arguments: a function, or a table of sub-subcommands)
 SUBCOMMANDS = (
     ("train", "train a model on a device mesh",
-     "Train the configured model. The mesh sizes (mesh.data, fsdp, pipe, expert, tensor) place it; "
+     "Train the configured model. The mesh sizes (mesh.data, fsdp, pipe, expert, context, tensor) place it; "
      "parallel.<axis> chooses who runs each axis: auto (the compiler) or a hand-written strategy (ddp, zero1-3, "
      "manual TP, pipeline schedules, manual EP).", add_train_arguments),
     ("sample", "generate text from a trained run", None, add_sample_arguments),

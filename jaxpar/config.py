@@ -18,6 +18,7 @@ import ml_collections
 
 from jaxpar.config_checks import (  # noqa: F401
     COMPUTE_DTYPES,
+    CONTEXT_IMPLS,
     FAULT_SIGNALS,
     FUSED_ATTENTION,
     KERNEL_CHOICES,
@@ -30,6 +31,7 @@ from jaxpar.config_checks import (  # noqa: F401
     head_dim,
     mesh_shape,
     validate,
+    validate_context,
     validate_fields,
     validate_moe,
 )
@@ -85,6 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = 1
     c.mesh.pipe = 1
     c.mesh.expert = 1
+    c.mesh.context = 1            # context parallelism: the sequence split over this many devices (parallel.context)
     c.mesh.tensor = 1
 
     c.parallel = ml_collections.ConfigDict()   # which implementation runs each mesh axis (parallel/registry.py)
@@ -99,6 +102,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.parallel.expert_exchange = "auto"   # manual dropless EP's buffers: auto (ragged on GPU/TPU, else capacity) |
                                           # ragged | capacity (+ overflow round) | padded (parallel/expert_exchange.py)
     c.parallel.tensor = "auto"    # auto: Megatron splits from the sharding rules | manual (parallel/tensor.py)
+    c.parallel.context = "auto"   # mesh.context > 1: ring (K/V blocks passed round with ppermute, causal chunks
+                                  # load-balanced) | all_to_all (Ulysses: heads <-> sequence) (parallel/context.py)
     c.parallel.sequence = False   # sequence parallelism (Korthikanti et al.) inside parallel.tensor=manual
     c.parallel.prefetch = False   # parallel.data=zero3: gather layer i+1 while layer i computes (parallel/prefetch.py)
     c.parallel.grad_buckets = 0   # parallel.data=ddp|zero2: reduce the layers' gradients in this many buckets

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-MESH_AXES = ("data", "fsdp", "pipe", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "pipe", "expert", "context", "tensor")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float8")
 REMAT_POLICIES = ("none", "full", "dots", "names")
 # What train.remat="names" can keep: the activations model/transformer.py tags with checkpoint_name.
@@ -244,6 +244,7 @@ def validate(config, num_devices: int, processes: int | None = None, platform: s
     if platform == "cpu" and config.parallel.expert_exchange == "ragged" and sizes["expert"] > 1:
         raise ConfigError("parallel.expert_exchange", "is 'ragged', which XLA:CPU cannot compile "
                           "(no ragged-all-to-all); use auto, capacity or padded on CPU")
+    validate_context(config, sizes)
     tp = sizes["tensor"]
     if m.heads % tp:
         raise ConfigError("model.heads", f"heads={m.heads} is not divisible by mesh.tensor={tp}")
@@ -320,3 +321,33 @@ def validate_moe(config, sizes: dict[str, int]) -> None:
     for field in ("balance_loss", "z_loss", "bias_rate"):
         if moe[field] < 0:
             raise ConfigError(f"model.moe.{field}", f"is {moe[field]}; must be >= 0")
+
+
+CONTEXT_IMPLS = ("ring", "all_to_all")
+
+
+def validate_context(config, sizes: dict[str, int]) -> None:
+    """mesh.context and parallel.context (parallel/context.py): what the sequence split needs of the shapes."""
+    impl, cp, tp = config.parallel.context, sizes.get("context", 1), sizes["tensor"]
+    if impl not in ("auto", *CONTEXT_IMPLS):
+        raise ConfigError("parallel.context", f"is '{impl}'; valid: auto, {', '.join(CONTEXT_IMPLS)}")
+    if cp == 1:
+        return
+    if impl == "auto":
+        raise ConfigError("parallel.context", f"is 'auto' but mesh.context={cp}; choose how attention crosses the "
+                          "split: ring or all_to_all")
+    seq, m = config.data.seq_len, config.model
+    chunks = 2 * cp if impl == "ring" else cp
+    if seq % chunks:
+        raise ConfigError("data.seq_len", f"is {seq}; parallel.context={impl} cuts it into {chunks} equal chunks "
+                          f"(mesh.context={cp}{' x 2, load-balanced' if impl == 'ring' else ''}): use a multiple "
+                          f"of {chunks}")
+    if impl == "all_to_all":
+        for field in ("heads", "kv_heads"):
+            if m[field] % (cp * tp):
+                raise ConfigError(f"model.{field}", f"{field}={m[field]} is not divisible by mesh.context x "
+                                  f"mesh.tensor = {cp * tp}: all_to_all gives each device whole heads; use "
+                                  "parallel.context=ring")
+    if m.moe.experts:
+        raise ConfigError("mesh.context", f"is {cp} but the model has experts (model.moe.experts="
+                          f"{m.moe.experts}); context parallelism is built for dense models: set mesh.context=1")

@@ -1,6 +1,6 @@
 """The device mesh and multi-process start-up.
 
-One mesh with five named axes serves every strategy; a strategy is a choice of
+One mesh with six named axes serves every strategy; a strategy is a choice of
 axis sizes. The mesh uses `AxisType.Auto` axes: sharding annotations are hints
 to XLA's SPMD partitioner (GSPMD), which inserts the collectives, the behaviour
 MaxText-style logical-axis rules are written for.
@@ -73,7 +73,7 @@ def _exit_at_once(kind, value, tb) -> None:
 
 
 def make_mesh(config, devices=None, *, resumed: bool = False) -> Mesh:
-    """Build the (data, fsdp, pipe, expert, tensor) mesh the config asks for, after validating it.
+    """Build the (data, fsdp, pipe, expert, context, tensor) mesh the config asks for, after validating it.
 
     A fresh run's train.fault_process must name a process of this job; a `resumed` run keeps the drill
     setting it started with, which on a job of fewer processes (an elastic resume) simply never fires.

@@ -39,7 +39,7 @@ def test_bad_override_names_the_field(override, field):
 
 def test_mesh_fill_and_product():
     c = base_config()
-    assert mesh_shape(c, 8) == {"data": 8, "fsdp": 1, "pipe": 1, "expert": 1, "tensor": 1}
+    assert mesh_shape(c, 8) == {"data": 8, "fsdp": 1, "pipe": 1, "expert": 1, "context": 1, "tensor": 1}
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, -1, 2
     assert mesh_shape(c, 8)["fsdp"] == 2
     c.mesh.fsdp = 3

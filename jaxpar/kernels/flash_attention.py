@@ -258,12 +258,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _backward(q, k, v, out, lse, do, c: Blocks):
-    """Gradients (dq, dk, dv) of the padded arrays, recomputing each block's probabilities."""
+def _backward(q, k, v, out, lse, do, c: Blocks, dlse=None):
+    """Gradients (dq, dk, dv) of the padded arrays, recomputing each block's probabilities.
+
+    `dlse` [B,H,P]: a cotangent of the log-sum-exp too (`flash_attention_with_lse`); d lse / d s = P, so it
+    enters as dS = P * (dP - (delta - dlse)).
+    """
     B, P, H, Dh = q.shape
     kv_heads = k.shape[2]
     group = H // kv_heads
     delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), out.astype(jnp.float32))
+    if dlse is not None:
+        delta = delta - dlse
     (q, k, v, do, lse, delta), axes = varying.match(q, k, v, do, lse, delta)
     params = _compiler_params(Dh, c.interpret)
     nbytes = sum(x.size * x.dtype.itemsize for x in (q, k, v, do)) * 2
@@ -339,3 +345,40 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     (q, k, v), _ = varying.match(q, k, v)
     out = _flash(q, k, v, c)
     return out[:, :S] if c.padded != S else out
+
+
+# ----------------------------------------------------------------------------- with the log-sum-exp
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash_lse(q, k, v, c: Blocks):
+    return _forward(q, k, v, c)
+
+
+def _flash_lse_fwd(q, k, v, c: Blocks):
+    out, lse = _forward(q, k, v, c)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _flash_lse_bwd(c: Blocks, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    do, dlse = cotangents
+    return _backward(q, k, v, out, lse, do, c, dlse)
+
+
+_flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
+
+
+def flash_attention_with_lse(q, k, v, *, causal: bool, block_q: int = 128, block_k: int = 128,
+                             interpret: bool | None = None):
+    """`flash_attention` that also returns each query's log-sum-exp [B,S,H] fp32, differentiably: what merging
+    partial attentions over disjoint keys needs (ring attention, parallel/context_attention.py)."""
+    B, S, H, Dh = q.shape
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    c = plan(S, Dh, block_q=block_q, block_k=block_k, causal=causal, scale=None, interpret=interpret)
+    if c.padded != S:
+        pad = ((0, 0), (0, c.padded - S), (0, 0), (0, 0))
+        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
+    (q, k, v), _ = varying.match(q, k, v)
+    out, lse = _flash_lse(q, k, v, c)
+    return out[:, :S], lse[:, :, :S].transpose(0, 2, 1)

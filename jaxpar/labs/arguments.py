@@ -16,7 +16,7 @@ from jaxpar.checks import add_config_arguments
 MOE_SETTINGS = ("model.layers=2", "data.seq_len=64")
 MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense", "layouts")
 ZERO_PARTS = ("equivalence", "memory", "communication", "remat", "precision")
-TENSOR_PARTS = ("equivalence", "communication", "memory", "layouts")
+TENSOR_PARTS = ("equivalence", "communication", "memory", "layouts", "context")
 PIPELINE_PARTS = ("tables", "equivalence", "timeline", "memory", "p2p", "dryrun", "dualpipev", "pipedream", "moe")
 # --quick runs on the tiny test model (configs/test.py) wherever a lab takes a config
 TEST_CONFIG = "configs/test.py"

@@ -1,7 +1,7 @@
 """Lab 03, tensor half (course module 3): Megatron tensor and sequence parallelism by hand, against one
 device, against the formulas, and beside what XLA's partitioner chooses.
 
-One run, three parts, every number beside its prediction (experiments/03_tensor/README.md is the sheet):
+One run, five parts, every number beside its prediction (experiments/03_tensor/README.md is the sheet):
 
 a. equivalence   losses over the same batches (fp32) of the single device, auto TP, manual TP, manual
                  TP+SP and manual TP+SP keeping gathered inputs; and the gradient of one batch of each
@@ -15,11 +15,13 @@ c. memory        activation bytes per layer: the compiled gradient program's tem
 d. layouts       manual TP x FSDP (torchtitan's 2D) and an MoE model under it (experts' hidden over tensor,
                  Megatron-Core's default; with an expert axis; with SP): losses and gradient norms against one
                  device, bytes per axis of the compiled step against the strategy's prediction (`tensor.predict`).
+e. context       context parallelism (ring, all_to_all) at growing lengths: losses against one device, context
+                 bytes against `parallel/context_predict.py`, the ring's work per hop (labs/tensor_context.py).
 
 The mesh is data x tensor (tensor 4 by default, data = devices / tensor). Every part runs in float32.
 Every program is compiled once (`lower().compile()`) and that executable is run and read.
 Files in the run directory: report.md, results.json, config.json, equivalence.png, communication.png,
-memory.png. `--parts` runs a subset.
+memory.png, context.png. `--parts` runs a subset.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from jaxpar.labs.arguments import TENSOR_PARTS as PARTS
 from jaxpar.labs.arguments import tensor as add_arguments
 from jaxpar.labs.report import max_rel_dev, md_table, standalone_main, write_report
 from jaxpar.labs.tensor_build import VARIANTS, Lab
+from jaxpar.labs.tensor_context import context
 from jaxpar.labs.tensor_plots import PLOTS, plot_communication, plot_memory  # noqa: F401 (the plots by their old name)
 from jaxpar.units import fmt_bytes, ratio
 
@@ -317,7 +320,8 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
     sections = [header]
     log(header + "\n")
     plan = {"equivalence": lambda: equivalence(lab, steps), "communication": lambda: communication(lab),
-            "memory": lambda: memory(lab), "layouts": lambda: layouts(lab, steps, quick)}
+            "memory": lambda: memory(lab), "layouts": lambda: layouts(lab, steps, quick),
+            "context": lambda: context(lab, steps, quick)}
     for name, fn in ((name, plan[name]) for name in PARTS if name in parts):
         t0 = time.perf_counter()
         log(f"[{name}]")

@@ -7,6 +7,7 @@ import numpy as np
 
 from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs import report
+from jaxpar.labs.tensor_context import plot_context
 from jaxpar.units import byte_unit, fmt_bytes
 
 
@@ -79,4 +80,5 @@ def plot_memory(result: dict, path: Path):
 
 
 PLOTS = {"equivalence.png": ("equivalence", plot_equivalence),
-         "communication.png": ("communication", plot_communication), "memory.png": ("memory", plot_memory)}
+         "communication.png": ("communication", plot_communication), "memory.png": ("memory", plot_memory),
+         "context.png": ("context", plot_context)}

@@ -92,6 +92,8 @@ class Ops:
     dtype: Any = jnp.float32                   # activations and cast weights
     matmul: Callable = jnp.einsum              # activation x weight einsum (fp8_einsum for float8)
     attention: Callable = dot_attention        # (q, k, v) -> out, causal
+    positions: Callable = jnp.arange           # (seq_len) -> each row's position, for RoPE (context parallelism:
+                                               # its load-balanced chunk order)
     norm: Callable = rms_norm                  # (x, scale, eps) -> x
     embed: Callable = gather_embedding         # (tokens, table) -> x
     cross_entropy: Callable = cross_entropy    # (x, head, targets, ops) -> mean loss

@@ -151,9 +151,10 @@ def init_params(cfg: ModelConfig, seed: int) -> dict:
 
 # ----------------------------------------------------------------------------- one block
 
-def rope_tables(seq_len, head_dim, theta):
+def rope_tables(positions, head_dim, theta):
+    """cos and sin [S, Dh] of each row's position (`positions` [S]: 0..S-1, or a context-parallel chunk order)."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.asarray(positions, jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)            # [S, Dh], rotate-half layout
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -172,7 +173,7 @@ def attention(x, w, cfg: ModelConfig, ops: Ops):
     q = ops.constrain(ops.matmul("bsd,dhk->bshk", x, w["wq"]), ACT["heads"])
     k = ops.constrain(ops.matmul("bsd,dhk->bshk", x, w["wk"]), ACT["kv_heads"])
     v = ops.constrain(ops.matmul("bsd,dhk->bshk", x, w["wv"]), ACT["kv_heads"])
-    cos, sin = rope_tables(q.shape[1], q.shape[-1], cfg.rope_theta)
+    cos, sin = rope_tables(ops.positions(q.shape[1]), q.shape[-1], cfg.rope_theta)
     out = ops.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
     out = ops.constrain(out, ACT["heads"])
     return ops.row_out(ops.matmul("bshk,hkd->bsd", out, w["wo"]))

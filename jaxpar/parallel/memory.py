@@ -78,7 +78,7 @@ def accumulated_gradients(shape: ModelShape, cand: Candidate, prediction: Predic
     return Held(gradients=4 * prediction.stored["grads"] * (1 + (ACCUMULATOR if cand.microbatches > 1 else 0)))
 
 
-def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: int) -> float:
+def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: float) -> float:
     """Per layer, what jaxpar's fp8 matmul (model/fp8.py) saves for its backward pass unless the layer is
     recomputed: each matmul's input in e4m3 (1 byte per element; the inputs of q/k/v and gate/up are whole
     under tensor parallelism, those of wo and w_down split) and its bf16 weight as fetched, i.e. the
@@ -91,7 +91,7 @@ def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: int) -> float
     return inputs + weights
 
 
-def expert_buffers(shape: ModelShape, cand: Candidate, b: float, s: int, platform: str) -> float:
+def expert_buffers(shape: ModelShape, cand: Candidate, b: float, s: float, platform: str) -> float:
     """Bytes one MoE layer's routed experts hold on a device while they run (the forward, or the backward's
     recomputation): the rows the device's experts receive, each with its input and output [d_model] and its
     gate, up and hidden [expert_mlp_dim / tensor]. Rows: dropless on one expert device its T·k assignments,
@@ -122,13 +122,14 @@ def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_le
     """Bytes one layer keeps for the backward pass, per microbatch on one device (the activations term of
     experiments/07_capstone/README.md, "How the model is built")."""
     e = 4 if cand.precision == "float32" else 2
-    T, h, s = cand.tensor, shape.d_model, seq_len
+    T, h, s = cand.tensor, shape.d_model, seq_len / cand.context     # context parallelism: this device's rows
+    pairs = seq_len * seq_len / cand.context                        # score elements per head, per device
     b = global_batch / cand.batch_shards / cand.microbatches
     widths = (shape.heads * shape.head_dim + 2 * shape.kv_heads * shape.head_dim
               + 2 * (shape.expert_mlp_dim * shape.top_k if shape.experts else shape.mlp_dim)) / T
     token = 1 / sequence_split(cand)            # the token-wide activations a device keeps (sequence parallelism)
     if cand.remat == "none":
-        scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * s * s
+        scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * pairs
         per_layer = b * (scores + (NONE_TOKEN_BYTES * e / 2 * s * h + s * h * e) * token)
     else:
         per_layer = b * s * h * e * token + (b * s * widths * e if cand.remat == "dots" else 0)
@@ -144,7 +145,7 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     prediction = prediction or predict(shape, cand, global_batch, seq_len, platform)
     stored = prediction.stored
     e = 4 if cand.precision == "float32" else 2
-    T, L, h, s = cand.tensor, shape.layers, shape.d_model, seq_len
+    T, L, h, s = cand.tensor, shape.layers, shape.d_model, seq_len / cand.context
     b = global_batch / cand.batch_shards / cand.microbatches
     scale = e / 2                                       # the fitted bytes are bf16's
     held = held_memory(shape, cand, prediction, global_batch, seq_len)
@@ -155,7 +156,7 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     count, layers_each = prediction.stash + held.extra_slots, 1 / (cand.pipe * cand.virtual)  # stash: the table's
     activations = per_layer * L * layers_each * count
 
-    scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * s
+    scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * seq_len
     # under sequence parallelism the working set is split too, but for the gathered [b, s, h] input of a matmul
     split = sequence_split(cand)
     tokens_work = WORKING_TOKEN_BYTES * scale / split + (e if split > 1 else 0)

@@ -26,6 +26,7 @@ STRATEGIES = (
     "jaxpar.parallel.pipeline:PipelineStrategy",  # pipe: gpipe | 1f1b | interleaved | zb-h1 | dualpipev | pipedream-2bw
                                                  # (+ tensor: manual, expert: manual)
     "jaxpar.parallel.circular:CircularStrategy",  # pipe: circular (the compiler-driven pipeline)
+    "jaxpar.parallel.context:ContextStrategy",    # context: ring | all_to_all (+ data, fsdp, tensor: auto)
 )
 
 

@@ -13,6 +13,8 @@ size 1 shards nothing, the mesh sizes alone select the strategy:
                       split over `expert` too (as DeepSpeed-MoE and MaxText do), so the tokens of one
                       device travel to the experts' devices and back: XLA chooses how (all_to_all when
                       it can). `parallel.expert=manual` writes those all_to_alls by hand (parallel/expert.py)
+- context=N           context parallelism: the sequence split (`length`, `inner_length`); attention crosses
+                      the split by hand (parallel/context.py: a ring of key/value blocks, or all_to_all)
 - any product of them 2D/3D combinations (e.g. data x fsdp x tensor, expert x data)
 
 `parallel.rules` in the config overrides single names, e.g. `length=tensor`
@@ -43,8 +45,8 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # activations
     "batch": ("expert", "data", "fsdp"),   # split over `expert` too; parallel/expert.py's shard_map reads this spec
     "expert_batch": ("data", "fsdp"),      # the batch of tokens already sent to their experts (capacity dispatch)
-    "length": (),          # the residual stream's sequence axis (norms, residual adds)
-    "inner_length": (),    # the sequence axis inside attention, the MLP and the head
+    "length": ("context",),        # the residual stream's sequence axis (norms, residual adds)
+    "inner_length": ("context",),  # the sequence axis inside attention, the MLP and the head
     "act_embed": (),
 }
 

@@ -16,8 +16,8 @@ from jaxpar.config import ConfigError, fused_attention
 from jaxpar.parallel.expert_sizes import received_rows, resolve
 from jaxpar.parallel.schedules import chunks_per_stage, pipeline_microbatches
 
-AXES = ("data", "fsdp", "pipe", "expert", "tensor")      # jaxpar.mesh's order: tensor innermost
-SHORT = {"expert": "ep", "tensor": "tp"}                 # labels: data=8 fsdp=8 tp=2
+AXES = ("data", "fsdp", "pipe", "expert", "context", "tensor")   # jaxpar.mesh's order: tensor innermost
+SHORT = {"expert": "ep", "context": "cp", "tensor": "tp"}        # labels: data=8 fsdp=8 tp=2
 VIRTUAL = chunks_per_stage("interleaved")   # the interleaved schedule's chunks per stage when the config leaves 0
 WEIGHTS_PER_LAYER = 9        # attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down: one collective each
 OTHER_WEIGHTS = 3            # embed, lm_head, final_norm
@@ -30,6 +30,7 @@ class Candidate:
     tensor: int = 1
     pipe: int = 1
     expert: int = 1
+    context: int = 1               # the sequence split inside attention (parallel.context)
     microbatches: int = 1          # gradient accumulation; with pipe > 1, the pipeline's microbatches
     accumulate: int = 1            # with pipe > 1: train.microbatches, the whole pipeline run that many times
     schedule: str = ""             # parallel.pipe when pipe > 1
@@ -40,6 +41,7 @@ class Candidate:
     tensor_impl: str = "auto"      # parallel.tensor
     expert_impl: str = "auto"      # parallel.expert
     expert_exchange: str = "auto"  # parallel.expert_exchange: how manual dropless EP sizes its buffers
+    context_impl: str = "auto"     # parallel.context: ring | all_to_all when context > 1
     sequence: bool = False         # sequence parallelism over tensor: the token-wide activations split (memory.py);
     #                                jaxpar builds it as parallel.sequence under tensor_impl manual (plan/verify.py)
     virtual: int = 0               # chunks per stage; 0: the schedule's own (schedules.chunks_per_stage)
@@ -60,11 +62,12 @@ class Candidate:
     def impls(self) -> dict[str, str]:
         """`parallel.<axis>` of every mesh axis: what the strategy registry matches on."""
         return {"data": self.data_impl, "fsdp": "auto", "pipe": self.schedule if self.pipe > 1 else "auto",
-                "expert": self.expert_impl, "tensor": self.tensor_impl}
+                "expert": self.expert_impl, "context": self.context_impl if self.context > 1 else "auto",
+                "tensor": self.tensor_impl}
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipe * self.expert
+        return self.data * self.fsdp * self.tensor * self.pipe * self.expert * self.context
 
     @property
     def batch_shards(self) -> int:
@@ -169,6 +172,7 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
                      attention="flash" if fused_attention(model.attention, platform) else "dot",
                      data_impl=parallel.data, tensor_impl=parallel.tensor, expert_impl=parallel.expert,
                      expert_exchange=parallel.expert_exchange,
+                     context_impl=parallel.context,
                      sequence=bool(parallel.sequence),
                      virtual=parallel.pipe_virtual if pipe > 1 else 0,
                      grad_buckets=parallel.grad_buckets,

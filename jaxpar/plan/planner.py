@@ -111,7 +111,7 @@ def plan(shape: ModelShape, cluster: Cluster, *, global_batch: int, seq_len: int
         raise ConfigError("--headroom", f"is {headroom}; the fraction of device memory kept free must be in [0, 1)")
     given = candidates is not None
     if candidates is None:
-        candidates = enumerate_candidates(shape, cluster.devices, global_batch, **space)
+        candidates = enumerate_candidates(shape, cluster.devices, global_batch, seq_len=seq_len, **space)
     if not candidates:
         raise ConfigError("--global-batch", f"{global_batch} sequences cannot be split over {cluster.devices} devices "
                           "by any strategy (data x fsdp x expert must divide it); use a multiple of the device count")
@@ -161,7 +161,7 @@ def smallest_cluster(shape: ModelShape, cluster: Cluster, global_batch: int, seq
     def fits(nodes: int) -> bool:
         c = cluster.resized(nodes)
         return any(memory(shape, cand, global_batch, seq_len, c.hbm_bytes, headroom, platform=c.platform).fits
-                   for cand in enumerate_candidates(shape, c.devices, global_batch, **space))
+                   for cand in enumerate_candidates(shape, c.devices, global_batch, seq_len=seq_len, **space))
     nodes = cluster.nodes
     while nodes <= max_nodes and not fits(nodes):
         nodes *= 2

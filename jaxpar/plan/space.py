@@ -30,8 +30,26 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_choices(shape: ModelShape, devices: int, global_batch: int) -> list[dict[str, int]]:
-    """Every (data, fsdp, tensor, pipe, expert) whose product is `devices` and whose sizes divide what they split."""
+MIN_CONTEXT_ROWS = 4096     # context parallelism is offered while each device keeps at least this many positions
+
+
+def context_choices(devices: int, seq_len: int) -> list[int]:
+    """Context sizes c for `seq_len`-token sequences (ring, parallel/context.py): powers of two dividing the
+    devices, cutting the sequence into 2c equal chunks, leaving each device MIN_CONTEXT_ROWS positions or more
+    (a choice: shorter slices give the ring's hops little attention to hide behind); always 1."""
+    return [c for c in (2**k for k in range(devices.bit_length())) if devices % c == 0 and
+            (c == 1 or (seq_len % (2 * c) == 0 and seq_len // c >= MIN_CONTEXT_ROWS))]
+
+
+def mesh_choices(shape: ModelShape, devices: int, global_batch: int, seq_len: int = 0) -> list[dict[str, int]]:
+    """Every (data, fsdp, tensor, pipe, expert, context) whose product is `devices` and whose sizes divide what they
+    split (`seq_len` 0: no context axis)."""
+    return [{**sizes, "context": context} for context in context_choices(devices, seq_len)
+            for sizes in _mesh_choices(shape, devices // context, global_batch)
+            if context == 1 or sizes["pipe"] == sizes["expert"] == 1]     # what parallel/context.py composes with
+
+
+def _mesh_choices(shape: ModelShape, devices: int, global_batch: int) -> list[dict[str, int]]:
     out = []
     for tensor in divisors(devices):
         if shape.heads % tensor or shape.kv_heads % tensor or shape.mlp_dim % tensor or shape.vocab % tensor:
@@ -64,14 +82,14 @@ def microbatch_choices(rows: int, pipe: int, schedule: str) -> list[int]:
 
 def enumerate_candidates(shape: ModelShape, devices: int, global_batch: int, *, remats=REMATS,
                          precisions=("bfloat16", "float8"), attentions=ATTENTIONS, schedules=None,
-                         data_impls=None) -> list[Candidate]:
+                         data_impls=None, seq_len: int = 0) -> list[Candidate]:
     """The strategy space: every mesh x microbatches x schedule x remat x precision x attention allowed, and
     each axis' implementations the registered strategies offer the planner (`registry.planned`)."""
     offered = planned()
     schedules = schedules or tuple(s for s in offered["pipe"] if s != "auto")
     data_impls = data_impls or offered["data"]
     out = []
-    for sizes in mesh_choices(shape, devices, global_batch):
+    for sizes in mesh_choices(shape, devices, global_batch, seq_len):
         rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
         pipe = sizes["pipe"]
         only_data = sizes["data"] > 1 and sizes["data"] == devices
@@ -84,5 +102,6 @@ def enumerate_candidates(shape: ModelShape, devices: int, global_batch: int, *, 
                     if precision == "float8" and (sizes["tensor"] > 1 or pipe > 1):
                         continue          # not modelled: see FP8_NOT_MODELLED
                     out.append(Candidate(**sizes, microbatches=m, schedule=schedule, remat=remat,  # type: ignore[arg-type]  # sizes: the int mesh axes
-                                         precision=precision, attention=attention, data_impl=impl))
+                                         precision=precision, attention=attention, data_impl=impl,
+                                         context_impl="ring" if sizes["context"] > 1 else "auto"))
     return out
