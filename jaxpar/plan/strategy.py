@@ -93,7 +93,7 @@ def _check(fields: dict) -> None:
         raise ConfigError(FIELD, "'sp' splits the activations over tensor: it needs tp=N with N > 1")
     overlap = fields.get("tensor_overlap", "none")
     if overlap != "none" and not fields.get("sequence"):
-        raise ConfigError(FIELD, f"'tensor_overlap={overlap}' (async TP) overlaps sequence parallelism's all-gather "
+        raise ConfigError(FIELD, f"async TP (tensor_overlap={overlap}) overlaps sequence parallelism's all-gather "
                           "and reduce-scatter: it needs tp=N with N > 1 and sp")
     virtual = fields.get("virtual")
     if virtual is not None and not (pipe > 1 and (schedule == "interleaved" and virtual >= 2
