@@ -43,3 +43,19 @@ def test_the_framework_changes_the_prediction_and_a_bad_one_is_refused(capsys):
     assert steps["torchtitan"] > steps["jaxpar"]                     # its η is lower
     code, _, err = run_cli(capsys, [*STRATEGY, "--framework", "xla"])
     assert code == 2 and err[0].startswith("error: --framework: is 'xla'; valid: jaxpar, maxtext, nemo, torchtitan")
+
+
+def test_the_range_is_in_the_json_and_plan_json(capsys, tmp_path):
+    """--json and plan.json carry the leave-one-out range the report prints: the factors, each anchor's ratio,
+    and every candidate's step time times those factors."""
+    import json
+    code, _, err = run_cli(capsys, [*STRATEGY, "--framework", "nemo", "--json", str(tmp_path / "one.json"),
+                                    "--out", str(tmp_path)])
+    assert code == 0, err
+    low, high = anchors.spread("NeMo")
+    for path, rows in (("one.json", "candidates"), ("plan.json", "ranked")):
+        written = json.loads((tmp_path / path).read_text())
+        assert written["range"]["framework"] == "nemo" and written["range"]["step_factors"] == [low, high]
+        assert written["range"]["leave_one_out"] == dict(anchors.leave_one_out("NeMo"))
+        row = written[rows][0]
+        assert row["step_s_range"] == pytest.approx([row["step_s"] * low, row["step_s"] * high])

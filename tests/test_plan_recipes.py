@@ -132,3 +132,37 @@ def test_published_recipes_fit_and_are_predicted():
     assert titan["fits"] and abs(titan["ratio"] - 1) <= 0.15
     nemo = rows["NeMo 24.09 Llama-3.1-8B bf16, 128 GPUs"]
     assert abs(nemo["ratio"] - 1) <= 0.15
+
+
+def test_async_tp_is_a_word_that_round_trips_and_needs_tp_and_sp():
+    """async-tp (parallel.tensor_overlap=collective_matmul, or =bidirectional) on Megatron's hand-written tensor axis:
+    its label reads back, a verified config sets it, and without tp > 1 and sp it is refused in one line."""
+    from jaxpar.plan.verify import candidate_overrides
+    for text, mode in ((f"{TITAN.replace(' sp', ' sp async-tp')}", "collective_matmul"),
+                       ("data=8 tp=8 sp async-tp=bidirectional m=1 remat=full bf16 flash", "bidirectional")):
+        cand = parse_strategy(text)
+        assert (cand.tensor_overlap, cand.tensor_impl) == (mode, "manual") and cand.label() == text
+        assert f"parallel.tensor_overlap={mode}" in candidate_overrides(cand, 512, 8192)
+    same = ("fsdp=32 tp=8 sp tensor_overlap=collective_matmul", "fsdp=32 tp=8 sp async-tp")
+    assert parse_strategy(same[0]) == parse_strategy(same[1])
+    for bad in ("data=8 tp=8 async-tp", "data=8 async-tp", "data=8 tp=8 sp async-tp=ring"):
+        with pytest.raises(Exception, match="--strategy: .*(async|sp)"):
+            parse_strategy(bad)
+
+
+def test_async_tp_is_predicted_through_the_measured_overlap_of_its_layout():
+    """data x tp+sp on 64 H100s: the tensor axis exposes what the compiled schedule of that whole layout left
+    exposed (overlap_measured.json): collective matmul's fraction with async-tp, XLA's own without."""
+    from jaxpar.plan.overlap import hidden_fraction, layout_key, measured
+    s, cluster = seven_b(), gpu_cluster("h100", 8, 8)
+    plain = parse_strategy("data=8 tp=8 sp async-tp m=1 remat=full bf16 flash")
+    plain = dataclasses.replace(plain, tensor_overlap="none")
+    exposed = {}
+    modes = ("collective_matmul", "bidirectional")
+    for cand in (plain, *(dataclasses.replace(plain, tensor_overlap=m) for m in modes)):
+        r = evaluate(s, cand, cluster, 64, 4096, 1e12)
+        fraction = hidden_fraction(measured(), layout_key(cand), "tensor")
+        assert fraction is not None
+        assert r.time.exposed_s["tensor"] == pytest.approx(r.time.comm_s["tensor"] * (1 - fraction))
+        exposed[cand.tensor_overlap] = r.time.exposed_s["tensor"]
+    assert exposed["bidirectional"] < exposed["collective_matmul"] < exposed["none"]

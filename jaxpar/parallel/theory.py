@@ -84,6 +84,8 @@ class Candidate:
     def label(self) -> str:
         """The words of `jaxpar plan --strategy` that give back this candidate (plan/strategy.py)."""
         sp = " sp" if self.sequence else ""
+        if self.sequence and self.tensor_overlap != "none":
+            sp += " async-tp" if self.tensor_overlap == "collective_matmul" else f" async-tp={self.tensor_overlap}"
         pipe = f" {self.schedule}" if self.pipe > 1 else ""
         if self.pipe > 1 and self.schedule == "interleaved" and self.virtual != VIRTUAL:
             pipe += f" v={self.virtual}"

@@ -67,7 +67,8 @@ LLAMA31_70B = ModelShape.dense(vocab=128256, d_model=8192, layers=80, heads=64, 
 ANCHORS = ANCHORS + (
     Anchor("torchtitan Llama-3.1-70B FSDP x TP+SP compiled", "torchtitan compile", LLAMA31_70B, 32, 8, 512, 8192,
            "fsdp=32 tp=8 sp m=1 remat=full bf16 flash", "jaxpar", 597, "check",
-           "500 W 96 GB H100s, planned as 80 GB SXM; local batch 16 per fsdp rank; async TP (652) not modelled"),
+           "500 W 96 GB H100s, planned as 80 GB SXM; local batch 16 per fsdp rank; with async TP (652) no anchor: "
+           "its layout's overlap is not measured (experiments/07_capstone/README.md)"),
     Anchor("NeMo 24.09 Llama-3.1-8B bf16, 128 GPUs", "NeMo", LLAMA31_8B, 16, 8, 2048, 8192,
            "data=128 m=16 remat=none bf16 flash dist-opt", "distributed-optimizer", 10006, "check",
            CP_NOTE + "; the 8-GPU run's 16 sequences per GPU assumed"),

@@ -164,13 +164,13 @@ def run(args) -> int:
     text = strategy_report(p, config, args) if one else ranked_report(p, config, args)
     print(text)
     if args.json:
-        Path(args.json).write_text(json.dumps(candidates_json(p), indent=2) + "\n")
+        Path(args.json).write_text(json.dumps(candidates_json(p, args.framework), indent=2) + "\n")
         print(f"\nwrote {args.json}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.md").write_text(text + "\n")
-        (out / "plan.json").write_text(json.dumps(plan_json(p), indent=2) + "\n")
+        (out / "plan.json").write_text(json.dumps(plan_json(p, args.framework), indent=2) + "\n")
         print(f"\nwrote {out}/plan.md and plan.json")
         if args.sweep:
             from jaxpar.plan.sweep import write_sweep
@@ -258,11 +258,29 @@ def verify_top(p, config, count: int, gpu: str) -> list[str]:
     return out
 
 
-def candidate_json(r) -> dict:
-    """One candidate's predictions, for --json and plan.json."""
+def range_json(p, framework: str = "jaxpar") -> dict | None:
+    """The leave-one-out range the report prints (plan/anchors.py), for --json and plan.json; None on CPU."""
+    if p.cluster.platform != "gpu":
+        return None
+    from jaxpar.plan.anchors import FRAMEWORKS, leave_one_out, spread
+    name = FRAMEWORKS[framework]
+    low, high = spread(name)
+    return {"framework": framework, "eta_of": name, "step_factors": [low, high],
+            "leave_one_out": dict(leave_one_out(name)),
+            "meaning": "this η predicting each anchor it was not fitted on, predicted / published; each step_s_range "
+                       "is step_s times step_factors (tokens/s and days scale the other way): a prediction's range"}
+
+
+def step_range(r, factors: dict | None) -> list[float] | None:
+    return None if factors is None else [r.time.total_s * f for f in factors["step_factors"]]
+
+
+def candidate_json(r, factors: dict | None = None) -> dict:
+    """One candidate's predictions, for --json and plan.json; `factors`: `range_json`'s."""
     import dataclasses
     t = r.time
-    return {"strategy": r.label, "candidate": dataclasses.asdict(r.cand), "layout": r.memory.layout,
+    return {"strategy": r.label, "step_s_range": step_range(r, factors), "candidate": dataclasses.asdict(r.cand),
+            "layout": r.memory.layout,
             "fits": r.memory.fits, "memory": r.memory.parts(), "memory_total": r.memory.total, "step_s": t.total_s,
             "terms": t.terms(), "comm_s": t.comm_s, "exposed_s": t.exposed_s, "comm_bytes": r.comm_bytes,
             "tokens_per_s": r.tokens_per_s, "tokens_per_s_per_device": r.tokens_per_s / r.cand.devices,
@@ -270,21 +288,25 @@ def candidate_json(r) -> dict:
             "days": r.days, "gpu_hours": r.gpu_hours, "cost": r.cost, "note": r.note}
 
 
-def candidates_json(p) -> dict:
+def candidates_json(p, framework: str = "jaxpar") -> dict:
     """--json: every candidate evaluated, fitting or not, in the planner's order (fastest first)."""
     rows = sorted(p.results, key=lambda r: (not r.memory.fits, r.time.total_s))
+    factors = range_json(p, framework)
     return {"model_params": p.shape.params, "cluster": p.cluster.describe(), "global_batch": p.global_batch,
             "seq_len": p.seq_len, "tokens": p.tokens, "mfu_peak": "dense bf16 peak (mfu_fp8_peak: the fp8 peak)",
-            "candidates": [candidate_json(r) for r in rows]}
+            "range": factors, "candidates": [candidate_json(r, factors) for r in rows]}
 
 
-def plan_json(p) -> dict:
+def plan_json(p, framework: str = "jaxpar") -> dict:
     import dataclasses
+    factors = range_json(p, framework)
     rows = []
     for r in p.ranked[:50]:
-        rows.append({"strategy": r.label, "candidate": dataclasses.asdict(r.cand), "memory": r.memory.parts(),
+        rows.append({"strategy": r.label, "step_s_range": step_range(r, factors),
+                     "candidate": dataclasses.asdict(r.cand), "memory": r.memory.parts(),
                      "memory_total": r.memory.total, "step_s": r.time.total_s, "terms": r.time.terms(),
                      "comm_s": r.time.comm_s, "comm_bytes": r.comm_bytes, "tokens_per_s": r.tokens_per_s,
                      "mfu": r.mfu, "days": r.days, "gpu_hours": r.gpu_hours, "cost": r.cost, "note": r.note})
     return {"model_params": p.shape.params, "cluster": p.cluster.describe(), "global_batch": p.global_batch,
-            "seq_len": p.seq_len, "tokens": p.tokens, "candidates": p.evaluated, "fit": len(p.ranked), "ranked": rows}
+            "seq_len": p.seq_len, "tokens": p.tokens, "range": factors, "candidates": p.evaluated, "fit": len(p.ranked),
+            "ranked": rows}

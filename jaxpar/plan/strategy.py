@@ -4,6 +4,9 @@ Words, separated by spaces or commas (the label of any ranked row parses back to
   data=8 fsdp=8 tp=2 pipe=4 ep=2      mesh sizes (tensor= and expert= also); <data implementation>=N, e.g.
                                       zero1=8 / zero3=8 / ddp=8: `data` run by that registered strategy
   sp (sequence)                       sequence parallelism over tensor (Megatron's; needs tp=N > 1)
+  async-tp (async-tp=bidirectional)   async TP: parallel.tensor_overlap=collective_matmul (bidirectional), SP's
+                                      gathers and reduce-scatters as rings inside the matmuls; needs tp=N > 1 and
+                                      sp, and runs Megatron's hand-written tensor axis (parallel.tensor=manual)
   m=4 (microbatches=4)                gradient accumulation, or a pipeline's microbatches; left out with
                                       pipe > 1, the planner's rule chooses it (the fastest m that fits)
   1f1b / gpipe / interleaved / ...    the pipeline schedule (schedule=...): every one the strategy registry
@@ -26,8 +29,10 @@ PRECISION_WORDS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8": "float8", 
                    "fp32": "float32", "float32": "float32"}
 ATTENTIONS = ("dot", "flash")
 REMATS = ("none", "dots", "full")
+TENSOR_OVERLAPS = ("none", "collective_matmul", "bidirectional")     # parallel.tensor_overlap (config_checks.py)
 FLAGS = {"sp": ("sequence", True), "sequence": ("sequence", True),
-         "dist-opt": ("layout", "distributed-optimizer"), "distributed-optimizer": ("layout", "distributed-optimizer")}
+         "dist-opt": ("layout", "distributed-optimizer"), "distributed-optimizer": ("layout", "distributed-optimizer"),
+         "async-tp": ("tensor_overlap", "collective_matmul")}
 FIELD = "--strategy"
 
 
@@ -64,6 +69,8 @@ def _word(word: str, fields: dict) -> None:
         fields["microbatches"] = _positive(word, value)
     elif key in ("v", "virtual") and value:
         fields["virtual"] = _positive(word, value)
+    elif key in ("async-tp", "tensor_overlap") and value in TENSOR_OVERLAPS:
+        fields["tensor_overlap"] = value
     elif key == "remat" and value in REMATS:
         fields["remat"] = value
     elif key == "precision" and value in PRECISION_WORDS:
@@ -74,15 +81,20 @@ def _word(word: str, fields: dict) -> None:
         fields["schedule"] = value
     else:
         raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|{'|'.join(data_impls)}=N, "
-                          f"sp, m=N, v=N, dist-opt, remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, "
-                          f"{'|'.join(schedules)}")
+                          f"sp, async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, dist-opt, "
+                          f"remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, {'|'.join(schedules)}")
 
 
 def _check(fields: dict) -> None:
-    """What the words say together: sp needs a tensor axis, v= an interleaved pipeline, dist-opt `data=`."""
+    """What the words say together: sp needs a tensor axis, async TP sp, v= an interleaved pipeline, dist-opt
+    `data=`."""
     pipe, schedule = fields.get("pipe", 1), fields.get("schedule", "")
     if fields.get("sequence") and fields.get("tensor", 1) < 2:
         raise ConfigError(FIELD, "'sp' splits the activations over tensor: it needs tp=N with N > 1")
+    overlap = fields.get("tensor_overlap", "none")
+    if overlap != "none" and not fields.get("sequence"):
+        raise ConfigError(FIELD, f"async TP (tensor_overlap={overlap}) overlaps sequence parallelism's all-gather "
+                          "and reduce-scatter: it needs tp=N with N > 1 and sp")
     virtual = fields.get("virtual")
     if virtual is not None and not (pipe > 1 and (schedule == "interleaved" and virtual >= 2
                                                   or schedule == "dualpipev" and virtual == 2)):
@@ -127,6 +139,8 @@ def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu")
     else:
         fields["schedule"] = ""
     _check(fields)
+    if fields.get("tensor_overlap", "none") != "none":
+        fields["tensor_impl"] = "manual"            # jaxpar's async TP is the hand-written tensor axis' rings
     cand = Candidate(**fields)
     _check_predicted(cand)
     if devices is not None and cand.devices != devices:

@@ -41,6 +41,8 @@ def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platfo
         out += ["parallel.expert=manual"]
     if cand.sequence:     # jaxpar builds sequence parallelism under Megatron's hand-written tensor axis
         out += ["parallel.tensor=manual", "parallel.sequence=true"]
+        if cand.tensor_overlap != "none":
+            out += [f"parallel.tensor_overlap={cand.tensor_overlap}"]
     if cand.attention == "flash":
         out += [f"model.attention={FLASH}"]
     return out
