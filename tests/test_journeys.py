@@ -8,6 +8,7 @@ environment's `jaxpar`, from one temporary folder (never the checkout), in the o
 `jaxpar slurm`'s CPU job run on a real local Slurm cluster (skipped where Slurm is not installed); every lab listed
 by `jaxpar lab --help` runs end to end as `jaxpar lab NAME --quick`.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import journeys as docs
+import lab_results
 import pytest
 
 from jaxpar.measure.targets import gpu_plugin_problem
@@ -160,7 +162,23 @@ def _sbatch(command, cwd, env, slurm_cluster):
         f"{command.where}: `{command.text}`: the job ended {codes or 'unseen'}\n{logs}"
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=[f"{c.where} {c.text}"[:150] for c in COMMANDS])
+# Documented commands (by the start of their text) that another test runs the same way: left out of CI like a heavy
+# lab, each for the reason given (`pytest -m journeys` runs them). `jaxpar launch` itself stays in CI (docs/running.md).
+RUN_ELSEWHERE = {
+    "sbatch job.sbatch": "tests/test_slurm.py submits the script `jaxpar slurm` renders for it (2 tasks x 4 CPU "
+                         "devices, --loopback) to a local cluster and checks its losses",
+    "jaxpar launch --nproc 2 --cpu-devices 4 -- bench collectives": "tests/test_bench_collectives.py::"
+                                                                   "test_two_processes runs the benchmark on 2 "
+                                                                   "processes x 4 CPU devices",
+}
+
+
+def _command_case(command):
+    marks = [pytest.mark.heavy_journey] if command.text.startswith(tuple(RUN_ELSEWHERE)) else []
+    return pytest.param(command, marks=marks, id=f"{command.where} {command.text}"[:150])
+
+
+@pytest.mark.parametrize("command", [_command_case(c) for c in COMMANDS])
 def test_documented_command(command, user, slurm_cluster, compilation_cache):
     cwd, env = user
     env = {**env, **compilation_cache}
@@ -224,3 +242,5 @@ def test_lab_quick(name, user):
     figures = list(out.rglob("*.png")) or name in TABLES_ONLY
     assert list(out.glob("*.json")) and figures and list(out.glob("*.md")), \
         f"`{command.text}`: --out lacks a results JSON, a PNG or a markdown sheet; it holds {files}"
+    if name in lab_results.CHECKS:
+        lab_results.CHECKS[name](json.loads((out / "results.json").read_text()), (out / "report.md").read_text())
