@@ -170,6 +170,10 @@ RUN_ELSEWHERE = {
     "jaxpar launch --nproc 2 --cpu-devices 4 -- bench collectives": "tests/test_bench_collectives.py::"
                                                                    "test_two_processes runs the benchmark on 2 "
                                                                    "processes x 4 CPU devices",
+    **dict.fromkeys(("jaxpar plan --config configs/test.py --set model.vocab_size=512 --cpu-devices 8 --tokens 1e6 "
+                     "--sweep", "sbatch runs/sweep/sweep.sbatch", "jaxpar plan collect runs/sweep"),
+                    "tests/test_plan_sweep.py::test_sweep_runs_as_a_slurm_job_array writes a sweep of the test model, "
+                    "runs its job array on a local cluster and collects it"),
 }
 
 
