@@ -218,8 +218,9 @@ def test_every_documented_lab_is_listed():
 
 # CPU-seconds of each lab's quick run at -O0 on the shared 2-core VM (2026-12-02; they grow ~20% with load: zero took
 # 43 at load 1-3, 51 at load 14): dryrun, collectives, zero, tensor (52 before its part e, context parallelism, which
-# adds 55), kernels from the wheel at load 13-18; operations from the checkout at load 9-12; the others earlier, at load 4-15. CI runs the labs of at most CI_LAB_CPU_S (their
-# runs here check the numbers their sheets rely on, tests/lab_results.py); every lab runs with `pytest -m journeys`.
+# adds 55), kernels from the wheel at load 13-18; operations from the checkout at load 9-12; the others earlier, at
+# load 4-15. CI runs the labs of at most CI_LAB_CPU_S (their runs here check the numbers their sheets rely on,
+# tests/lab_results.py); every lab runs with `pytest -m journeys`.
 # The labs left out of CI run end to end there through the CLI at another size: pytorch (tests/test_pytorch_lab.py,
 # --quick), moe (tests/test_moe_lab.py), capstone (tests/test_capstone.py).
 QUICK_CPU_S = {"dryrun": 9, "collectives": 4, "zero": 51, "tensor": 107, "pipeline": 302, "moe": 225, "kernels": 90,
