@@ -23,7 +23,7 @@ from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, init_params, loss, run_blocks
 from jaxpar.parallel import deferred
-from jaxpar.parallel.pipeline_program import compile_program
+from jaxpar.parallel.pipeline_program import compile_program, sends_per_stage
 from jaxpar.parallel.registry import make_strategy
 from jaxpar.parallel.schedules import NAMES, Action, ScheduleError, bubble_fraction, build, dualpipe_idle, validate
 
@@ -149,6 +149,35 @@ def test_in_flight_bounds_gpipe_m_1f1b_and_zb_p():
     assert compile_program(build("1f1b", 4, 16)).slots["stash"] == 4
     assert compile_program(build("gpipe", 4, 16)).slots["stash"] == 16
     assert build("interleaved", 4, 8, 2).bubble() == Fraction(3, 19)
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("dualpipev", 2)])
+def test_a_tick_sends_over_just_the_pairs_the_table_sends_on(name, v):
+    """The program's sends: per tick and route, exactly the (sender, receiver) pairs of the F (not on the last
+    model stage) and B (not on the first) cells, so a bubble tick sends nothing and a stage sends what the
+    schedule does (m activations and m gradients per chunk it holds, the first and last model stage half)."""
+    p, m = 4, 8
+    program = compile_program(build(name, p, m, v))
+    schedule, K = program.schedule, p * v
+    for t, row in enumerate(schedule.grid):
+        want: dict[str, set] = {"down": set(), "up": set()}
+        for s, action in enumerate(row):
+            if action is None or action.kind == "W":
+                continue
+            k = schedule.model_stage(s, action.chunk)
+            if action.kind == "F" and k < K - 1 or action.kind == "B" and k > 0:
+                receiver = schedule.placement(k + 1 if action.kind == "F" else k - 1)[0]
+                forward = (action.kind == "F") != (schedule.shape == "v" and action.chunk == 1)
+                if receiver != s:
+                    want["down" if forward else "up"].add((s, receiver))
+        for route in ("down", "up"):
+            assert set(program.sends[route][program.table[f"send_{route}"][t, 0]]) == want[route], (t, route)
+    model_stages = np.zeros(p, int)
+    for s in range(p):
+        for c in range(v):
+            model_stages[s] += 2 - (schedule.model_stage(s, c) in (0, K - 1))
+    local = 2 * m * (name == "dualpipev")      # the V's bottom hands chunk 0 to its own chunk 1: no send
+    assert (sends_per_stage(program) + np.eye(p, dtype=int)[p - 1] * local == m * model_stages).all()
 
 
 def test_validation_rejects_broken_tables():

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from jaxpar.model.counting import block_params, moe_block_params
-from jaxpar.parallel.pipeline_program import part_ticks, program_for
+from jaxpar.parallel.pipeline_program import part_ticks, program_for, sends_per_stage
 from jaxpar.parallel.schedules import bubble_fraction
 from jaxpar.parallel.theory import (
     OTHER_WEIGHTS,
@@ -31,9 +31,10 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     (e = `wire_bytes`); r = train.microbatches, the whole pipeline run r times per step. Ψ_P = the pipelined stack
     (`moe_blocks` for MoE), Ψ_x its routed experts, Ψ_o everything else (embedding, head, final norm, an MoE
     model's dense stack), all replicated over pipe.
-      pipe      2·T·a·r: every tick each stage sends one activation forward and one gradient backward (lock-step
-                SPMD: a buffer moves even in a bubble; the textbook count is `schedules.p2p_bytes`). Under
-                sequence parallelism a is divided by the tensor size (the stages pass [b, s/t, h]).
+      pipe      n·a·r, n = the most activations and gradients one stage sends in the table (`sends_per_stage`:
+                2m on a middle stage of one chunk each, m on the first and the last): a tick sends only over the
+                pairs that have something to send, a bubble nothing. Under sequence parallelism a is divided by
+                the tensor size (the stages pass [b, s/t, h]).
       tensor    Megatron inside every stage: `tensor_bytes`.
       gradients fp32, once per step: Ψ_o summed over pipe, then every gradient averaged over the batch shards:
                 all-reduced over data (and, but for the routed experts, over expert), reduce-scattered over fsdp
@@ -54,7 +55,8 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     psi_other, psi_x = counts["total"] - psi_pipelined, counts["experts"]
     program = program_for(cand.schedule, p, m, v)
     sent = a / T if cand.sequence else a
-    out = [Flow("pipe", "permute", 2 * program.ticks * sent * r, 2 * program.ticks * r, False)]
+    sends = int(sends_per_stage(program).max())
+    out = [Flow("pipe", "permute", sends * sent * r, sends * r, False)]
     sizes = {"data": D, "pipe": p, "expert": X}
 
     def all_reduce(axes, nbytes, arrays, gathered=4):
