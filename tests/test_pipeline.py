@@ -50,6 +50,9 @@ CASES = {
                                               "parallel.tensor=manual", "parallel.sequence=true",
                                               "parallel.tensor_overlap=bidirectional",
                                               "parallel.pipe_microbatches=4"], 8),
+    # bf16 compute: what a tick sends travels in bf16
+    "gpipe bf16 p=2 m=4": (["mesh.data=1", "mesh.pipe=2", "parallel.pipe=gpipe", "parallel.pipe_microbatches=4",
+                            "train.compute_dtype=bfloat16"], 2),
     # DualPipeV's V (device 0 holds model stages 0 and 3, device 1 stages 1 and 2: sends down, up and to itself)
     # with manual TP x FSDP inside its stages
     "dualpipev, manual tp: fsdp=2 pipe=2 tensor=2": (["mesh.data=1", "mesh.fsdp=2", "mesh.pipe=2", "mesh.tensor=2",
@@ -178,6 +181,31 @@ def test_a_tick_sends_over_just_the_pairs_the_table_sends_on(name, v):
             model_stages[s] += 2 - (schedule.model_stage(s, c) in (0, K - 1))
     local = 2 * m * (name == "dualpipev")      # the V's bottom hands chunk 0 to its own chunk 1: no send
     assert (sends_per_stage(program) + np.eye(p, dtype=int)[p - 1] * local == m * model_stages).all()
+
+
+def test_a_bubble_tick_sends_nothing_on_the_devices():
+    """The executor's `send` over every tick of 1F1B (p=4, m=8) on 4 devices: a stage receives its neighbour's
+    buffer exactly on the ticks the table sends it that way, and zeros otherwise (a tick on which no stage sends
+    moves nothing)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.parallel.pipeline_executor import send
+    program, p = compile_program(build("1f1b", 4, 8)), 4
+    mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
+
+    def received(x):                      # this device's [route, tick] of what arrived (its sender's id + 1)
+        ticks = jnp.arange(program.ticks)
+        return jnp.stack([jax.lax.map(lambda t, route=route: send(program, route, x, t), ticks)
+                          for route in ("down", "up")])[None]
+    ids = jax.device_put(jnp.arange(1.0, p + 1), jax.sharding.NamedSharding(mesh, P("pipe")))
+    got = jax.jit(jax.shard_map(received, mesh=mesh, in_specs=P("pipe"), out_specs=P("pipe")))(ids)
+    for r, route in enumerate(("down", "up")):
+        for t in range(program.ticks):
+            pairs = program.sends[route][program.table[f"send_{route}"][t, 0]]
+            want = np.zeros(p)
+            for sender, receiver in pairs:
+                want[receiver] = sender + 1
+            np.testing.assert_array_equal(np.asarray(got[:, r, t, 0]), want, err_msg=f"{route} tick {t}")
 
 
 def test_validation_rejects_broken_tables():
@@ -313,6 +341,29 @@ def test_executed_collectives_match_the_dry_run_formulas(built, name, axes, rel)
     assert set(predicted) == axes
     for axis, want in predicted.items():
         assert sent[axis] == pytest.approx(want, rel=rel), axis
+
+
+def test_ticks_send_the_compute_dtype_on_the_schedules_sends_only(built):
+    """Under bf16 compute every tick's ppermute carries bf16 [b, s, h] (the lowered program; XLA:CPU then moves
+    bf16 as fp32, `wire_bytes`), and each stage sends m of them per step (stage 0 its activations, stage 1 its
+    gradients), not one per tick each way (2·(m+p-1)): the bubble sends nothing."""
+    import re
+
+    from jaxpar.measure.executed import executed_collectives, tick_parts
+    from jaxpar.parallel.theory import wire_bytes
+    c = built("gpipe bf16 p=2 m=4")
+    strategy, cfg = c.strategy, c.strategy.config
+    with jax.set_mesh(strategy.mesh):
+        lowered = strategy.lower_step().as_text()
+    wire = re.findall(r"collective_permute.*?-> tensor<[\dx]*x(\w+)>", lowered)
+    assert wire and set(wire) == {"bf16"}, wire
+    text = c.step.as_text()
+    sends = {name for name, part in tick_parts(text).items() if part.startswith("send_")}
+    rows = cfg.train.batch_size // strategy.m
+    for stage in range(strategy.p):
+        sent = sum(x.bytes_per_step for x in executed_collectives(text, strategy.mesh, strategy.program, stage)
+                   if x.name in sends)
+        assert sent == strategy.m * rows * cfg.data.seq_len * cfg.model.d_model * wire_bytes("bfloat16", "cpu")
 
 
 def test_sp_rings_are_swaps_inside_every_layer_of_the_ticks(built):

@@ -110,6 +110,20 @@ def scoped(part: str):
     return wrap
 
 
+def send(program: Program, route: str, x, t):
+    """One route's send on tick t (inside the shard_map): a `ppermute` over the table's set of pairs for that tick
+    (`Program.sends`), chosen by a switch whose index is the same on every device, zeros where nothing arrives;
+    each set under its own scope, `pipeline_send_<route>_<k>`, for the executed-bytes count."""
+    patterns = program.sends[route]
+    if len(patterns) == 1:
+        return jnp.zeros_like(x)
+
+    def permute(k):
+        return scoped(f"send_{route}_{k}")(lambda x: jax.lax.ppermute(x, AXIS, list(patterns[k])))
+    index = jnp.asarray(program.table[f"send_{route}"][:, 0])
+    return jax.lax.switch(index[t], [jnp.zeros_like] + [permute(k) for k in range(1, len(patterns))], x)
+
+
 def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, *, cfg, ops, train: bool):
     """Run the tick loop on this device: chunks [v, Lc, ...] (compute dtype), outer = everything but the
     pipelined stack (embed, final_norm, lm_head; an MoE model's dense `blocks`), tokens [rows, S+1] this
@@ -155,7 +169,6 @@ class _TickLoop:
         self.used = [f for f in ARRIVALS if (program.table[f] != slots[f.split("_")[1]]).any()]   # routes in use
         self.flips = bool(program.table["flip"].any())
         self.table = {k: jnp.asarray(t) for k, t in program.table.items() if not k.startswith("send_")}
-        self.send_index = {route: jnp.asarray(program.table[f"send_{route}"][:, 0]) for route in ("down", "up")}
 
     def first_part(self, weights, microbatch):
         """The first model stage's own layers: the embedding (and an MoE model's dense stack)."""
@@ -264,7 +277,7 @@ class _TickLoop:
         if self.flips:
             down, up = jnp.where(row["flip"], up, down), jnp.where(row["flip"], down, up)
         outgoing = {"down": down, "up": up}
-        arrived = {route: functools.partial(self.send, route, outgoing[route], t) for route in ("down", "up")}
+        arrived = {route: functools.partial(send, self.program, route, outgoing[route], t) for route in ("down", "up")}
         arrived["local"] = lambda: down
         received = {route: arrived[route]() for route in ROUTES if any(f.startswith(route) for f in self.used)}
         for field in self.used:
@@ -272,18 +285,6 @@ class _TickLoop:
             name = "acts" if buffer == "act" else "grads_in"
             carry[name] = carry[name].at[row[field]].set(received[route])
         return carry
-
-    def send(self, route: str, x, t):
-        """One route's send on tick t: the table's set of pairs for it (`Program.sends`), chosen by a switch whose
-        index is the same on every device; each set under its own scope, `pipeline_send_<route>_<k>`."""
-        patterns = self.program.sends[route]
-
-        def permute(k):
-            return scoped(f"send_{route}_{k}")(lambda x: jax.lax.ppermute(x, AXIS, list(patterns[k])))
-        branches = [jnp.zeros_like] + [permute(k) for k in range(1, len(patterns))]
-        if len(branches) == 1:
-            return jnp.zeros_like(x)
-        return jax.lax.switch(self.send_index[route][t], branches, x)
 
     def tick(self, carry, t):
         row = {k: column[t, self.me] for k, column in self.table.items()}
