@@ -195,8 +195,11 @@ def permute_bytes(strategy, text: str) -> float:
     sends = {n for n, part in tick_parts(text).items() if part.startswith("send_")} if program else set()
     total = sum(c.result_bytes * c.runs_per_step * pairs.get(c.name, 1)
                 for c in permutes(hlo.collectives(text, mesh)) if c.name not in sends)
-    for stage in range(program.schedule.stages if program else 0):
-        total += sum(c.result_bytes * c.runs_per_step * mesh.size // program.schedule.stages
+    if program is None:
+        return total
+    p = program.schedule.stages
+    for stage in range(p):
+        total += sum(c.result_bytes * c.runs_per_step * mesh.size // p
                      for c in permutes(executed_collectives(text, mesh, program, stage)) if c.name in sends)
     return total
 

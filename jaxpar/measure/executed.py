@@ -40,10 +40,15 @@ def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
 
 
 def step_collectives(strategy, hlo_text: str) -> list:
-    """The compiled step's collectives: a pipeline strategy's as its busiest stage executes them, any other's as
-    `hlo.collectives` counts them."""
+    """The compiled step's collectives: a pipeline strategy's per mesh axis as the stage that sends the most over
+    that axis executes them (stages differ: the first and last send half a middle stage's activations, the first
+    runs the embedding's), any other's as `hlo.collectives` counts them."""
     program = getattr(strategy, "program", None)
     if program is None:
         return hlo.collectives(hlo_text, strategy.mesh)
     per_stage = [executed_collectives(hlo_text, strategy.mesh, program, s) for s in range(program.schedule.stages)]
-    return max(per_stage, key=lambda found: sum(c.bytes_per_step for c in found))
+    out = []
+    for axis in dict.fromkeys(c.axis_label for c in per_stage[0]):
+        on_axis = [[c for c in found if c.axis_label == axis] for found in per_stage]
+        out += max(on_axis, key=lambda found: sum(c.bytes_per_step for c in found))
+    return out
