@@ -324,10 +324,11 @@ def test_split_backward_defers_only_the_weight_matmuls():
     ("circular p=4 m=8", {"pipe"}, 0.02),                       # + the queue's and the head's all-reduces
 ])
 def test_executed_collectives_match_the_dry_run_formulas(built, name, axes, rel):
-    """The bytes the busiest stage sends per axis (the tick's branches counted on the ticks that run them) against
-    the strategy's `predict`: lock-step permutes, Megatron's 4 all-reduces per layer per microbatch (under SP
-    all-gathers and reduce-scatters, the column inputs gathered again in the backward, s/t tokens per permute),
-    the gradients' all-reduce; with v > 1 the stored layers re-dealt to chunk order and back (DualPipeV's V
+    """The bytes sent per axis by the stage that sends the most over it (a tick's branches counted on the ticks
+    that run them) against the strategy's `predict`: the table's sends (each tick over just the pairs that
+    send), Megatron's 4 all-reduces per layer per microbatch (under SP all-gathers and reduce-scatters, the
+    column inputs gathered again in the backward, s/t tokens per permute), the gradients' all-reduce; with
+    v > 1 the stored layers re-dealt to chunk order and back (DualPipeV's V
     counted as its 2 chunks); circular's rolls, its queue shared and its head's gradients summed over pipe."""
     from collections import defaultdict
 
