@@ -133,7 +133,8 @@ def _pipeline_lines(r: dict) -> list[str]:
                   + (f", with a stash of {pipe['stash_slots']} microbatches' activations "
                      f"(at most {pipe['in_flight']} alive on the busiest stage)." if "stash_slots" in pipe else ".")
                   + (" FLOPs below count every branch of a tick on every tick (an upper bound); the collectives "
-                     "count what the busiest stage runs." if "stash_slots" in pipe else "")]
+                     "count, per mesh axis, what the stage that sends the most over it runs."
+                     if "stash_slots" in pipe else "")]
     return lines
 
 

@@ -23,7 +23,7 @@ from jaxpar.measure.memory import compiled_memory
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, init_params, loss, run_blocks
 from jaxpar.parallel import deferred
-from jaxpar.parallel.pipeline_program import compile_program
+from jaxpar.parallel.pipeline_program import compile_program, sends_per_stage
 from jaxpar.parallel.registry import make_strategy
 from jaxpar.parallel.schedules import NAMES, Action, ScheduleError, bubble_fraction, build, dualpipe_idle, validate
 
@@ -151,6 +151,60 @@ def test_in_flight_bounds_gpipe_m_1f1b_and_zb_p():
     assert build("interleaved", 4, 8, 2).bubble() == Fraction(3, 19)
 
 
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("dualpipev", 2)])
+def test_a_tick_sends_over_just_the_pairs_the_table_sends_on(name, v):
+    """The program's sends: per tick and route, exactly the (sender, receiver) pairs of the F (not on the last
+    model stage) and B (not on the first) cells, so a bubble tick sends nothing and a stage sends what the
+    schedule does (m activations and m gradients per chunk it holds, the first and last model stage half)."""
+    p, m = 4, 8
+    program = compile_program(build(name, p, m, v))
+    schedule, K = program.schedule, p * v
+    for t, row in enumerate(schedule.grid):
+        want: dict[str, set] = {"down": set(), "up": set()}
+        for s, action in enumerate(row):
+            if action is None or action.kind == "W":
+                continue
+            k = schedule.model_stage(s, action.chunk)
+            if action.kind == "F" and k < K - 1 or action.kind == "B" and k > 0:
+                receiver = schedule.placement(k + 1 if action.kind == "F" else k - 1)[0]
+                forward = (action.kind == "F") != (schedule.shape == "v" and action.chunk == 1)
+                if receiver != s:
+                    want["down" if forward else "up"].add((s, receiver))
+        for route in ("down", "up"):
+            assert set(program.sends[route][program.table[f"send_{route}"][t, 0]]) == want[route], (t, route)
+    model_stages = np.zeros(p, int)
+    for s in range(p):
+        for c in range(v):
+            model_stages[s] += 2 - (schedule.model_stage(s, c) in (0, K - 1))
+    local = 2 * m * (name == "dualpipev")      # the V's bottom hands chunk 0 to its own chunk 1: no send
+    assert (sends_per_stage(program) + np.eye(p, dtype=int)[p - 1] * local == m * model_stages).all()
+
+
+def test_a_bubble_tick_sends_nothing_on_the_devices():
+    """The executor's `send` over every tick of 1F1B (p=4, m=8) on 4 devices: a stage receives its neighbour's
+    buffer exactly on the ticks the table sends it that way, and zeros otherwise (a tick on which no stage sends
+    moves nothing)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.parallel.pipeline_executor import send
+    program, p = compile_program(build("1f1b", 4, 8)), 4
+    mesh = jax.make_mesh((p,), ("pipe",), devices=jax.devices()[:p])
+
+    def received(x):                      # this device's [route, tick] of what arrived (its sender's id + 1)
+        ticks = jnp.arange(program.ticks)
+        return jnp.stack([jax.lax.map(lambda t, route=route: send(program, route, x, t), ticks)
+                          for route in ("down", "up")])[None]
+    ids = jax.device_put(jnp.arange(1.0, p + 1), jax.sharding.NamedSharding(mesh, P("pipe")))
+    got = jax.jit(jax.shard_map(received, mesh=mesh, in_specs=P("pipe"), out_specs=P("pipe")))(ids)
+    for r, route in enumerate(("down", "up")):
+        for t in range(program.ticks):
+            pairs = program.sends[route][program.table[f"send_{route}"][t, 0]]
+            want = np.zeros(p)
+            for sender, receiver in pairs:
+                want[receiver] = sender + 1
+            np.testing.assert_array_equal(np.asarray(got[:, r, t, 0]), want, err_msg=f"{route} tick {t}")
+
+
 def test_validation_rejects_broken_tables():
     good = build("1f1b", 3, 4)
     grid = [list(row) for row in good.grid]
@@ -267,10 +321,11 @@ def test_split_backward_defers_only_the_weight_matmuls():
     ("circular p=4 m=8", {"pipe"}, 0.02),                       # + the queue's and the head's all-reduces
 ])
 def test_executed_collectives_match_the_dry_run_formulas(built, name, axes, rel):
-    """The bytes the busiest stage sends per axis (the tick's branches counted on the ticks that run them) against
-    the strategy's `predict`: lock-step permutes, Megatron's 4 all-reduces per layer per microbatch (under SP
-    all-gathers and reduce-scatters, the column inputs gathered again in the backward, s/t tokens per permute),
-    the gradients' all-reduce; with v > 1 the stored layers re-dealt to chunk order and back (DualPipeV's V
+    """The bytes sent per axis by the stage that sends the most over it (a tick's branches counted on the ticks
+    that run them) against the strategy's `predict`: the table's sends (each tick over just the pairs that
+    send), Megatron's 4 all-reduces per layer per microbatch (under SP all-gathers and reduce-scatters, the
+    column inputs gathered again in the backward, s/t tokens per permute), the gradients' all-reduce; with
+    v > 1 the stored layers re-dealt to chunk order and back (DualPipeV's V
     counted as its 2 chunks); circular's rolls, its queue shared and its head's gradients summed over pipe."""
     from collections import defaultdict
 
@@ -284,6 +339,21 @@ def test_executed_collectives_match_the_dry_run_formulas(built, name, axes, rel)
     assert set(predicted) == axes
     for axis, want in predicted.items():
         assert sent[axis] == pytest.approx(want, rel=rel), axis
+
+
+def test_ticks_send_the_compute_dtype():
+    """Under bf16 compute every tick's ppermute carries bf16 [b, s, h]: the lowered program's (XLA:CPU then
+    moves bf16 as fp32, `theory.wire_bytes`; a deviceless H100 compile keeps bf16 on the wire, lab 03 part f).
+    How many a stage sends: the tests above."""
+    import re
+    strategy = make(["mesh.data=1", "mesh.pipe=2", "parallel.pipe=1f1b", "parallel.pipe_microbatches=2",
+                     "train.compute_dtype=bfloat16"], 2)
+    with jax.set_mesh(strategy.mesh):
+        lowered = strategy.lower_step().as_text()
+    wire = re.findall(r"collective_permute.*?-> tensor<([\dx]*)x(\w+)>", lowered)
+    cfg = strategy.config
+    shape = f"{cfg.train.batch_size // 2}x{cfg.data.seq_len}x{cfg.model.d_model}"
+    assert wire and set(wire) == {(shape, "bf16")}, wire
 
 
 def test_sp_rings_are_swaps_inside_every_layer_of_the_ticks(built):

@@ -50,7 +50,7 @@ from jaxpar.labs.pipeline_plots import PLOTS
 from jaxpar.labs.pipeline_timeline import timeline
 from jaxpar.labs.report import draw_plots, md_table, standalone_main, write_report
 from jaxpar.measure import hlo
-from jaxpar.measure.executed import executed_collectives
+from jaxpar.measure.executed import executed_collectives, tick_parts
 from jaxpar.parallel.pipeline import B_MID, F_FIRST, F_MID
 from jaxpar.parallel.schedules import bubble_fraction, build, dualpipe_idle, p2p_bytes, validate
 from jaxpar.parallel.schedules import dualpipev as dualpipev_table
@@ -185,16 +185,30 @@ def _permute_pairs(hlo_text: str) -> dict[str, int]:
     return pairs
 
 
+def permute_bytes(strategy, text: str) -> float:
+    """All devices' collective-permute bytes per step together: each permute's buffer x its runs x its
+    source-target pairs; a hand-written pipeline's tick sends (`pipeline_send_*`) as each stage executes them,
+    x the devices of a stage."""
+    pairs, mesh = _permute_pairs(text), strategy.mesh
+    permutes = lambda found: [c for c in found if c.op == "collective-permute"]
+    program = getattr(strategy, "program", None)
+    sends = {n for n, part in tick_parts(text).items() if part.startswith("send_")} if program else set()
+    total = sum(c.result_bytes * c.runs_per_step * pairs.get(c.name, 1)
+                for c in permutes(hlo.collectives(text, mesh)) if c.name not in sends)
+    if program is None:
+        return total
+    p = program.schedule.stages
+    for stage in range(p):
+        total += sum(c.result_bytes * c.runs_per_step * mesh.size // p
+                     for c in permutes(executed_collectives(text, mesh, program, stage)) if c.name in sends)
+    return total
+
+
 def p2p(lab: Lab, p: int, m: int) -> dict:
     rows, out = [], {}
     for name, v in MEMORY:
         strategy, step = lab.compiled(_pipe(name, p, m, v), p)
-        text = step.as_text()
-        pairs = _permute_pairs(text)
-        found = (executed_collectives(text, strategy.mesh, strategy.program, 0) if hasattr(strategy, "program")
-                 else hlo.collectives(text, strategy.mesh))
-        compiled = sum(c.result_bytes * c.runs_per_step * pairs.get(c.name, 1) for c in found
-                       if c.op == "collective-permute")
+        compiled = permute_bytes(strategy, step.as_text())
         cfg = strategy.config
         e = 4
         K = p * v
@@ -216,12 +230,13 @@ def p2p(lab: Lab, p: int, m: int) -> dict:
         f"## e. Point-to-point bytes per step over `pipe` (p={p}, m={m}, b={MICRO}, fp32)", "",
         md_table(["schedule", "formula 2(K-1)·m·b·s·h·e", "the table's sends", "compiled (HLO permutes)",
                 "compiled / formula"], rows), "",
-        "Summed over all stages: each collective-permute's buffer x its runs per step x its source-target pairs. "
-        "The table's sends (every F but the last model stage's, every B but the first's) equal the formula. The "
-        "lock-step SPMD executor moves a buffer in each direction on every tick, bubbles included, so it sends "
-        "2·ticks·(p-1) buffers for 2(p-1)·m useful ones; an MPMD runtime (torch.distributed.pipelining) sends "
-        "only the useful ones. The circular pipeline rolls every stage's buffer each iteration, forward and "
-        "backward (XLA splits the backward roll in two)."])
+        "Summed over all stages: each collective-permute's buffer x its runs per step x its source-target pairs "
+        "(a tick's sends: per stage, the ticks on which it sends). The table's sends (every F but the last model "
+        "stage's, every B but the first's) equal the formula. The executor sends, on each tick, over just the "
+        "pairs the table sends on (a switch over the tick's set of pairs, the same index on every device; a "
+        "bubble tick sends nothing), so it sends the useful buffers only, as an MPMD runtime "
+        "(torch.distributed.pipelining) does. The circular pipeline rolls every stage's buffer each iteration, "
+        "forward and backward (XLA splits the backward roll in two)."])
     return {"schedules": out, "markdown": md}
 
 

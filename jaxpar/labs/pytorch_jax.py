@@ -23,8 +23,9 @@ import numpy as np
 def collective_bytes(strategy, compiled) -> dict:
     """Bytes per device per step by collective kind (ring model), and runs per step, of a compiled step.
     A pipeline's collectives are counted per stage as executed (`executed_collectives`) and averaged;
-    its permutes are summed over their source-target pairs and divided by the devices."""
-    from jaxpar.labs.pipeline import _permute_pairs
+    its permutes are summed over their source-target pairs (a tick's sends: over the stages that send) and divided
+    by the devices."""
+    from jaxpar.labs.pipeline import permute_bytes
     from jaxpar.measure import hlo
     from jaxpar.measure.executed import executed_collectives
 
@@ -36,13 +37,11 @@ def collective_bytes(strategy, compiled) -> dict:
             sent[c.op] += c.bytes_per_step
             runs[c.op] += c.runs_per_step
         return {"sent": dict(sent), "calls": dict(runs)}
-    pairs = _permute_pairs(text)
     stages = strategy.mesh.shape["pipe"]
+    sent["collective-permute"] = permute_bytes(strategy, text) / n
     for stage in range(stages):
         for c in executed_collectives(text, strategy.mesh, strategy.program, stage):
             if c.op == "collective-permute":
-                per_device = c.result_bytes * c.runs_per_step * pairs.get(c.name, 1) / n / stages
-                sent[c.op] += per_device
                 runs[c.op] += c.runs_per_step / stages
             else:
                 sent[c.op] += c.bytes_per_step / stages

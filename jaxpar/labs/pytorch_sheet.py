@@ -168,8 +168,8 @@ NOTES = """## f. What runs, what does not, and why
 - **Pipeline schedules.** GPipe and 1F1B run here on both sides. PyTorch also has `ScheduleInterleaved1F1B`
   and `ScheduleInterleavedZeroBubble` (several stages per rank); jaxpar has `interleaved` and `zb-h1` (lab 03);
   they are not paired in this lab. jaxpar's automatic pipeline counterpart is `parallel.pipe=circular`
-  (the compiler-driven pipeline); no automatic 1F1B exists. jaxpar's lock-step executor sends a buffer on
-  every tick, bubbles included; torch.distributed.pipelining sends only the useful ones (part b). jaxpar's
+  (the compiler-driven pipeline); no automatic 1F1B exists. jaxpar's executor sends only the useful
+  buffers, as torch.distributed.pipelining does (each tick over just the pairs that send; part b). jaxpar's
   pipeline also keeps the embedding and the head on every stage and all-reduces their gradients over `pipe`
   (the all-reduce of its pipeline rows); PyTorch's stages hold them only on the first and last rank.
 - **Clipping.** Both sides clip with optax's formula (g·max/‖g‖ when ‖g‖ ≥ max): torch's `clip_grad_norm_`

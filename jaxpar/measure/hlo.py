@@ -320,6 +320,17 @@ def match_axes(groups, axis_groups) -> tuple[str, ...] | None:
     return None
 
 
+def permute_axes(groups, axis_groups) -> tuple[str, ...] | None:
+    """Which mesh axes a collective-permute's pairs run along: `match_axes`, else (a permute over some of an
+    axis's pairs only, as a pipeline tick sends) the fewest axes whose groups each hold a whole component."""
+    exact = match_axes(groups, axis_groups)
+    if exact is not None:
+        return exact
+    fits = [axes for axes, candidate in axis_groups.items()
+            if all(any(set(g) <= group for group in candidate) for g in groups)]
+    return min(fits, key=len) if fits else None
+
+
 def _num_devices(hlo_text: str) -> int:
     partitions = re.search(r"num_partitions=(\d+)", hlo_text)
     replicas = re.search(r"replica_count=(\d+)", hlo_text)
@@ -372,7 +383,8 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
             name=ins.name, op=op, is_async=is_async, shapes=shapes,
             result_bytes=shapes_bytes(shapes),
             replica_groups=tuple(tuple(g) for g in groups), group_size=group_size,
-            axes=match_axes(groups, axis_groups) if axis_groups is not None else None,
+            axes=None if axis_groups is None else
+            (permute_axes if op == "collective-permute" else match_axes)(groups, axis_groups),
             computation=ins.computation, runs_per_step=0 if on_overflow else n, trip_count_known=known,
             on_overflow=on_overflow,
         ))

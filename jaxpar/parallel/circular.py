@@ -243,8 +243,8 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
 def pipe_flows(shape, cand: Candidate, global_batch: int, a: float, iterations: int) -> list[Flow]:
     """What the compiled step sends over `pipe` (I iterations, a one microbatch's activation, ring 2(p-1)/p):
       rolls    forward I·a; XLA splits the backward's roll into the shift s -> s-1 and the wrap 0 -> p-1, one
-               permute each: every device sends one of them, but the count charges both to every device, the
-               wrap on `pipe` at p = 2 (I·a more), on a group no mesh axis spans at p > 2.
+               permute each: every device sends one of them, but the count charges both to every device (the
+               wrap, a permute over one pair of `pipe`, I·a more).
       queue    stage 0's finished microbatches shared with the others (all-reduce of m·a), and in the backward the
                cotangents of the p copies of the input queue summed (the same); with pipe the only split axis and
                v > 1, XLA also all-gathers the queue's cotangent ((p-1)/p·m·a).
@@ -260,7 +260,7 @@ def pipe_flows(shape, cand: Candidate, global_batch: int, a: float, iterations: 
     p, m, v, r = cand.pipe, cand.microbatches, cand.virtual, cand.accumulate
     ring = 2 * (p - 1) / p
     alone = cand.data * cand.fsdp * cand.tensor * (cand.expert if shape.moe else 1) == 1
-    rolls = (3 if p == 2 else 2) * iterations
+    rolls = 3 * iterations
     flows = [Flow("pipe", "permute", rolls * a * r, rolls * r, False),
              Flow("pipe", "all-reduce", 2 * ring * m * a * r, 2 * r, False)]
     if alone and v > 1:

@@ -3,8 +3,9 @@
 The stacked layers are cut into p·v chunks (stage s of `pipe` holds chunks s, s+p, ...; DualPipeV's V
 holds s and 2p-1-s). A schedule (parallel/schedules.py) is a table tick x stage -> F/B/W;
 `compile_program` (pipeline_program.py) turns it into integer tables and pipeline_executor.py runs them as
-a `lax.scan` over ticks inside one `shard_map` (`lax.switch` per cell, two `ppermute`s per tick), so the
-stash holds exactly the microbatches the schedule keeps alive. Around it: `data` (gradients averaged once
+a `lax.scan` over ticks inside one `shard_map` (`lax.switch` per cell; per direction a `ppermute` over just
+the pairs the table sends on that tick, none in a bubble), so the stash holds exactly the microbatches the
+schedule keeps alive and each stage sends what the schedule sends. Around it: `data` (gradients averaged once
 per step), `fsdp` (stage weights gathered once per step, gradients reduce-scattered once), `tensor`
 (Megatron's f/g, or SP, with its collective matmuls too, inside every stage), `expert` (parallel/expert.py's
 exchange inside the stages), gradient accumulation (the whole pipeline a times on strided slices). MoE models

@@ -7,6 +7,7 @@ loop needs (its branches, buffers and sends). Split out of pipeline.py, which bu
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -109,6 +110,20 @@ def scoped(part: str):
     return wrap
 
 
+def send(program: Program, route: str, x, t):
+    """One route's send on tick t (inside the shard_map): a `ppermute` over the table's set of pairs for that tick
+    (`Program.sends`), chosen by a switch whose index is the same on every device, zeros where nothing arrives;
+    each set under its own scope, `pipeline_send_<route>_<k>`, for the executed-bytes count."""
+    patterns = program.sends[route]
+    if len(patterns) == 1:
+        return jnp.zeros_like(x)
+
+    def permute(k):
+        return scoped(f"send_{route}_{k}")(lambda x: jax.lax.ppermute(x, AXIS, list(patterns[k])))
+    index = jnp.asarray(program.table[f"send_{route}"][:, 0])
+    return jax.lax.switch(index[t], [jnp.zeros_like] + [permute(k) for k in range(1, len(patterns))], x)
+
+
 def run_program(program: Program, stage: StageFunctions, chunks, outer, tokens, *, cfg, ops, train: bool):
     """Run the tick loop on this device: chunks [v, Lc, ...] (compute dtype), outer = everything but the
     pipelined stack (embed, final_norm, lm_head; an MoE model's dense `blocks`), tokens [rows, S+1] this
@@ -150,13 +165,10 @@ class _TickLoop:
         self.kinds = jnp.asarray(np.array([0, 1, 1, 1, 2, 2, 3], np.int32))   # cell -> idle, forward, backward, W
         self.branches = [self.idle, self.forward, self.backward, self.weight][
             :(4 if self.split else 3) if train else 2]
-        ring = self.v > 1 and sched.shape == "loop"
-        self.forward_pairs = [(s, (s + 1) % self.p) for s in range(self.p if ring else self.p - 1)]   # a ring
-        self.backward_pairs = [(b, a) for a, b in self.forward_pairs]
         slots = program.slots
         self.used = [f for f in ARRIVALS if (program.table[f] != slots[f.split("_")[1]]).any()]   # routes in use
         self.flips = bool(program.table["flip"].any())
-        self.table = {k: jnp.asarray(t) for k, t in program.table.items()}
+        self.table = {k: jnp.asarray(t) for k, t in program.table.items() if not k.startswith("send_")}
 
     def first_part(self, weights, microbatch):
         """The first model stage's own layers: the embedding (and an MoE model's dense stack)."""
@@ -258,13 +270,15 @@ class _TickLoop:
                                             for s in (site.x, site.y)) for k, site in stage.sites.items()}
         return carry
 
-    def deliver(self, carry, row, out):
-        """The tick's sends: one ppermute down the stages, one up, and the V's hand-over to itself."""
+    def deliver(self, carry, row, out, t):
+        """The tick's sends: down the stages and up, each a `ppermute` over just the pairs the table sends on this
+        tick (none on a tick where nobody sends that way), and the V's hand-over to itself."""
         down, up = out["send_act"], out["send_grad"]
         if self.flips:
             down, up = jnp.where(row["flip"], up, down), jnp.where(row["flip"], down, up)
-        arrived = {"down": lambda: jax.lax.ppermute(down, AXIS, self.forward_pairs),
-                   "up": lambda: jax.lax.ppermute(up, AXIS, self.backward_pairs), "local": lambda: down}
+        outgoing = {"down": down, "up": up}
+        arrived = {route: functools.partial(send, self.program, route, outgoing[route], t) for route in ("down", "up")}
+        arrived["local"] = lambda: down
         received = {route: arrived[route]() for route in ROUTES if any(f.startswith(route) for f in self.used)}
         for field in self.used:
             route, buffer = field.split("_")[:2]
@@ -290,4 +304,4 @@ class _TickLoop:
             carry["aux"] = jax.tree.map(lambda a, new: a.at[row["chunk"]].add(new), carry["aux"], out["aux"])
             if self.split:
                 carry["wstash"] = _put(carry["wstash"], row["wstash"], out["taps"])
-        return self.deliver(carry, row, out), None
+        return self.deliver(carry, row, out, t), None

@@ -62,6 +62,7 @@ class Program:
     schedule: Schedule
     table: dict
     slots: dict
+    sends: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ticks(self) -> int:
@@ -87,6 +88,7 @@ def compile_program(schedule: Schedule) -> Program:
     for field in ARRIVALS:
         table[field][:] = -1
     pools = [{b: _Slots() for b in ("act", "grad", "stash", "wstash")} for _ in range(p)]
+    pairs: list[dict[str, set]] = [{"down": set(), "up": set()} for _ in range(T)]
     for t, row in enumerate(schedule.grid):
         arrivals = []
         for s, action in enumerate(row):
@@ -119,10 +121,18 @@ def compile_program(schedule: Schedule) -> Program:
         for buffer, sender, (s, chunk), microbatch, flip in arrivals:
             route = _route(schedule, buffer, sender, s, flip)
             table[f"{route}_{buffer}_in"][t, s] = pools[s][buffer].take((microbatch, chunk))
+            if route != "local":
+                pairs[t][route].add((sender, s))
     slots = {b: max(pool[b].size for pool in pools) for b in ("act", "grad", "stash", "wstash")}
     for field in ARRIVALS:
         table[field][table[field] < 0] = slots[field.split("_")[1]]     # nothing sent: the spare slot
-    return Program(schedule, table, slots)
+    sends = {}
+    for route in ("down", "up"):
+        used = sorted({tuple(sorted(tick[route])) for tick in pairs if tick[route]})
+        sends[route] = ((), *used)
+        table[f"send_{route}"] = np.repeat(np.array([sends[route].index(tuple(sorted(tick[route])))
+                                                     for tick in pairs], np.int32)[:, None], p, axis=1)
+    return Program(schedule, table, slots, sends)
 
 
 PARTS = {"F": (F_FIRST, F_MID, F_LAST), "embed": (F_FIRST,), "head": (F_LAST,), "B": (B_FIRST, B_MID),
@@ -130,8 +140,22 @@ PARTS = {"F": (F_FIRST, F_MID, F_LAST), "embed": (F_FIRST,), "head": (F_LAST,), 
 
 
 def part_ticks(program: Program) -> dict[str, np.ndarray]:
-    """Per part of a tick (PARTS): on how many ticks each stage runs it."""
-    return {part: np.isin(program.table["branch"], codes).sum(axis=0) for part, codes in PARTS.items()}
+    """Per part of a tick (PARTS): on how many ticks each stage runs it; per send `send_<route>_<k>` (the k-th
+    set of pairs of `Program.sends`): on how many ticks each stage sends in it."""
+    out = {part: np.isin(program.table["branch"], codes).sum(axis=0) for part, codes in PARTS.items()}
+    p = program.schedule.stages
+    for route, patterns in program.sends.items():
+        for k, pairs in enumerate(patterns[1:], start=1):
+            senders = np.isin(np.arange(p), [s for s, _ in pairs])
+            out[f"send_{route}_{k}"] = (program.table[f"send_{route}"][:, 0] == k).sum() * senders
+    return out
+
+
+def sends_per_stage(program: Program) -> np.ndarray:
+    """How many activations and gradients each stage sends per run of the program (the `local` hand-over of the
+    V's bottom is not a send)."""
+    return sum((part_ticks(program)[f"send_{route}_{k}"] for route, patterns in program.sends.items()
+                for k in range(1, len(patterns))), np.zeros(program.schedule.stages, np.int64))
 
 
 @functools.lru_cache(maxsize=256)
