@@ -10,6 +10,20 @@ import tempfile
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
 
 import jax  # noqa: E402  (XLA_FLAGS first: XLA reads them when the backend starts)
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault("JAXPAR_CACHE", tempfile.mkdtemp(prefix="jaxpar-test-cache-"))
+
+
+# The tests that start a local Slurm cluster share one munged: under `pytest -n 2` (.ci/run) they run on one worker.
+SLURM_MODULES = {"test_slurm", "test_plan_sweep", "test_journeys"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's --dist loadgroup, each test file runs whole on one worker (its module fixtures, such as a
+    reference run, are computed once), and the Slurm files together on one."""
+    for item in items:
+        module = item.module.__name__ if item.module else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("slurm" if module in SLURM_MODULES else module))

@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from jaxpar.model.counting import block_params, moe_block_params
-from jaxpar.parallel.pipeline_program import part_ticks, program_for, sends_per_stage
+from jaxpar.parallel.pipeline_program import most_sends_for, program_for, ticks_for
 from jaxpar.parallel.schedules import bubble_fraction, placement
 from jaxpar.parallel.theory import (
     OTHER_WEIGHTS,
@@ -55,7 +55,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     psi_other, psi_x = counts["total"] - psi_pipelined, counts["experts"]
     program = program_for(cand.schedule, p, m, v)
     sent = a / T if cand.sequence else a
-    sends = int(sends_per_stage(program).max())
+    sends = most_sends_for(cand.schedule, p, m, v)
     out = [Flow("pipe", "permute", sends * sent * r, sends * r, False)]
     sizes = {"data": D, "pipe": p, "expert": X}
 
@@ -72,7 +72,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     all_reduce(("data", "expert"), 4 * (psi_pipelined - psi_x) / (p * T), WEIGHTS_PER_LAYER, gathered=e)
     all_reduce(("data",), 4 * psi_x / (p * X * T), 3, gathered=e)
     if T > 1:
-        out.append(tensor_bytes(shape, cand, program, a, a // (shape.d_model * e)))
+        out.append(tensor_bytes(shape, cand, a, a // (shape.d_model * e)))
     out.extend(redeal(shape, cand, psi_pipelined, psi_x))
     if X > 1:
         exchange = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
@@ -82,7 +82,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
                       stash=program.slots["stash"])
 
 
-def tensor_bytes(shape, cand: Candidate, program, a: float, tokens: int) -> Flow:
+def tensor_bytes(shape, cand: Candidate, a: float, tokens: int) -> Flow:
     """Megatron's collectives over `tensor` on the busiest stage, in u = (T-1)/T·a (an all-reduce of a is 2u; an
     all-gather or reduce-scatter of it, u); a: one microbatch's activation, `tokens` = b·s; r = train.microbatches
     runs of the pipeline per step.
@@ -105,7 +105,7 @@ def tensor_bytes(shape, cand: Candidate, program, a: float, tokens: int) -> Flow
       once per step     SP: the replicated weights' gradients summed, 2(T-1)/T·4 per element: the norms (2 per
                         layer of the stage and of an MoE model's dense stack, the final one), the routers.
     """
-    T, r, ticks = cand.tensor, cand.accumulate, part_ticks(program)
+    T, r, ticks = cand.tensor, cand.accumulate, ticks_for(cand.schedule, cand.pipe, cand.microbatches, cand.virtual)
     moe = shape.moe is not None
     layers = shape.moe_layers if moe else shape.layers
     chunk = layers // (cand.pipe * cand.virtual)

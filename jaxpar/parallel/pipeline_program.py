@@ -154,7 +154,8 @@ def part_ticks(program: Program) -> dict[str, np.ndarray]:
 def sends_per_stage(program: Program) -> np.ndarray:
     """How many activations and gradients each stage sends per run of the program (the `local` hand-over of the
     V's bottom is not a send)."""
-    return sum((part_ticks(program)[f"send_{route}_{k}"] for route, patterns in program.sends.items()
+    ticks = part_ticks(program)
+    return sum((ticks[f"send_{route}_{k}"] for route, patterns in program.sends.items()
                 for k in range(1, len(patterns))), np.zeros(program.schedule.stages, np.int64))
 
 
@@ -162,3 +163,15 @@ def sends_per_stage(program: Program) -> np.ndarray:
 def program_for(name: str, p: int, m: int, v: int) -> Program:
     """The compiled table of a schedule (cached: the planner asks for the same few many times)."""
     return compile_program(build(name, p, m, v))
+
+
+@functools.lru_cache(maxsize=256)
+def ticks_for(name: str, p: int, m: int, v: int) -> dict[str, np.ndarray]:
+    """`part_ticks` of `program_for` (cached as it is: the planner predicts thousands of candidates)."""
+    return part_ticks(program_for(name, p, m, v))
+
+
+@functools.lru_cache(maxsize=256)
+def most_sends_for(name: str, p: int, m: int, v: int) -> int:
+    """The most activations and gradients one stage sends in `program_for`'s table (`sends_per_stage`)."""
+    return int(sends_per_stage(program_for(name, p, m, v)).max())
