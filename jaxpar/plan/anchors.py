@@ -46,14 +46,15 @@ def _tokens_at_mfu(shape: ModelShape, seq_len: int, mfu: float) -> float:
 
 
 CP_NOTE = "the recipe's TP 1, PP 1, CP 2, micro batch 1, 32 accumulation steps"
+NEMO_2409 = "2024-09 (NeMo 24.09)"
 ANCHORS: tuple[Anchor, ...] = (
     Anchor("MaxText Llama-2-70B bf16", "jaxpar (XLA)", LLAMA2_70B, 8, 8, 256, 4096,
            "fsdp=64 m=1 remat=full bf16 flash", "jaxpar", _tokens_at_mfu(LLAMA2_70B, 4096, 0.51), "η",
            "published as ~51% MFU; cluster, batch and strategy are stand-ins", "not recorded (the course's quote)"),
     Anchor("NeMo 24.09 Llama-3.1-8B bf16", "NeMo", LLAMA31_8B, 1, 8, 128, 8192,
-           "data=4 cp=2 m=32 remat=none bf16 flash", "distributed-optimizer", 10153, "η", CP_NOTE, "2024-09 (NeMo 24.09)"),
+           "data=4 cp=2 m=32 remat=none bf16 flash", "distributed-optimizer", 10153, "η", CP_NOTE, NEMO_2409),
     Anchor("NeMo 24.09 Llama-3.1-8B fp8", "NeMo", LLAMA31_8B, 1, 8, 128, 8192,
-           "data=4 cp=2 m=32 remat=none fp8 flash", "distributed-optimizer", 13555, "fp8", CP_NOTE, "2024-09 (NeMo 24.09)"),
+           "data=4 cp=2 m=32 remat=none fp8 flash", "distributed-optimizer", 13555, "fp8", CP_NOTE, NEMO_2409),
     Anchor("NeMo 24.07 Llama-2-7B fp8", "NeMo", LLAMA2_7B, 1, 8, 128, 4096,
            "data=8 m=16 remat=none fp8 flash", "distributed-optimizer", 16847, "check", "", "2024-07 (NeMo 24.07)"),
     Anchor("torchtitan Llama-3.1-8B FSDP eager", "torchtitan eager", LLAMA31_8B, 1, 8, 16, 8192,
@@ -72,7 +73,7 @@ ANCHORS = ANCHORS + (
            "its layout's overlap is not measured (experiments/07_capstone/README.md)"),
     Anchor("NeMo 24.09 Llama-3.1-8B bf16, 128 GPUs", "NeMo", LLAMA31_8B, 16, 8, 2048, 8192,
            "data=64 cp=2 m=32 remat=none bf16 flash dist-opt", "distributed-optimizer", 10006, "check", CP_NOTE,
-           "2024-09 (NeMo 24.09)"),
+           NEMO_2409),
 )
 
 # η (of an ideal large GEMM, plan/gemm.py) and the fp8 factor per framework, as `fit_framework` finds them

@@ -88,7 +88,8 @@ def _word(word: str, fields: dict) -> None:
         fields["schedule"] = value
     else:
         raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|cp|{'|'.join(data_impls)}"
-                          f"=N, {'|'.join(CONTEXT_IMPLS)}, sp, async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, dist-opt, "
+                          f"=N, {'|'.join(CONTEXT_IMPLS)}, sp, async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, "
+                          "dist-opt, "
                           f"remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, {'|'.join(schedules)}")
 
 
