@@ -78,6 +78,9 @@ def embed_lookup_gathers(rules, live_axes) -> bool:
     return bool(embed) and bool(axes("vocab") or axes("batch") - embed)
 
 
+COPIES = ("batch", "inner_length", "heads", "act_embed")   # the copies' logical names: t split like the heads
+
+
 @dataclasses.dataclass(frozen=True)
 class Copies:
     """A column-parallel input held once per shard of the weights' output axis: `copies` [b, s, t, d], its t axis
@@ -91,7 +94,8 @@ def column_copies(rules, ops):
 
     In the partitioner's global view a matmul whose contraction is split must hand on a reduced result: the
     input gradients of q, k, v (of gate, up) are each all-reduced and then summed, 3 + 2 all-reduces per layer
-    where Megatron's f sums first and reduces once (XLA:GPU merges them after partitioning, XLA:CPU does not).
+    where Megatron's f sums first and reduces once (XLA's all-reduce reassociation pass would merge them;
+    XLA:CPU does not run it).
     With the input broadcast to [b, s, t, d] (t split like the weights' outputs: no data moves) and each
     weight viewed as [d, t, n/t, ...], every device multiplies its own copy; the copies' gradients add up
     where they are split and the broadcast's transpose, a sum over t, is the one all-reduce (measured:
@@ -117,9 +121,6 @@ def column_copies(rules, ops):
         return ops.cross_entropy(x.whole if isinstance(x, Copies) else x, head, targets, inner_ops)
 
     return ops.replace(column_in=column_in, matmul=matmul, cross_entropy=cross_entropy)
-
-
-COPIES = ("batch", "inner_length", "heads", "act_embed")   # the copies' logical names: t split like the heads
 
 
 def _copies(rules) -> int:
@@ -215,9 +216,9 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
 
 def tensor_all_reduces(shape, remat: str, cpu: bool) -> int:
     """All-reduces of b·s·h over `tensor` per layer: g after wo and w_down forward, f's two before q/k/v and
-    gate/up backward (one each: the weights take `Copies`, or XLA:GPU merges the sums), +1 with remat full
-    (the attention g recomputed). An MoE model takes no `Copies`: XLA:CPU then reduces the input gradients of
-    q, k, v and of gate, up one by one (7)."""
+    gate/up backward (one each: the weights take `Copies`), +1 with remat full (the attention g recomputed).
+    An MoE model takes no `Copies`: XLA:CPU then reduces the input gradients of q, k, v and of gate, up one by
+    one (7); on GPU the prediction assumes XLA's all-reduce reassociation merges them (not measured)."""
     backward = 5 if cpu and shape.moe else 2
     return 2 + backward + (1 if remat == "full" else 0)
 
