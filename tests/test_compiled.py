@@ -53,8 +53,8 @@ def test_compute_dtype_reaches_every_matmul(dtype, operand):
 
 
 def test_tensor_parallel_bytes_follow_megatron():
-    """tensor=4 x data=2: per layer 2 all-reduces of b·s·h forward and 5 backward on XLA:CPU (it does not
-    merge the q/k/v and gate/up input-gradient sums), + the embedding's and the head's."""
+    """tensor=4 x data=2: per layer 2 all-reduces of b·s·h forward and 2 backward (the q/k/v and gate/up inputs
+    held once per tensor shard: parallel/auto.py's `Copies`), + the embedding's and the head's."""
     strategy = build("mesh.data=2", "mesh.tensor=4", "model.kv_heads=4")
     found = collectives(compile_step(strategy).as_text(), strategy.mesh)
     tensor = sum(c.bytes_per_step for c in found if c.axes == ("tensor",))

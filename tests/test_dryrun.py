@@ -263,7 +263,7 @@ def test_7b_on_64_cpu_devices(tmp_path, mesh):
     assert r["model"]["params"] == psi
     assert mem["compiled"]["argument"] == pytest.approx(12 * psi / 64, rel=0.05)
     assert mem["compiled"]["argument"] == pytest.approx(mem["zero_formula"]["state"], rel=0.05)
-    for axis, row in r["collectives"]["by_axis"].items():     # fsdp; and tensor (7 all-reduces a layer on CPU)
+    for axis, row in r["collectives"]["by_axis"].items():     # fsdp; and tensor (4 all-reduces a layer, +1 remat)
         assert row["bytes"] == pytest.approx(row["predicted_bytes"], rel=0.05), axis
     assert set(r["collectives"]["by_axis"]) == {"fsdp", *(["tensor"] if "mesh.tensor=8" in mesh else [])}
     assert r["timing"]["compile_s"] < 120

@@ -1,11 +1,12 @@
-"""Recipes people copy, through `jaxpar plan --strategy` (issue 31): sequence parallelism, interleaving's v, the
-distributed optimizer in any mesh, a pipeline's m chosen by the planner's rule, the registry's names; and the
+"""Recipes people copy, through `jaxpar plan --strategy` (issue 31): sequence and context parallelism, interleaving's
+v, the distributed optimizer in any mesh, a pipeline's m chosen by the planner's rule, the registry's names; and the
 physics they need: all-to-all through each GPU's NIC, start-up latency growing with the group. Planner only."""
 import dataclasses
 
 import pytest
-from test_plan import seven_b
+from test_plan import seven_b, with_moe
 
+from jaxpar.parallel.context_predict import context_flows
 from jaxpar.parallel.memory import kept_per_layer
 from jaxpar.parallel.registry import implementations
 from jaxpar.parallel.theory import Candidate
@@ -13,7 +14,7 @@ from jaxpar.plan import anchors
 from jaxpar.plan.fleet import collective_alpha, gpu_cluster
 from jaxpar.plan.planner import evaluate, plan
 from jaxpar.plan.space import microbatch_choices
-from jaxpar.plan.strategy import parse_strategy
+from jaxpar.plan.strategy import check_fits_model, parse_strategy
 
 H100 = gpu_cluster("h100", 8, 8)
 TITAN = "fsdp=32 tp=8 sp m=1 remat=full bf16 flash"
@@ -23,7 +24,8 @@ def test_recipe_words_parse_and_round_trip():
     """sp, v=N, dist-opt and every data implementation and schedule the strategy registry runs are words."""
     for text in (TITAN, "data=2 pipe=4 tp=2 sp interleaved v=8 m=16 remat=full bf16 flash",
                  "data=8 pipe=4 1f1b m=8 remat=full bf16 flash dist-opt",
-                 "data=128 m=16 remat=none bf16 flash dist-opt"):
+                 "data=128 m=16 remat=none bf16 flash dist-opt", "data=64 cp=2 m=32 remat=none bf16 flash dist-opt",
+                 "fsdp=2 cp=2 tp=2 all_to_all m=1 remat=full bf16 flash"):
         assert parse_strategy(text).label() == text
     c = parse_strategy("data=2 pipe=4 tp=2 sp interleaved v=8 m=16 dist-opt")
     assert (c.sequence, c.virtual, c.layout) == (True, 8, "distributed-optimizer")
@@ -36,6 +38,23 @@ def test_recipe_words_parse_and_round_trip():
     for bad in ("data=8 sp", "pipe=4 1f1b v=4 m=8", "data=8 v=2", "zero1=8 dist-opt", "pipe=2 dualpipev v=4 m=4"):
         with pytest.raises(Exception, match="--strategy"):
             parse_strategy(bad)
+
+
+def test_context_parallelism_is_a_word_refused_where_no_strategy_builds_it():
+    """cp=N (context=N) with ring (the default) or all_to_all (context_impl=); with pipe, ep, sp, a ZeRO data
+    implementation or a MoE model (what parallel/context.py does not compose with) refused in one line."""
+    ring, same = parse_strategy("data=4 cp=2 m=32"), parse_strategy("data=4 context=2 context_impl=ring m=32")
+    assert (ring.context, ring.context_impl) == (2, "ring") and ring == same and ring.devices == 8
+    assert parse_strategy("data=4 cp=2 all_to_all").context_impl == "all_to_all"
+    for bad, why in (("data=2 cp=2 pipe=2 m=4", "pipe=2"), ("data=2 ep=2 cp=2", "ep=2"), ("data=2 tp=2 sp cp=2", "sp"),
+                     ("data=8 ring", "needs cp"), ("data=2 cp=2 ring all_to_all", "contradicts"),
+                     ("zero1=4 cp=2", "not built"), ("data=4 cp=2 context_impl=ulysses", "not understood")):
+        with pytest.raises(Exception, match=f"--strategy: .*{why}"):
+            parse_strategy(bad)
+    with pytest.raises(Exception, match="--strategy: cp=2: the model has 8 experts"):
+        check_fits_model(ring, with_moe(seven_b(), experts=8, top_k=2, expert_mlp_dim=1024))
+    with pytest.raises(Exception, match="--strategy: all_to_all gives each device whole heads"):
+        check_fits_model(parse_strategy("fsdp=1 cp=8 tp=8 all_to_all"), anchors.LLAMA31_8B)   # 8 kv heads, 64 ways
     with pytest.raises(Exception, match="--strategy: .*no strategy runs.*data=2 dist-opt"):   # ZeRO-1 in a pipeline
         parse_strategy("zero1=2 pipe=4 m=8")
 
@@ -44,12 +63,17 @@ def test_every_ranked_label_parses_back_to_its_candidate():
     """The space's rows (and given recipes with sp, v, dist-opt) print labels that `--strategy` reads back."""
     s, node = seven_b(), gpu_cluster("h100", 1, 8)
     given = [parse_strategy(t) for t in ("fsdp=2 tp=4 sp m=2 remat=full bf16 flash",
-                                         "data=2 pipe=2 tp=2 sp interleaved v=4 m=8 remat=full bf16 flash dist-opt")]
-    for p in (plan(s, node, global_batch=16, seq_len=4096, tokens=1e12, check_fits=False),
-              plan(s, node, global_batch=16, seq_len=4096, tokens=1e12, candidates=given, check_fits=False)):
+                                         "data=2 pipe=2 tp=2 sp interleaved v=4 m=8 remat=full bf16 flash dist-opt",
+                                         "data=2 cp=2 tp=2 all_to_all m=4 remat=dots bf16 flash")]
+    labels = []
+    for p in (plan(s, node, global_batch=16, seq_len=8192, tokens=1e12, check_fits=False),
+              plan(s, node, global_batch=16, seq_len=8192, tokens=1e12, candidates=given, check_fits=False)):
         assert p.results
         for r in p.results:
             assert parse_strategy(r.label, r.cand.devices) == r.cand, r.label
+            labels.append(r.label)
+    assert any("cp=2 " in label and "all_to_all" not in label for label in labels)   # the space's ring rows
+    assert any("cp=2 tp=2 all_to_all" in label for label in labels)
 
 
 def test_a_pipeline_without_m_gets_the_planners_choice():
@@ -94,6 +118,21 @@ def test_the_distributed_optimizer_in_a_pipeline_reduce_scatters_over_data():
     assert b.memory.layout == "distributed-optimizer" and b.label.endswith("dist-opt")
 
 
+def test_the_distributed_optimizer_with_context_parallelism_reduces_over_data_x_context():
+    """Megatron's data-parallel group with context parallelism: dist-opt splits the optimizer over data x context
+    and reduce-scatters the gradients over both once per step, in place of the context axis' per-microbatch
+    all-reduce; the ring's key/value hops stay."""
+    cluster = gpu_cluster("h100", 16, 8)
+    dist = parse_strategy("data=64 cp=2 m=32 remat=none bf16 flash dist-opt", 128)
+    own = dataclasses.replace(dist, layout="jaxpar")
+    a, b = (evaluate(anchors.LLAMA31_8B, c, cluster, 2048, 8192, 1e12) for c in (own, dist))
+    ring = [f.bytes for f in context_flows(anchors.LLAMA31_8B, dist, 2048, 8192, "gpu") if f.op == "permute"]
+    assert b.comm_bytes["context"] == pytest.approx(sum(ring)) and a.comm_bytes["context"] > 10 * sum(ring)
+    assert b.comm_bytes["data+context"] == pytest.approx(127 / 128 * 6 * b.memory.params / 2)
+    assert b.memory.optimizer == pytest.approx(a.memory.optimizer * 12 / 8 / 128)
+    assert b.time.comm_s["context"] < a.time.comm_s["context"] / 5
+
+
 def test_all_to_all_across_nodes_goes_through_each_gpus_nic():
     """An expert group over 2 nodes: each GPU's NIC carries (n-g)/(n-1) of what it sends, not 8 NICs' worth."""
     nic = H100.scaleout.bus_bw
@@ -126,12 +165,14 @@ def test_fsdp_per_gpu_throughput_falls_as_the_job_grows():
 
 
 def test_published_recipes_fit_and_are_predicted():
-    """The torchtitan 70B recipe fits and is within 15% of its published tokens/s per GPU (the anchor table)."""
+    """The torchtitan 70B recipe fits and is within 15% of its published tokens/s per GPU (the anchor table); NeMo's
+    8B on 128 GPUs, written as published (CP 2), is within 15% (in jaxpar's memory model it does not fit: 85 GB,
+    33 of them activations without remat: experiments/07_capstone/README.md)."""
     rows = {r["anchor"]: r for r in anchors.anchor_table()}
     titan = rows["torchtitan Llama-3.1-70B FSDP x TP+SP compiled"]
     assert titan["fits"] and abs(titan["ratio"] - 1) <= 0.15
     nemo = rows["NeMo 24.09 Llama-3.1-8B bf16, 128 GPUs"]
-    assert abs(nemo["ratio"] - 1) <= 0.15
+    assert "cp=2" in nemo["strategy"] and abs(nemo["ratio"] - 1) <= 0.15
 
 
 def test_async_tp_is_a_word_that_round_trips_and_needs_tp_and_sp():

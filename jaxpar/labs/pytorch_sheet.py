@@ -157,8 +157,8 @@ NOTES = """## f. What runs, what does not, and why
   input gradient once per projection (measured while building this lab, torch 2.13, this model, N = 2: 20
   all-reduces, 2.006 MiB per step, against 14 and 1.256 MiB now). `PrepareModuleInput` on the attention and
   MLP modules makes the input one DTensor: Megatron's f, one all-reduce. jaxpar's automatic TP
-  (`mesh.tensor=N`, part b) is XLA:CPU making the per-projection choice: 2 forward + 5 backward all-reduces
-  per layer (lab 03).
+  (`mesh.tensor=N`, part b) holds the projections' shared input once per tensor shard for the same reason,
+  so XLA sums the gradients before one all-reduce (lab 03: why XLA's automatic TP sent 7).
 - **The embedding's gradient comes back replicated.** A `RowwiseParallel` embedding's weight is split by
   vocabulary, but its gradient is a full replicated tensor on every rank; the loop slices it to the
   parameter's placement (no bytes sent) before the optimizer.

@@ -136,6 +136,8 @@ def equivalence(lab: Lab, steps: int) -> dict:
 
 def communication(lab: Lab) -> dict:
     from jaxpar.measure.hlo import collectives, compiled_hlo
+    from jaxpar.model.counting import ModelShape
+    from jaxpar.parallel.auto import tensor_all_reduces
     from jaxpar.parallel.registry import predicted_collective_bytes, workload
     from jaxpar.parallel.tensor import layer_units as manual_layer_units
     from jaxpar.parallel.tensor import predict as manual_tensor
@@ -162,7 +164,7 @@ def communication(lab: Lab) -> dict:
             layer_units = manual_layer_units("none", built.config.parallel.sequence, regather)
         elif key == "auto":
             predicted = predicted_collective_bytes(built.config, built.strategy.model_cfg, sizes, "cpu")
-            layer_units = 2 * 7        # dryrun: 2 forward + 5 backward all-reduces per layer on XLA:CPU
+            layer_units = 2 * tensor_all_reduces(ModelShape(cfg), "none", cpu=True)   # auto.predict's count
         else:
             predicted, layer_units = {}, None
         rows[key] = {"label": built.label, "layer_by_op": dict(layer), "layer_bytes": sum(layer.values()),
@@ -190,8 +192,9 @@ def communication(lab: Lab) -> dict:
         "Predicted per layer: manual TP 8u (4 all-reduces of b·s·h: g after wo and w_down forward, f before "
         "q/k/v and gate/up backward); manual TP+SP 10u: the same 8u as 4 all-gathers + 4 reduce-scatters, + "
         "2u gathering each column-parallel input again in the backward pass (Megatron-LM keeps only the s/t "
-        "shard); SP keeping the gathered inputs 8u, TP's bytes exactly; auto TP 14u (`dryrun`: XLA:CPU sums "
-        "the q/k/v and gate/up input gradients in separate all-reduces, 2 forward + 5 backward). The rules "
+        "shard); SP keeping the gathered inputs 8u, TP's bytes exactly; auto TP 8u too (`parallel.auto`: the "
+        "column-parallel inputs enter as one copy per tensor shard, so the q/k/v and gate/up input gradients "
+        "are summed before their one all-reduce each, as Megatron's f). The rules "
         "variant is XLA's own sequence parallelism (no formula: read what it chose).",
         "",
         "Whole step, every axis (data: DDP's gradient all-reduce, 2(D-1)/D·4·Ψ_local):",

@@ -8,9 +8,12 @@ per mesh axis, as the compiled programs of lab 00 and 02 show.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -75,12 +78,79 @@ def embed_lookup_gathers(rules, live_axes) -> bool:
     return bool(embed) and bool(axes("vocab") or axes("batch") - embed)
 
 
+COPIES = ("batch", "inner_length", "heads", "act_embed")   # the copies' logical names: t split like the heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Copies:
+    """A column-parallel input held once per shard of the weights' output axis: `copies` [b, s, t, d], its t axis
+    split like the weights' heads / hidden units; `whole` the [b, s, d] it repeats (for the output head)."""
+    whole: Any
+    copies: Any
+
+
+def column_copies(rules, ops):
+    """`ops` whose column-parallel matmuls take one copy of their input per tensor shard (see `Copies`).
+
+    In the partitioner's global view a matmul whose contraction is split must hand on a reduced result: the
+    input gradients of q, k, v (of gate, up) are each all-reduced and then summed, 3 + 2 all-reduces per layer
+    where Megatron's f sums first and reduces once (XLA's all-reduce reassociation pass would merge them;
+    XLA:CPU does not run it).
+    With the input broadcast to [b, s, t, d] (t split like the weights' outputs: no data moves) and each
+    weight viewed as [d, t, n/t, ...], every device multiplies its own copy; the copies' gradients add up
+    where they are split and the broadcast's transpose, a sum over t, is the one all-reduce (measured:
+    4 per layer, as Megatron)."""
+    def column_in(x):
+        t = _copies(rules)
+        if not t:
+            return x
+        copies = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], t, x.shape[-1]))
+        return Copies(x, rules.constrain(copies, COPIES))
+
+    def matmul(spec, x, w):
+        t = x.copies.shape[2] if isinstance(x, Copies) else 0
+        if not t or w.shape[1] % t:
+            return ops.matmul(spec, x.whole if isinstance(x, Copies) else x, w)
+        (lhs, rhs), out = spec.split("->")[0].split(","), spec.split("->")[1]
+        c = next(letter for letter in "tcnmpqruvwxyz" if letter not in spec)
+        y = ops.matmul(f"{lhs[:-1]}{c}{lhs[-1]},{rhs[0]}{c}{rhs[1:]}->{out[:2]}{c}{out[2:]}", x.copies,
+                       w.reshape(w.shape[0], t, w.shape[1] // t, *w.shape[2:]))
+        return y.reshape(*y.shape[:2], t * y.shape[3], *y.shape[4:])
+
+    def cross_entropy(x, head, targets, inner_ops):
+        return ops.cross_entropy(x.whole if isinstance(x, Copies) else x, head, targets, inner_ops)
+
+    return ops.replace(column_in=column_in, matmul=matmul, cross_entropy=cross_entropy)
+
+
+def _copies(rules) -> int:
+    """How many copies: the size of the live mesh axes that heads, kv_heads and mlp are all split over (0 when
+    they differ, none is live, or those axes also split the batch, sequence or d_model: then no copies)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 0
+    live = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes and mesh.shape[a] > 1)
+    specs = {rules.spec((name,), live)[0] for name in ("heads", "kv_heads", "mlp")}
+    try:
+        rules.spec(COPIES, live)
+    except ValueError:
+        return 0
+    if len(specs) != 1 or None in specs:
+        return 0
+    entry = specs.pop()
+    size = 1
+    for axis in (entry,) if isinstance(entry, str) else entry:
+        size *= mesh.shape[axis]
+    return size
+
+
 class AutoStrategy(Strategy):
     """Every `parallel.<axis>` is `auto`: shardings from the rules, collectives from the compiler."""
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
-        self.ops = self.with_ops(self.ops.replace(embed=rules_embedding(self.rules)))
+        ops = self.ops.replace(embed=rules_embedding(self.rules))
+        self.ops = self.with_ops(ops if model_cfg.moe else column_copies(self.rules, ops))
         self.batch_sharding = NamedSharding(mesh, self.rules.spec(ACTIVATION_AXES["tokens"], mesh.axis_names))
         self.param_shardings = self.rules.tree_shardings(model_cfg.param_axes(), mesh)
         abstract = jax.eval_shape(self.make_state)
@@ -115,8 +185,8 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
                (F-1)/F·e·b·s·h/T both ways per microbatch (see `embed_lookup_gathers`). Gradients reduced per
                microbatch: reduce-scatter (F-1)/F·e on GPU, all-reduce + slice 2(F-1)/F·4 on CPU.
     data (D)   gradient all-reduce 2(D-1)/D·e·Ψ/(F·T) per microbatch (fp8 reduces in fp32 on GPU).
-    tensor (T) Megatron all-reduces of b·s·h, 2(T-1)/T·e each: 4 per layer on GPU, 7 on XLA:CPU (which does
-               not merge the q/k/v and gate/up input-gradient sums), +1 with remat full, +2 per microbatch.
+    tensor (T) Megatron all-reduces of b·s·h, 2(T-1)/T·e each: 4 per layer (`tensor_all_reduces`: 7 on
+               XLA:CPU for MoE models, which take no `Copies`), +1 with remat full, +2 per microbatch.
     expert (X) the MoE exchanges (`moe_all_to_all_bytes`); with fsdp = 1 the gradients of what every expert
                device holds all-reduce over data x expert, the routed experts' Ψ_x/X over data.
     """
@@ -139,10 +209,18 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
         out.append(Flow("data", "all-reduce", 2 * (D - 1) / D * grad_e * psi / (F * T) * m,
                         m * (WEIGHTS_PER_LAYER + OTHER_WEIGHTS), False))
     if T > 1:
-        per_layer = (7 if cpu else 4) + (1 if cand.remat == "full" else 0)
-        count = (per_layer * L + 2) * m
+        count = (tensor_all_reduces(shape, cand.remat, cpu) * L + 2) * m
         out.append(Flow("tensor", "all-reduce", count * 2 * (T - 1) / T * e * b * s * h, count, False))
     return Prediction(out, stored_params(shape, cand))
+
+
+def tensor_all_reduces(shape, remat: str, cpu: bool) -> int:
+    """All-reduces of b·s·h over `tensor` per layer: g after wo and w_down forward, f's two before q/k/v and
+    gate/up backward (one each: the weights take `Copies`), +1 with remat full (the attention g recomputed).
+    An MoE model takes no `Copies`: XLA:CPU then reduces the input gradients of q, k, v and of gate, up one by
+    one (7); on GPU the prediction assumes XLA's all-reduce reassociation merges them (not measured)."""
+    backward = 5 if cpu and shape.moe else 2
+    return 2 + backward + (1 if remat == "full" else 0)
 
 
 def _fsdp_flows(cand, counts, e, b, s, h, L, psi_layers, psi_other, cpu) -> list[Flow]:

@@ -83,7 +83,8 @@ class Candidate:
 
     def label(self) -> str:
         """The words of `jaxpar plan --strategy` that give back this candidate (plan/strategy.py)."""
-        sp = " sp" if self.sequence else ""
+        sp = " all_to_all" if self.context > 1 and self.context_impl == "all_to_all" else ""   # ring: cp's default
+        sp += " sp" if self.sequence else ""
         if self.sequence and self.tensor_overlap != "none":
             sp += " async-tp" if self.tensor_overlap == "collective_matmul" else f" async-tp={self.tensor_overlap}"
         pipe = f" {self.schedule}" if self.pipe > 1 else ""

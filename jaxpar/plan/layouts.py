@@ -7,8 +7,10 @@
   distributed-optimizer   Megatron-LM's / NeMo's (--use-distributed-optimizer, bf16 training): bf16
                           parameters (2 bytes) and fp32 main gradients (4 bytes, accumulated in place)
                           on every device of `data`; the fp32 master parameters and AdamW μ, ν
-                          (12 bytes) split over `data`: 6 + 12/D bytes per stored parameter. jaxpar does
-                          not build it: a candidate that needs it is marked formula-only.
+                          (12 bytes) split over `data`: 6 + 12/D bytes per stored parameter. With context
+                          parallelism `data` is data x context (Megatron's data-parallel group with context
+                          parallelism: each context device holds whole parameters and the gradients of its
+                          own rows). jaxpar does not build it: a candidate that needs it is marked formula-only.
 
 Activations and working buffers are the same in both (the compute is bf16 either way).
 """
@@ -40,7 +42,7 @@ def apply_layout(mem, cand, layout: str):
     params = mem.params / 4                                    # parameters this device stores
     accumulates = cand.microbatches > 1 and cand.pipe == 1
     grads = mem.gradients / (1 + ACCUMULATOR) if accumulates else mem.gradients
-    split = cand.data if cand.data_impl == "auto" else 1       # ZeRO stages already split what they split
+    split = cand.data * cand.context if cand.data_impl == "auto" else 1   # ZeRO stages split what they split
     out = dataclasses.replace(mem, params=2 * params, optimizer=12 / 8 * mem.optimizer / split, gradients=grads,
                               layout=layout)
     return dataclasses.replace(out, fits=out.total <= out.limit)
@@ -51,23 +53,27 @@ def layout_flows(prediction, shape, cand, layout: str) -> list:
     reduce-scatters the fp32 gradients of what a device stores over `data` once per step (not per microbatch)
     and all-gathers the updated bf16 parameters, both overlapped with the backward and the next forward
     (Megatron's overlap_grad_reduce / overlap_param_gather: hideable). It takes over the gradients' all-reduce
-    over `data`; one over a group of `data` and other axes (a pipeline's "data+pipe") keeps its other axes."""
+    over `data`; one over a group of `data` and other axes (a pipeline's "data+pipe") keeps its other axes.
+    With context parallelism the group is data x context ("data+context"): the context axis' per-microbatch
+    gradient all-reduce (parallel/context_predict.py) is taken over too; its ring or all-to-all stays."""
     flow_list = prediction.flows
-    if layout == "jaxpar" or cand.data == 1 or cand.data_impl != "auto":
+    group = [a for a in ("data", "context") if getattr(cand, a) > 1]
+    if layout == "jaxpar" or not group or cand.data_impl != "auto":
         return flow_list
     from jaxpar.parallel.theory import Flow
     kept = []
     for f in flow_list:
         axes = f.axis.split("+")
-        if "data" not in axes or f.op != "all-reduce":
+        if not set(group) & set(axes) or f.op != "all-reduce":
             kept.append(f)
             continue
-        rest = [a for a in axes if a != "data"]
+        rest = [a for a in axes if a not in group]
         if rest:    # the part over the other axes stays an all-reduce of the same buffer, over a smaller group
             n, n_rest = math.prod(getattr(cand, a) for a in axes), math.prod(getattr(cand, a) for a in rest)
             buffer = f.bytes / (2 * (n - 1) / n)
             kept.append(Flow("+".join(rest), "all-reduce", 2 * (n_rest - 1) / n_rest * buffer, f.count, f.hideable))
-    ring = (cand.data - 1) / cand.data
+    size, axis = math.prod(getattr(cand, a) for a in group), "+".join(group)
+    ring = (size - 1) / size
     shard = prediction.stored["params"]             # parameters this device stores (over pipe, fsdp, tensor, expert)
-    return kept + [Flow("data", "reduce-scatter", ring * 4 * shard, 1, True),
-                   Flow("data", "all-gather", ring * 2 * shard, 1, True)]
+    return kept + [Flow(axis, "reduce-scatter", ring * 4 * shard, 1, True),
+                   Flow(axis, "all-gather", ring * 2 * shard, 1, True)]

@@ -3,6 +3,10 @@
 Words, separated by spaces or commas (the label of any ranked row parses back to its candidate):
   data=8 fsdp=8 tp=2 pipe=4 ep=2      mesh sizes (tensor= and expert= also); <data implementation>=N, e.g.
                                       zero1=8 / zero3=8 / ddp=8: `data` run by that registered strategy
+  cp=2 (context=2)                    context parallelism: the sequence split over a `context` axis inside
+                                      attention (parallel/context.py); dense models, without pipe, ep, sp or a
+                                      ZeRO/DDP data implementation (what the registry runs with it)
+  ring / all_to_all (context_impl=)   how attention crosses the split (parallel.context); default ring
   sp (sequence)                       sequence parallelism over tensor (Megatron's; needs tp=N > 1)
   async-tp (async-tp=bidirectional)   async TP: parallel.tensor_overlap=collective_matmul (bidirectional), SP's
                                       gathers and reduce-scatters as rings inside the matmuls; needs tp=N > 1 and
@@ -24,7 +28,8 @@ from __future__ import annotations
 from jaxpar.config import ConfigError
 
 AXIS_WORDS = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "tp": "tensor", "pipe": "pipe", "pp": "pipe",
-              "expert": "expert", "ep": "expert"}
+              "expert": "expert", "ep": "expert", "context": "context", "cp": "context"}
+CONTEXT_IMPLS = ("ring", "all_to_all")                                # parallel.context (config_checks.py)
 PRECISION_WORDS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8": "float8", "float8": "float8",
                    "fp32": "float32", "float32": "float32"}
 ATTENTIONS = ("dot", "flash")
@@ -61,6 +66,8 @@ def _word(word: str, fields: dict) -> None:
         fields["attention"] = word
     elif not value and word in schedules:
         fields["schedule"] = word
+    elif not value and word in CONTEXT_IMPLS or key == "context_impl" and value in CONTEXT_IMPLS:
+        fields["context_impl"] = value or word
     elif value and key in AXIS_WORDS:
         fields[AXIS_WORDS[key]] = _positive(word, value)
     elif value and key in data_impls:
@@ -80,14 +87,34 @@ def _word(word: str, fields: dict) -> None:
     elif key == "schedule" and value in schedules:
         fields["schedule"] = value
     else:
-        raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|{'|'.join(data_impls)}=N, "
-                          f"sp, async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, dist-opt, "
+        raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|cp|{'|'.join(data_impls)}"
+                          f"=N, {'|'.join(CONTEXT_IMPLS)}, sp, async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, "
+                          "dist-opt, "
                           f"remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, {'|'.join(schedules)}")
+
+
+def _check_context(fields: dict) -> None:
+    """cp=N: the context axis composes with data, fsdp and the compiler's tensor axis (parallel/context.py), as
+    the space offers it (plan/space.py); ring / all_to_all need cp=N > 1, which defaults to ring."""
+    context, impl = fields.get("context", 1), fields.get("context_impl")
+    if context == 1:
+        if impl:
+            raise ConfigError(FIELD, f"'{impl}' says how attention crosses a context split: it needs cp=N with N > 1")
+        return
+    fields.setdefault("context_impl", "ring")
+    others = [w for w, on in ((f"pipe={fields.get('pipe')}", fields.get("pipe", 1) > 1),
+                              (f"ep={fields.get('expert')}", fields.get("expert", 1) > 1),
+                              ("sp", fields.get("sequence"))) if on]
+    if others:
+        raise ConfigError(FIELD, f"cp={context} with {' '.join(others)}: context parallelism runs over data, fsdp "
+                          "and tensor (without sp) only; no strategy of the registry builds it with "
+                          f"{' or '.join(others)}")
 
 
 def _check(fields: dict) -> None:
     """What the words say together: sp needs a tensor axis, async TP sp, v= an interleaved pipeline, dist-opt
-    `data=`."""
+    `data=`, cp what context parallelism composes with."""
+    _check_context(fields)
     pipe, schedule = fields.get("pipe", 1), fields.get("schedule", "")
     if fields.get("sequence") and fields.get("tensor", 1) < 2:
         raise ConfigError(FIELD, "'sp' splits the activations over tensor: it needs tp=N with N > 1")
@@ -150,7 +177,15 @@ def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu")
 
 
 def check_fits_model(cand, shape) -> None:
-    """What only the model can refuse: pipe x chunks per stage (v) must divide the model's layers."""
+    """What only the model can refuse: pipe x chunks per stage (v) must divide the model's layers; cp needs a
+    dense model, and all_to_all whole heads on each device (config_checks.validate_context)."""
+    if cand.context > 1 and shape.moe and shape.moe.experts:
+        raise ConfigError(FIELD, f"cp={cand.context}: the model has {shape.moe.experts} experts; context parallelism "
+                          "is built for dense models: leave cp out")
+    split = cand.context * cand.tensor
+    if cand.context_impl == "all_to_all" and (shape.heads % split or shape.kv_heads % split):
+        raise ConfigError(FIELD, f"all_to_all gives each device whole heads: cp={cand.context} x tp={cand.tensor} "
+                          f"must divide the model's {shape.heads} heads and {shape.kv_heads} kv heads; use ring")
     if cand.pipe > 1 and shape.layers % (cand.pipe * cand.virtual):
         raise ConfigError(FIELD, f"pipe={cand.pipe} x v={cand.virtual} chunks per stage do not divide the model's "
                           f"{shape.layers} layers; use a pipe and a v whose product divides {shape.layers}")
