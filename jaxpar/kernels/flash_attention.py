@@ -336,6 +336,14 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
     if k.shape != v.shape or k.shape[:2] != (B, S) or k.shape[3] != Dh or H % k.shape[2]:
         raise ValueError(f"flash_attention: q {q.shape} and k/v {k.shape}/{v.shape} must be [B,S,H,Dh] and "
                          "[B,S,KV,Dh] with KV dividing H (self-attention: one sequence length)")
+    q, k, v, c = _blocked(q, k, v, block_q=block_q, block_k=block_k, causal=causal, scale=scale, interpret=interpret)
+    out = _flash(q, k, v, c)
+    return out[:, :S] if c.padded != S else out
+
+
+def _blocked(q, k, v, *, block_q, block_k, causal, scale, interpret):
+    """The kernels' block plan for these shapes, with q, k, v padded to whole blocks and of one varying type."""
+    S, Dh = q.shape[1], q.shape[3]
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     c = plan(S, Dh, block_q=block_q, block_k=block_k, causal=causal, scale=scale, interpret=interpret)
@@ -343,8 +351,7 @@ def flash_attention(q, k, v, *, causal: bool = True, scale: float | None = None,
         pad = ((0, 0), (0, c.padded - S), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     (q, k, v), _ = varying.match(q, k, v)
-    out = _flash(q, k, v, c)
-    return out[:, :S] if c.padded != S else out
+    return q, k, v, c
 
 
 # ----------------------------------------------------------------------------- with the log-sum-exp
@@ -372,13 +379,7 @@ def flash_attention_with_lse(q, k, v, *, causal: bool, block_q: int = 128, block
                              interpret: bool | None = None):
     """`flash_attention` that also returns each query's log-sum-exp [B,S,H] fp32, differentiably: what merging
     partial attentions over disjoint keys needs (ring attention, parallel/context_attention.py)."""
-    B, S, H, Dh = q.shape
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
-    c = plan(S, Dh, block_q=block_q, block_k=block_k, causal=causal, scale=None, interpret=interpret)
-    if c.padded != S:
-        pad = ((0, 0), (0, c.padded - S), (0, 0), (0, 0))
-        q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-    (q, k, v), _ = varying.match(q, k, v)
+    S = q.shape[1]
+    q, k, v, c = _blocked(q, k, v, block_q=block_q, block_k=block_k, causal=causal, scale=None, interpret=interpret)
     out, lse = _flash_lse(q, k, v, c)
     return out[:, :S], lse[:, :, :S].transpose(0, 2, 1)
