@@ -9,6 +9,6 @@ out="${1:-${OUT:-runs/gpu}}"
 cd "$(dirname "$0")/.."
 python benchmarks/attention.py --out "$out" --seq-lens 1024,2048,4096,8192 --batch 4 --heads 16 --head-dim 128
 python benchmarks/mfu.py --out "$out" --steps 8 --batch 8
-# Overlap (lab 09): per strategy, the collective time that ran beside compute in a profile of every local GPU,
+# Overlap (lab 05): per strategy, the collective time that ran beside compute in a profile of every local GPU,
 # beside the compiled schedule's replay (CPU check: python benchmarks/overlap.py --cpu 8 --out DIR).
 python benchmarks/overlap.py --out "$out"

@@ -132,23 +132,23 @@ LABS = (
      "Lab 03 (experiments/03_tensor): manual TP and TP+SP against one device and the formulas, beside XLA's "
      "automatic TP."),
     ("pipeline", "module 3: pipeline schedules: bubble, timeline, memory vs m, p2p bytes",
-     "Lab 03 (experiments/03_pipeline): GPipe, 1F1B, interleaved, ZB-H1, circular."),
+     "Lab 04 (experiments/04_pipeline): GPipe, 1F1B, interleaved, ZB-H1, circular."),
+    ("overlap", "modules 2-3: communication hidden behind compute: XLA's scheduler, collective matmul, ZeRO-3 prefetch",
+     "Lab 05 (experiments/05_overlap): per mesh axis, the communication each compiled schedule hides (7B on 64 H100, "
+     "deviceless) and the hand-written versions on CPU (same losses, profiled timelines)."),
+    ("pytorch", "modules 2-3: the same model in PyTorch and jaxpar: DDP, FSDP2, TP(+SP), pipelines on N CPU processes",
+     "Lab 06 (experiments/06_pytorch): losses, bytes per collective, memory, step time and lines of code of "
+     "each PyTorch strategy beside jaxpar's automatic and hand-written counterpart."),
     ("moe", "module 4: MoE routing, expert parallelism, all_to_all bytes, load balance",
-     "Lab 04 (experiments/04_moe): expert parallelism by hand and by XLA, the same losses; all_to_all bytes vs "
+     "Lab 07 (experiments/07_moe): expert parallelism by hand and by XLA, the same losses; all_to_all bytes vs "
      "formula; balancing methods; capacity; MoE vs dense."),
     ("kernels", "module 5: fused kernels (agreement, memory), compilation cache and depth",
-     "Lab 05 (experiments/05_kernels): Pallas kernels vs references, activation memory with flash attention and "
+     "Lab 08 (experiments/08_kernels): Pallas kernels vs references, activation memory with flash attention and "
      "the chunked loss, compile times."),
     ("operations", "module 6: failure drill (kill, restart, goodput) and reshard drill (8 -> 4)",
-     "Lab 06 (experiments/06_operations): lost time, re-done steps, goodput, resharding."),
-    ("pytorch", "the same model in PyTorch and jaxpar: DDP, FSDP2, TP(+SP), pipelines on N CPU processes",
-     "Lab 08 (experiments/08_pytorch): losses, bytes per collective, memory, step time and lines of code of "
-     "each PyTorch strategy beside jaxpar's automatic and hand-written counterpart."),
-    ("overlap", "communication hidden behind compute: XLA's scheduler, collective matmul, ZeRO-3 prefetch",
-     "Lab 09 (experiments/09_overlap): per mesh axis, the communication each compiled schedule hides (7B on 64 H100, "
-     "deviceless) and the hand-written versions on CPU (same losses, profiled timelines)."),
+     "Lab 09 (experiments/09_operations): lost time, re-done steps, goodput, resharding."),
     ("capstone", "module 7: plan a 7B Arabic LM on H100s, checked by compiles and CPU runs",
-     "Lab 07 (experiments/07_capstone): writes report.md and plots into --out."),
+     "Lab 10 (experiments/10_capstone): writes report.md and plots into --out."),
 )
 
 
@@ -158,7 +158,7 @@ def add_bench_collectives_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices")
 
 
-# Modules 0 and 1 are commands of their own; `jaxpar lab` lists them too, so that it names all eight modules.
+# Modules 0 and 1 are commands of their own; `jaxpar lab` lists them too, so that it names every module's lab.
 LAB_ALIASES = (
     ("dryrun", "module 0: read a dry run: per-device memory, collectives, FLOPs of a step (= jaxpar dryrun)",
      "Lab 00 (experiments/00_dryrun): the same as `jaxpar dryrun`, e.g. --config configs/test.py --set "
@@ -210,9 +210,9 @@ SUBCOMMANDS = (
      "jaxpar's own (what its step stores).", add_memory_arguments),
     ("plan", "choose and defend a parallel strategy for a model on a GPU cluster",
      "Enumerate data/fsdp/tensor/pipe/expert x microbatches x remat x precision x attention; predict memory, "
-     "step time, MFU, days and cost; rank and explain (course module 7, experiments/07_capstone).",
+     "step time, MFU, days and cost; rank and explain (course module 7, experiments/10_capstone).",
      defined_in("jaxpar.plan.command")),
-    ("lab", "run a course module's lab (all eight modules: jaxpar lab --help)",
+    ("lab", "run a course lab (eleven labs, eight modules: jaxpar lab --help)",
      "Run a course module's lab: modules 0-7, one command each (jaxpar lab NAME --help).", lab_table),
 )
 NESTED_DEST = {"bench": "bench", "lab": "lab"}   # the attribute a nested subcommand's name goes to

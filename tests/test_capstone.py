@@ -1,4 +1,4 @@
-"""Lab 07 end to end, reduced (two CPU strategies, one vocabulary, a short collectives sweep): every section
+"""Lab 10 end to end, reduced (two CPU strategies, one vocabulary, a short collectives sweep): every section
 of the report is written from what the run measured, and bad input writes nothing."""
 import json
 

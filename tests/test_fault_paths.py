@@ -1,4 +1,4 @@
-"""Faults an operator meets that must never lose a run (issue 16, lab 06's fault table).
+"""Faults an operator meets that must never lose a run (issue 16, lab 09's fault table).
 
 A save that cannot be written ends the run in one line and keeps the last good step;
 a run that dies before its first checkpoint starts again; a preemption notice during

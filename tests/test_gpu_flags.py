@@ -1,5 +1,5 @@
 """jaxpar's GPU XLA_FLAGS (jaxpar/env.py): the pipelined collectives MaxText runs with, set where a command compiles
-for a GPU, never on CPU, never over the user's own setting; lab 09 compiles with and without them."""
+for a GPU, never on CPU, never over the user's own setting; lab 05 compiles with and without them."""
 import argparse
 import os
 

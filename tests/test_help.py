@@ -50,12 +50,18 @@ def test_lab_help_names_all_eight_modules_with_their_command():
 
 
 def test_the_readme_module_table_gives_the_same_commands():
+    """The learning path: each lab once, numbered 00, 01, ... in the table's (the course's) order, beside its module."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme[readme.index("## Course modules"):]
-    rows = [line.split(" | ") for line in section.splitlines() if re.match(r"\| \d+ \|", line)]
-    assert {int(row[0][2:]) for row in rows} >= set(range(8))
+    rows = [line.split(" | ") for line in section.splitlines() if re.match(r"\| \d\d \| ", line)]
+    assert [int(row[0][2:]) for row in rows] == list(range(len(rows)))   # no number twice, none skipped
+    assert {int(m) for row in rows for m in re.findall(r"\d+", row[1])} >= set(range(8))
     for name, module in lab_modules().items():   # a module may have several rows (module 3: tensor, pipeline)
-        assert any(int(row[0][2:]) == module and f"`jaxpar lab {name}`" in row[2] for row in rows), (name, module)
+        assert any(str(module) in re.findall(r"\d+", row[1]) and f"`jaxpar lab {name}`" in row[3] for row in rows), \
+            (name, module)
+    from jaxpar.cli import LAB_ALIASES, LABS
+    commands = {re.search(r"`jaxpar lab (\w+)`", row[3]).group(1) for row in rows}
+    assert commands == {lab[0] for lab in LABS + LAB_ALIASES}   # every lab has its row, and only labs
 
 
 def test_the_readme_is_a_front_page():

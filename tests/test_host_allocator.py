@@ -1,4 +1,4 @@
-"""glibc keeping freed memory (lab 07's CPU check, the sweep's tasks, kept_cost.py): with glibc's default, a buffer
+"""glibc keeping freed memory (lab 10's CPU check, the sweep's tasks, kept_cost.py): with glibc's default, a buffer
 larger than a thread's heap (64 MB) is mapped afresh for every call and page-faulted in, so a step's CPU time
 depends on how its buffers happen to fall (fsdp=8 of the default config: ~90,000 faults per step)."""
 import os
@@ -68,7 +68,7 @@ def faults_of_calls_here(calls: int) -> tuple[list[int], str]:
 
 @pytest.mark.skipif(jemalloc_library() is None, reason="needs jemalloc (Debian: libjemalloc2)")
 def test_a_measurement_runs_in_a_fresh_process_with_jemalloc_keeping_freed_memory():
-    """`call_with_kept_memory` (lab 07's part d) runs its function in a fresh process with jemalloc preloaded and
+    """`call_with_kept_memory` (lab 10's part d) runs its function in a fresh process with jemalloc preloaded and
     never purging, and leaves this process's environment as it was: the 128 MB result stops faulting within a few
     calls (measured: from the second or third call on) and the last 20 of 40 calls take no fresh pages."""
     environment = dict(os.environ)

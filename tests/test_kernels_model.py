@@ -22,7 +22,7 @@ VOCAB = 512
 SMALL = ["train.warmup_steps=1", "model.kv_heads=4", "model.attention_block_q=16", "model.attention_block_kv=16",
          "model.loss_chunk=8"]
 KERNELS = ["model.attention=pallas", "model.norm=pallas", "model.loss=chunked"]
-MESHES = {"single device": ["mesh.data=1"],      # fsdp=8, tensor=4 x data=2 and every hand-written strategy: lab 05
+MESHES = {"single device": ["mesh.data=1"],      # fsdp=8, tensor=4 x data=2 and every hand-written strategy: lab 08
           "manual zero3, data=8": ["mesh.data=8", "parallel.data=zero3"]}
 
 

@@ -1,7 +1,7 @@
-"""Lab 04 on the tiny test model (parts a and b: one run shared by the tests below): expert parallelism
+"""Lab 07 on the tiny test model (parts a and b: one run shared by the tests below): expert parallelism
 reproduces the single device, the manual all_to_alls move the bytes the formula says; parts c and e's
 bookkeeping and plots over known numbers. (Parts c-e train for minutes: the full lab's run, recorded in
-experiments/04_moe/README.md, is their measurement.)
+experiments/07_moe/README.md, is their measurement.)
 
 "The same grouping" for the capacity dispatch: capacity is counted per group of
 `model.moe.group_sequences` consecutive sequences of a device's batch shard (config validation
@@ -86,7 +86,7 @@ def test_manual_all_to_all_bytes_match_the_formula(lab):
 
 class RecordedLab:
     """Stands in for `labs.moe.Lab` in parts c and e: their bookkeeping, tables and plots over known numbers
-    (the training itself is what the recorded lab run in experiments/04_moe/README.md measured)."""
+    (the training itself is what the recorded lab run in experiments/07_moe/README.md measured)."""
 
     def __init__(self, config, runs):
         self.base, self.runs, self.n = config, runs, 8
@@ -145,7 +145,7 @@ def test_lab_bad_input_exits_2(capsys, tmp_path):
         code, _, err = run_main(capsys, ["lab", "moe", "--out", str(tmp_path / "lab"), *argv])
         assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {flag}: "), err
     assert not (tmp_path / "lab").exists()
-    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "04_moe" / "run.py"), "--cpu-devices", "3",
+    result = subprocess.run([sys.executable, str(ROOT / "experiments" / "07_moe" / "run.py"), "--cpu-devices", "3",
                              "--out", str(tmp_path / "lab")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 2 and result.stderr.strip().startswith("error: --cpu-devices: ")
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "lab").exists()

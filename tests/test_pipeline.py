@@ -45,7 +45,7 @@ CASES = {
                                              "parallel.tensor=manual", "parallel.sequence=true",
                                              "parallel.pipe_microbatches=4"], 8),
     # SP's collective matmuls inside the stages: each ring step an all-to-all swap over tensor=2 (collective_matmul.py;
-    # the other schedules and an MoE model: lab 03's `moe` part)
+    # the other schedules and an MoE model: lab 04's `moe` part)
     "sp rings: 1f1b data=2 pipe=2 tensor=2": (["mesh.data=2", "mesh.pipe=2", "mesh.tensor=2", "parallel.pipe=1f1b",
                                               "parallel.tensor=manual", "parallel.sequence=true",
                                               "parallel.tensor_overlap=bidirectional",
@@ -343,7 +343,7 @@ def test_executed_collectives_match_the_dry_run_formulas(built, name, axes, rel)
 
 def test_ticks_send_the_compute_dtype():
     """Under bf16 compute every tick's ppermute carries bf16 [b, s, h]: the lowered program's (XLA:CPU then
-    moves bf16 as fp32, `theory.wire_bytes`; a deviceless H100 compile keeps bf16 on the wire, lab 03 part f).
+    moves bf16 as fp32, `theory.wire_bytes`; a deviceless H100 compile keeps bf16 on the wire, lab 04 part f).
     How many a stage sends: the tests above."""
     import re
     strategy = make(["mesh.data=1", "mesh.pipe=2", "parallel.pipe=1f1b", "parallel.pipe_microbatches=2",

@@ -1,4 +1,4 @@
-"""The planner's CPU target (lab 07 part d): the terms read from XLA:CPU's compiled programs, the memory bandwidth
+"""The planner's CPU target (lab 10 part d): the terms read from XLA:CPU's compiled programs, the memory bandwidth
 the virtual devices share, the collectives inside one program, and the load-free (CPU seconds) timing basis."""
 import pytest
 

@@ -167,7 +167,7 @@ def test_fsdp_per_gpu_throughput_falls_as_the_job_grows():
 def test_published_recipes_fit_and_are_predicted():
     """The torchtitan 70B recipe fits and is within 15% of its published tokens/s per GPU (the anchor table); NeMo's
     8B on 128 GPUs, written as published (CP 2), is within 15% (in jaxpar's memory model it does not fit: 85 GB,
-    33 of them activations without remat: experiments/07_capstone/README.md)."""
+    33 of them activations without remat: experiments/10_capstone/README.md)."""
     rows = {r["anchor"]: r for r in anchors.anchor_table()}
     titan = rows["torchtitan Llama-3.1-70B FSDP x TP+SP compiled"]
     assert titan["fits"] and abs(titan["ratio"] - 1) <= 0.15

@@ -1,4 +1,4 @@
-"""Lab 08 as its user runs it: `jaxpar lab pytorch --quick` (PyTorch TP+SP and 1F1B on 2 gloo processes beside
+"""Lab 06 as its user runs it: `jaxpar lab pytorch --quick` (PyTorch TP+SP and 1F1B on 2 gloo processes beside
 jaxpar's counterparts on 2 devices, 4 steps) writes its inputs and raw results, results.json and the sheet before
 any figure, then both figures; the sheet holds the measured numbers. Without torch: one line and exit 2."""
 import importlib.util

@@ -1,6 +1,6 @@
 """A run directory shared by accident, torn by a crash, changed by a failed resume, or deleted (issue 32).
 
-Each is a row of lab 06's fault table: a second run on a locked folder is refused in one
+Each is a row of lab 09's fault table: a second run on a locked folder is refused in one
 line naming the holder, and a lock whose holder died is free; a torn metrics tail is left
 out on resume, damage before it is refused; a resume that fails leaves config.json as it
 was; a run whose folder is deleted stops in one line, exit 74.

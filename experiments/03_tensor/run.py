@@ -1,4 +1,4 @@
-"""Lab 03, tensor half: `python experiments/03_tensor/run.py --cpu-devices 8 --out DIR`;
+"""Lab 03: `python experiments/03_tensor/run.py --cpu-devices 8 --out DIR`;
 the code is jaxpar/labs/tensor.py."""
 import sys
 

@@ -11,7 +11,7 @@ import sys
 
 from jaxpar.checks import add_config_arguments
 
-# Lab 04's own settings, applied before --set: configs/mixtral_tiny.py at 2 layers and 64-token sequences
+# Lab 07's own settings, applied before --set: configs/mixtral_tiny.py at 2 layers and 64-token sequences
 # keeps the whole lab under 12 minutes on 2 CPU cores (measured: ~0.17 CPU-s per capacity step on one device).
 MOE_SETTINGS = ("model.layers=2", "data.seq_len=64")
 MOE_PARTS = ("equivalence", "communication", "balance", "capacity", "moe_vs_dense", "layouts")

@@ -1,6 +1,6 @@
-"""Lab 07 (course module 7, the capstone): choose and defend a strategy for a 7B Arabic LM on H100s.
+"""Lab 10 (course module 7, the capstone): choose and defend a strategy for a 7B Arabic LM on H100s.
 
-One run, six parts, every prediction beside what checks it (experiments/07_capstone/README.md
+One run, six parts, every prediction beside what checks it (experiments/10_capstone/README.md
 is the assignment sheet). Files in --out: report.md, results.json, plan.png, memory.png,
 steptime.png, cpu_check.png, fertility.png, and the collectives sweep (bench/).
 
@@ -72,7 +72,7 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (experiments/07_capstone/run.py): parse, set the CPU devices, run; bad input exits 2."""
+    """Standalone entry (experiments/10_capstone/run.py): parse, set the CPU devices, run; bad input exits 2."""
     from jaxpar.mesh import set_cpu_devices
     parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
     add_arguments(parser)

@@ -1,4 +1,4 @@
-"""Lab 07's figures: the ranked plan, memory and step-time breakdowns, the CPU check, tokenizer fertility."""
+"""Lab 10's figures: the ranked plan, memory and step-time breakdowns, the CPU check, tokenizer fertility."""
 from __future__ import annotations
 
 from pathlib import Path

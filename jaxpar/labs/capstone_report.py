@@ -1,4 +1,4 @@
-"""Lab 07's report: the markdown sections of report.md (the plan, calibration, compiler, reality, fertility, risks).
+"""Lab 10's report: the markdown sections of report.md (the plan, calibration, compiler, reality, fertility, risks).
 
 capstone.py runs the parts and calls `markdown`; the constants here are the ones the report states.
 """
@@ -26,7 +26,7 @@ def _pct(x: float) -> str:
 
 def markdown(p, config, anchors, compiler, reality, fert, risks, elapsed, parts: str = "abcdef") -> str:
     """report.md: the sections of the parts that ran (`--parts`), in order."""
-    lines = ["# Lab 07: the capstone plan", "",
+    lines = ["# Lab 10: the capstone plan", "",
              f"Every figure is a **prediction** unless it says *measured* or *compiled*. jaxpar's planner "
              f"(`jaxpar plan`, `jaxpar/plan/`); {time.strftime('%Y-%m-%d')}; this run took {elapsed:.0f} s"
              + ("." if parts == "abcdef" else f"; parts {', '.join(parts)} only (`--parts`)."), ""]

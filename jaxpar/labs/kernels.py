@@ -1,6 +1,6 @@
-"""Lab 05 (course module 5): fused kernels and compilation: same numbers, less memory, fewer compiles.
+"""Lab 08 (course module 5): fused kernels and compilation: same numbers, less memory, fewer compiles.
 
-Four parts, every measured number beside its prediction (experiments/05_kernels/README.md is the lab sheet):
+Four parts, every measured number beside its prediction (experiments/08_kernels/README.md is the lab sheet):
 
 a. agreement    each kernel against its pure-jnp reference (values and gradients, fp32 and bf16), and
                 the model trained with model.attention=xla/pallas (+ fused norm, chunked loss) against
@@ -363,7 +363,7 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
         results[name.replace(": ", "_").replace(" ", "_")] = result
         parts[name] = result["markdown"]
         log(result["markdown"] + f"\n({name}: {result['seconds']:.0f} s)\n")
-    sections = [f"# Lab 05: fused kernels and compilation, {len(devices)} x {devices[0].platform}",
+    sections = [f"# Lab 08: fused kernels and compilation, {len(devices)} x {devices[0].platform}",
                 (f"jax {jax.__version__}, {results['date']}; Pallas kernels interpreted on CPU. Measured values come "
                  "from the compiled programs and the clock, predictions from the formulas named beside them."),
                 "## a. Numerical agreement: kernels vs pure-jnp references", parts["agreement: kernels"],

@@ -1,4 +1,4 @@
-"""Lab 05, part a: the Pallas kernels inside every hand-written strategy, against one device.
+"""Lab 08, part a: the Pallas kernels inside every hand-written strategy, against one device.
 
 Each manual strategy (DDP and ZeRO-1/2/3 over `data`, Megatron TP, the pipeline schedules,
 manual expert parallelism) trains the tiny model with flash attention, the fused RMSNorm and

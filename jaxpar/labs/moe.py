@@ -1,6 +1,6 @@
-"""Lab 04 (course module 4): sparse Mixture-of-Experts, expert parallelism, load balancing.
+"""Lab 07 (course module 4): sparse Mixture-of-Experts, expert parallelism, load balancing.
 
-One run, six parts, every number beside its prediction (experiments/04_moe/README.md is the lab sheet):
+One run, six parts, every number beside its prediction (experiments/07_moe/README.md is the lab sheet):
 
 a. equivalence    the single-device run (the oracle) against manual EP (expert=N, expert=N/2 x data=2)
                   and automatic EP, dropless and with capacity dropping, fp32, the same batches.
@@ -16,7 +16,7 @@ e. MoE vs dense   the MoE against a dense model with the same active FLOPs per t
                   equal steps.
 f. layouts        MoE in the hand-written pipeline schedules, manual EP inside pipeline stages, MoE under
                   manual TP: losses and per-layer router statistics vs one device, bytes per axis vs
-                  predicted (labs/moe_layouts.py, with lab 03's builder).
+                  predicted (labs/moe_layouts.py, with lab 04's builder).
 
 Every step runs in float32 from one initial state per model (made once, placed in each layout); every
 program is compiled once (`lower().compile()`) and that executable is run, timed and read. Files in
@@ -338,7 +338,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
     (out / "config.json").write_text(to_json(config))
     m = config.model
     header = "\n".join([
-        f"# Lab 04: Mixture-of-Experts and expert parallelism: config {config.name}, {n} x {devices[0].platform}",
+        f"# Lab 07: Mixture-of-Experts and expert parallelism: config {config.name}, {n} x {devices[0].platform}",
         "",
         f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: d_model {m.d_model}, {m.layers} layers "
         f"({m.moe.dense_layers} dense), {m.moe.experts} experts of hidden {m.moe.expert_mlp_dim or m.mlp_dim}, "
@@ -384,5 +384,5 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (experiments/04_moe/run.py): parse, set the CPU devices, run; bad input exits 2."""
+    """Standalone entry (experiments/07_moe/run.py): parse, set the CPU devices, run; bad input exits 2."""
     return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

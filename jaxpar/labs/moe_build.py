@@ -1,4 +1,4 @@
-"""Lab 04 (MoE)'s workbench: one layout configured, compiled once and cached, then run and read by every part."""
+"""Lab 07 (MoE)'s workbench: one layout configured, compiled once and cached, then run and read by every part."""
 from __future__ import annotations
 
 import copy

@@ -1,8 +1,8 @@
-"""Lab 04, part f (`--parts layouts`): the MoE model in the hand-written layouts, each against one device.
+"""Lab 07, part f (`--parts layouts`): the MoE model in the hand-written layouts, each against one device.
 
 MoE layers inside every hand-written pipeline schedule, manual expert parallelism inside the pipeline
 stages (expert x pipe x data or fsdp), and MoE under manual (Megatron) tensor parallelism with fsdp and
-data. The layouts are built and compared with lab 03's code (labs/pipeline_build.Lab,
+data. The layouts are built and compared with lab 04's code (labs/pipeline_build.Lab,
 labs/pipeline_moe.compare): the oracle is one device accumulating the same microbatches; every metric
 is compared step by step, the router statistics per layer included. Beside it, the bytes per mesh axis
 of the compiled step against the strategy's own prediction (`predict`, parallel/theory.py).
@@ -15,7 +15,7 @@ from jaxpar.labs.pipeline_moe import MOE_MODEL, TOLERANCE, _case, compare
 from jaxpar.labs.report import md_table
 from jaxpar.units import fmt_bytes, ratio
 
-# small enough for minutes on 8 CPU devices; MOE_MODEL (lab 03's) sets 10 layers, 8 of them MoE
+# small enough for minutes on 8 CPU devices; MOE_MODEL (lab 04's) sets 10 layers, 8 of them MoE
 MODEL = ["model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.mlp_dim=128", "data.seq_len=32",
          "train.warmup_steps=1"]
 TP_BATCH = 16
@@ -61,7 +61,7 @@ def _bytes_cell(by_axis: dict) -> str:
 
 def moe_layouts(out: Path, steps: int, devices: int, log, quick: bool = False) -> dict:
     """Every layout that fits on `devices` against its one-device oracle, with its bytes per axis (the model is
-    lab 03's MoE on jaxpar's base config, whatever lab 04's --config: the layouts need its 10 layers);
+    lab 04's MoE on jaxpar's base config, whatever lab 07's --config: the layouts need its 10 layers);
     `quick`: two of them, manual EP inside 1F1B stages and manual TP x FSDP."""
     from jaxpar.config import apply_overrides, load_config
     from jaxpar.labs.pipeline_build import Lab
@@ -86,7 +86,7 @@ def moe_layouts(out: Path, steps: int, devices: int, log, quick: bool = False) -
             f"balance {dev.get('moe_balance', 0):.1e}")
     md = "\n".join([
         f"## f. MoE in the hand-written layouts: pipelines, expert x pipe, manual TP ({steps} steps, fp32)", "",
-        "The oracle: one device accumulating the same a·m microbatches (lab 03's builder). Model: d_model 64, "
+        "The oracle: one device accumulating the same a·m microbatches (lab 04's builder). Model: d_model 64, "
         f"{', '.join(o.split('.', 1)[1] for o in MOE_MODEL)}. Router statistics: routed and dropped fractions, "
         "entropy and z of every MoE layer at every step. Balance: the statistic E·Σ f_i·P_i per layer, a product "
         "of two batch means, so a strategy that computes it per data shard (manual TP over `data`) reports the "

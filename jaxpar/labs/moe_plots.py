@@ -1,4 +1,4 @@
-"""Lab 04 (MoE)'s figures, drawn from results.json (`python -m jaxpar.labs.replot moe RUN_DIR`)."""
+"""Lab 07 (MoE)'s figures, drawn from results.json (`python -m jaxpar.labs.replot moe RUN_DIR`)."""
 from __future__ import annotations
 
 from pathlib import Path

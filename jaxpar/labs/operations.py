@@ -1,6 +1,6 @@
-"""Lab 06 (course module 6): failures, restarts, goodput and resharding, measured.
+"""Lab 09 (course module 6): failures, restarts, goodput and resharding, measured.
 
-Three runs of one config, every number beside its prediction (experiments/06_operations/README.md):
+Three runs of one config, every number beside its prediction (experiments/09_operations/README.md):
 
 a. baseline       2 processes x 4 devices (`jaxpar launch`), uninterrupted: losses, goodput.
 b. failure drill  the same job with process 1 SIGKILLed after a random step and
@@ -192,7 +192,7 @@ def _report(results: dict, config: str | None, overrides: list[str]) -> str:
         ("re-done steps + stopping the survivor (s, ledger `restart`)", predicted["redone_and_stop_s"],
          drill["badput_s"]["restart"]),
     ]
-    lines = ["# Lab 06: operations", "",
+    lines = ["# Lab 09: operations", "",
              f"config: {config or 'embedded default'} {' '.join(overrides)}; fault after step "
              f"{results['fault_step']}, checkpoints every {results['checkpoint_every']} steps; median step time "
              f"{results['baseline']['step_time_s'] * 1e3:.0f} ms (baseline)", "",

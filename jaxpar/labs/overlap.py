@@ -1,4 +1,4 @@
-"""Lab 09 (experiments/09_overlap): communication hidden behind computation, compiled and measured.
+"""Lab 05 (experiments/05_overlap): communication hidden behind computation, compiled and measured.
 
 GPU part (deviceless XLA:GPU compiles of the 7B on 64 H100s, `jaxpar dryrun --target h100`): each
 layout under XLA's latency-hiding scheduler on and off, with and without the pipelined collectives
@@ -331,7 +331,7 @@ def cpu_table(cpu: dict) -> list[str]:
             + (f"; one device: {one * 1e3:.0f} ms per step." if one else ".")]
 
 
-SHEET_HEADER = """# Lab 09: communication hidden behind computation
+SHEET_HEADER = """# Lab 05: communication hidden behind computation
 
 Every number below is measured from a compiled program (deviceless XLA:GPU for H100, or XLA:CPU) or a
 profile; 'hidden' and 'exposed' on GPU come from replaying the compiled schedule with α-β collective
@@ -403,6 +403,6 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (experiments/09_overlap/run.py)."""
+    """Standalone entry (experiments/05_overlap/run.py)."""
     from jaxpar.labs.report import standalone_main
     return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

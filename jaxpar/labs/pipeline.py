@@ -1,6 +1,6 @@
-"""Lab 03 (pipeline parallelism): schedules as tables, their bubble, measured; memory vs m; p2p bytes; a 7B dry run.
+"""Lab 04 (pipeline parallelism): schedules as tables, their bubble, measured; memory vs m; p2p bytes; a 7B dry run.
 
-Seven parts, every number beside its prediction (experiments/03_pipeline/README.md is the lab sheet):
+Seven parts, every number beside its prediction (experiments/04_pipeline/README.md is the lab sheet):
 
 a. tables       the bubble of every schedule's table (parallel/schedules.py) against (p-1)/(m+p-1),
                 (p-1)/(v*m+p-1) and (p-1)/(3m+p-1) (parallel/schedules.py), exact fractions, and the tables drawn.
@@ -379,7 +379,7 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
     p, m = 4, 8
     c = config.model
     header = "\n".join([
-        f"# Lab 03: pipeline parallelism on {len(jax.devices())} x {jax.devices()[0].platform}", "",
+        f"# Lab 04: pipeline parallelism on {len(jax.devices())} x {jax.devices()[0].platform}", "",
         f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: d_model {c.d_model}, {c.layers} layers, "
         f"{c.heads} heads, vocab {VOCAB}, seq {config.data.seq_len}; synthetic batches of {MICRO} rows per "
         "pipeline microbatch. Measured values come from the compiled program, the profiler or the clock; "

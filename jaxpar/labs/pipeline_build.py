@@ -1,4 +1,4 @@
-"""Lab 03 (pipeline)'s workbench: the lab model, the pipe settings of one schedule, and the Lab that
+"""Lab 04 (pipeline)'s workbench: the lab model, the pipe settings of one schedule, and the Lab that
 configures, compiles and runs each layout once."""
 import copy
 import time

@@ -1,4 +1,4 @@
-"""Lab 03, part i (`--parts moe`): MoE inside every pipeline schedule, expert parallelism inside the stages
+"""Lab 04, part i (`--parts moe`): MoE inside every pipeline schedule, expert parallelism inside the stages
 (the circular pipeline's too), the experts split Megatron-style over `tensor` inside the stages, sequence
 parallelism inside the stages (its collective matmuls too: dense in every hand-written schedule, MoE in 1F1B and
 ZB-H1), and pipelines with gradient accumulation and with `parallel.rules`, each against one device.
@@ -104,7 +104,7 @@ def compare(lab, overrides, devices: int, micro: int, moe: bool, steps: int, ini
     """One layout against one device accumulating `micro` microbatches: max relative deviation per metric,
     the worst per-layer router statistic (telemetry), the router bias after the last step; `initial` caches
     the host initial state per model (MoE or dense). The oracle takes the layout's own `model.*` settings too.
-    Lab 04 (labs/moe_layouts.py) reuses it."""
+    Lab 07 (labs/moe_layouts.py) reuses it."""
     model = [*(MOE_MODEL if moe else []), *(o for o in overrides if o.startswith("model."))]
     batch_size = next(int(o.split("=")[1]) for o in overrides if o.startswith("train.batch_size="))
     oracle_t, oracle_s = lab.compiled([*model, "mesh.data=1", f"train.batch_size={batch_size}",

@@ -1,4 +1,4 @@
-"""Lab 03 (pipeline)'s figures, drawn from results.json (`python -m jaxpar.labs.replot pipeline RUN_DIR`)."""
+"""Lab 04 (pipeline)'s figures, drawn from results.json (`python -m jaxpar.labs.replot pipeline RUN_DIR`)."""
 from pathlib import Path
 
 import numpy as np

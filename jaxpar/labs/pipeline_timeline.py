@@ -1,4 +1,4 @@
-"""Lab 03 (pipeline), part c: the schedules on a profiled step, tick by tick: the measured bubble beside
+"""Lab 04 (pipeline), part c: the schedules on a profiled step, tick by tick: the measured bubble beside
 the formula and a model built from the measured per-kind op times."""
 import gzip
 import json

@@ -1,7 +1,7 @@
-"""Lab 08: the same Llama in PyTorch and in jaxpar, side by side: DDP, FSDP2, tensor (and sequence) parallelism
+"""Lab 06: the same Llama in PyTorch and in jaxpar, side by side: DDP, FSDP2, tensor (and sequence) parallelism
 and a pipeline on N local CPU processes, each beside jaxpar's automatic and hand-written counterpart.
 
-experiments/08_pytorch/README.md is the sheet. The lab:
+experiments/06_pytorch/README.md is the sheet. The lab:
 
 1. makes the inputs once, with jaxpar: the token batches (jaxpar's data pipeline), the initial weights
    (jaxpar's init, exported as a Hugging Face Llama, `model/hf.py`), the learning rate of every step
@@ -336,5 +336,5 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    """Standalone entry (experiments/08_pytorch/run.py): parse, run; bad input exits 2."""
+    """Standalone entry (experiments/06_pytorch/run.py): parse, run; bad input exits 2."""
     return report.standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

@@ -1,4 +1,4 @@
-"""The jaxpar side of lab 08: each jaxpar counterpart of a PyTorch strategy, compiled once, trained over the
+"""The jaxpar side of lab 06: each jaxpar counterpart of a PyTorch strategy, compiled once, trained over the
 lab's batches from the lab's initial weights, and read: losses, step times, bytes per collective kind
 from the compiled program (`measure.hlo`), per-device memory from XLA's memory analysis.
 

@@ -1,4 +1,4 @@
-"""Lab 08's pairing: each PyTorch strategy beside jaxpar's automatic and hand-written one, and the lines a
+"""Lab 06's pairing: each PyTorch strategy beside jaxpar's automatic and hand-written one, and the lines a
 PyTorch user writes per strategy (counted from the torch side's code)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lab 08's sheet: its tables, notes and figures, from the compared runs."""
+"""Lab 06's sheet: its tables, notes and figures, from the compared runs."""
 from __future__ import annotations
 
 import time
@@ -166,7 +166,7 @@ NOTES = """## f. What runs, what does not, and why
   as jaxpar's manual TP+SP with `regather=False` (lab 03): 8u per layer. jaxpar's `parallel.sequence=true`
   gathers it again in the backward pass as Megatron-LM does (+2u per layer, less memory).
 - **Pipeline schedules.** GPipe and 1F1B run here on both sides. PyTorch also has `ScheduleInterleaved1F1B`
-  and `ScheduleInterleavedZeroBubble` (several stages per rank); jaxpar has `interleaved` and `zb-h1` (lab 03);
+  and `ScheduleInterleavedZeroBubble` (several stages per rank); jaxpar has `interleaved` and `zb-h1` (lab 04);
   they are not paired in this lab. jaxpar's automatic pipeline counterpart is `parallel.pipe=circular`
   (the compiler-driven pipeline); no automatic 1F1B exists. jaxpar's executor sends only the useful
   buffers, as torch.distributed.pipelining does (each tick over just the pairs that send; part b). jaxpar's
@@ -240,7 +240,7 @@ PLOTS = {"losses.png": ("rows", plot_losses), "bytes.png": (None, plot_bytes)}
 def header(results: dict, config, cfg) -> str:
     import jax
     return "\n".join([
-        f"# Lab 08: PyTorch beside jaxpar, config {config.name}, {results['processes']} CPU processes / devices",
+        f"# Lab 06: PyTorch beside jaxpar, config {config.name}, {results['processes']} CPU processes / devices",
         "",
         f"torch {results['torch']} (gloo), jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: d_model "
         f"{cfg.d_model}, {cfg.layers} layers, {cfg.heads} heads ({cfg.kv_heads} kv), mlp {cfg.mlp_dim}, vocab "

@@ -1,4 +1,4 @@
-"""Lab 03, tensor half (course module 3): Megatron tensor and sequence parallelism by hand, against one
+"""Lab 03 (course module 3): Megatron tensor and sequence parallelism by hand, against one
 device, against the formulas, and beside what XLA's partitioner chooses.
 
 One run, five parts, every number beside its prediction (experiments/03_tensor/README.md is the sheet):

@@ -1,4 +1,4 @@
-"""jaxpar's Llama written in plain PyTorch, for the PyTorch lab (experiments/08_pytorch).
+"""jaxpar's Llama written in plain PyTorch, for the PyTorch lab (experiments/06_pytorch).
 
 A short module rather than transformers' LlamaForCausalLM because tensor and pipeline
 parallelism need to see the layers: each linear layer is its own `nn.Linear` (what

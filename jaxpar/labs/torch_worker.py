@@ -1,4 +1,4 @@
-"""The PyTorch side of lab 08 as its own program: N local CPU processes joined by torch.distributed (gloo),
+"""The PyTorch side of lab 06 as its own program: N local CPU processes joined by torch.distributed (gloo),
 one rank per process, training every requested strategy from the same initial weights on the same batches.
 
 `python -m jaxpar.labs.torch_worker SPEC.json OUT_DIR` (the lab writes SPEC: the Hugging Face export

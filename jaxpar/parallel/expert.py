@@ -7,7 +7,7 @@ are (the single device's view); then per MoE layer a `shard_map` over the whole 
 returns (all_to_all) and combines. The dropless exchange's buffers are sized by `parallel.expert_exchange`
 (parallel/expert_exchange.py: ragged on GPU, capacity plus an overflow round elsewhere). Routing and the
 experts' math are the single device's, so the losses match it to fp32 rounding. The steps, the buffers' cost
-and XLA:CPU's constraints: experiments/04_moe/README.md, "How manual expert parallelism is written".
+and XLA:CPU's constraints: experiments/07_moe/README.md, "How manual expert parallelism is written".
 """
 from __future__ import annotations
 

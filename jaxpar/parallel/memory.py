@@ -4,7 +4,7 @@ Model state (fp32 params, AdamW μ, ν, fp32 gradients) of what the device store
 activations kept per the candidate's remat (times the pipeline's stash), and the largest transient
 (`Memory`). The dry run (`config_memory`), the planner and the labs all call `memory`. Its constants
 were fitted to deviceless XLA:GPU compiles (bf16, fp8; tests/data/h100_7b_compiles.json): fp32 and
-XLA:CPU are not calibrated. Terms, fit and provenance: experiments/07_capstone/README.md, "How the
+XLA:CPU are not calibrated. Terms, fit and provenance: experiments/10_capstone/README.md, "How the
 model is built".
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def sequence_split(cand: Candidate) -> int:
 
 def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int) -> float:
     """Bytes one layer keeps for the backward pass, per microbatch on one device (the activations term of
-    experiments/07_capstone/README.md, "How the model is built")."""
+    experiments/10_capstone/README.md, "How the model is built")."""
     e = 4 if cand.precision == "float32" else 2
     T, h, s = cand.tensor, shape.d_model, seq_len / cand.context     # context parallelism: this device's rows
     pairs = seq_len * seq_len / cand.context                        # score elements per head, per device

@@ -12,7 +12,7 @@ exchange inside the stages), gradient accumulation (the whole pipeline a times o
 pipeline `moe_blocks`; aux losses join the objective where they are made and per-layer statistics come back
 in the model's layer order, so every layout equals one device accumulating over the same microbatches. `predict`
 (pipeline_predict.py): the busiest stage's sends from the same table, its bubble and stash. How and why:
-experiments/03_pipeline/README.md, "How jaxpar pipelines".
+experiments/04_pipeline/README.md, "How jaxpar pipelines".
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ of parallel/pipeline.py's and parallel/circular.py's strategies, read by paralle
 A stage keeps its whole gradient until the reduce-scatter at the end of the step, its weights gathered (fp32,
 under fsdp) and cast for the whole step, activations for the schedule's stash plus PIPELINE_EXTRA_SLOTS (the
 executor's scan carries its buffers), and under ZB-H1 each matmul's (x, dy) from B to W. Terms and fit:
-experiments/07_capstone/README.md, "How the model is built".
+experiments/10_capstone/README.md, "How the model is built".
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Each anchor is a published run evaluated with ITS OWN strategy, model, cluster, batch, precision and
 memory layout; η is the value at which the planner predicts its published tokens/s per GPU, and a
 "check" anchor is predicted with its framework's fitted values. Sources and roles:
-experiments/07_capstone/README.md, "How the model is built".
+experiments/10_capstone/README.md, "How the model is built".
 
 One anchor per η means a fitted anchor's 1.00 is the fit's tolerance, not a test. What the η is worth
 on a run it was not fitted on is `spread`: the framework's η predicting every anchor it was NOT fitted
@@ -70,7 +70,7 @@ ANCHORS = ANCHORS + (
     Anchor("torchtitan Llama-3.1-70B FSDP x TP+SP compiled", "torchtitan compile", LLAMA31_70B, 32, 8, 512, 8192,
            "fsdp=32 tp=8 sp m=1 remat=full bf16 flash", "jaxpar", 597, "check",
            "500 W 96 GB H100s, planned as 80 GB SXM; local batch 16 per fsdp rank; with async TP (652) no anchor: "
-           "its layout's overlap is not measured (experiments/07_capstone/README.md)"),
+           "its layout's overlap is not measured (experiments/10_capstone/README.md)"),
     Anchor("NeMo 24.09 Llama-3.1-8B bf16, 128 GPUs", "NeMo", LLAMA31_8B, 16, 8, 2048, 8192,
            "data=64 cp=2 m=32 remat=none bf16 flash dist-opt", "distributed-optimizer", 10006, "check", CP_NOTE,
            NEMO_2409),

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
-    """The options `jaxpar plan` shares with lab 07 (`jaxpar lab capstone`)."""
+    """The options `jaxpar plan` shares with lab 10 (`jaxpar lab capstone`)."""
     add_config_arguments(p, config_help="model config (default: configs/arabic_7b.py)",
                          set_help="override a config field (repeatable)")
     p.add_argument("--nodes", type=int, default=8, help="nodes in the cluster (default 8)")

@@ -3,7 +3,7 @@ communication per axis (the strategy's predicted flows) + the pipeline bubble + 
 
 `step_time` returns the terms (`StepTime`); the constants below are assumptions unless said otherwise
 (`Calibration`, fitted η: plan/anchors.py). Each term's derivation and the calibration:
-experiments/07_capstone/README.md, "How the model is built".
+experiments/10_capstone/README.md, "How the model is built".
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ LAYER_OVERHEAD_S = 60e-6
 SCORE_BYTES = {"forward": 12, "backward": 24}
 # AdamW's bytes per parameter a device updates: read p, g, μ, ν and write p, μ, ν in fp32 (28) and a little more (32).
 # MEASURED on CPU: the default model's update replicated on 8 virtual devices took 39.8-47.1 ms of CPU time per core,
-# 46.9-51.3 bytes per parameter at the host's copy rate over its cores (experiments/07_capstone/adam_cost.py, four
+# 46.9-51.3 bytes per parameter at the host's copy rate over its cores (experiments/10_capstone/adam_cost.py, four
 # runs; the optimizer's fused loops make more than one pass).
 ADAM_BYTES_PER_PARAM = {"cpu": 48, "gpu": 32}
 # Passes over the residual stream per layer, in elements of the activation dtype: forward, two RMSNorms (read,
@@ -51,7 +51,7 @@ ZERO_COPIES = {"zero1": 3, "zero2": 3}
 # MEASURED on CPU: on one device, the whole 16 x 128 batch, process CPU seconds (medians of 9 rounds, three runs),
 # loss+grad took 0.818-0.869 s without remat, 0.872-0.938 with remat full, the forward alone 0.192-0.214, so the kept
 # bytes cost the difference plus the recomputed forward (its FLOPs' share, 64%): 0.062-0.080 s for 338 MB, 2.2-3.2
-# passes at 12.2-13.8 GB/s (experiments/07_capstone/kept_cost.py, tests/test_plan_cpu.py). That is with glibc keeping
+# passes at 12.2-13.8 GB/s (experiments/10_capstone/kept_cost.py, tests/test_plan_cpu.py). That is with glibc keeping
 # freed memory (measure/host_allocator.py); with its default, the 350 MB buffer of each call is mapped afresh and
 # page-faulted in, and the same A/B gave 6-10.6 passes.
 # Charged on XLA:CPU only: the GPU anchors (plan/anchors.py) are fitted without it, and whether XLA:GPU's fusions
@@ -78,10 +78,10 @@ GPU_CALIBRATION = Calibration(measured=measured_overlap(),
                               source="assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py); "
                                      "overlap per strategy and axis from compiled H100 schedules where measured "
                                      "(jaxpar/plan/overlap_measured.json)")
-# `jaxpar plan --cpu-devices N`: the host probe's rates as they are, nothing hidden, no overheads (uncalibrated: lab 07
+# `jaxpar plan --cpu-devices N`: the host probe's rates as they are, nothing hidden, no overheads (uncalibrated: lab 10
 # measures η and the CPU's fixed overheads, plan/reality.py).
 HOST_CALIBRATION = Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
-                               source="host probe rates, uncalibrated (lab 07 calibrates them)")
+                               source="host probe rates, uncalibrated (lab 10 calibrates them)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
         t = link.time(f.op, f.bytes, f.count)
         comm[f.axis] = comm.get(f.axis, 0.0) + t
         known = measured.get(f.axis)
-        if known is not None:                   # the compiled schedule's own fraction (lab 09)
+        if known is not None:                   # the compiled schedule's own fraction (lab 05)
             exposed[f.axis] = exposed.get(f.axis, 0.0) + t * (1 - known)
         elif f.hideable and cluster.platform != "cpu":
             hideable += t

@@ -93,7 +93,7 @@ def run_task(out: Path, index: int) -> dict:
         from jaxpar.measure.host_allocator import keep_freed_memory
         from jaxpar.mesh import set_cpu_devices
         set_cpu_devices(spec["cpu_devices"])
-        allocator = keep_freed_memory()     # as lab 07's CPU check (jemalloc if the script preloaded it): no
+        allocator = keep_freed_memory()     # as lab 10's CPU check (jemalloc if the script preloaded it): no
         # per-step page faults a GPU would not pay
     else:                                   # jaxpar's GPU XLA_FLAGS, as `jaxpar train` gets them (before JAX starts)
         from jaxpar.env import with_gpu_defaults

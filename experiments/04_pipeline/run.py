@@ -1,4 +1,4 @@
-"""Lab 03 (pipeline): `python experiments/03_pipeline/run.py --cpu-devices 8 --out DIR`;
+"""Lab 04 (pipeline): `python experiments/04_pipeline/run.py --cpu-devices 8 --out DIR`;
 the code is jaxpar/labs/pipeline.py."""
 import sys
 

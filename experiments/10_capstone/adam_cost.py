@@ -1,7 +1,7 @@
 """What one AdamW update costs on CPU (steptime.ADAM_BYTES_PER_PARAM["cpu"]): jaxpar's optimizer on the default
 model's parameters, replicated on 8 virtual CPU devices (as data=8 keeps them) and sharded over the 8 (as fsdp and
 ZeRO do), in process CPU seconds per core; the replicated update in bytes per parameter at the host's copy rate
-over its cores. As in lab 07's part d, glibc keeps freed memory (measure/host_allocator.py)."""
+over its cores. As in lab 10's part d, glibc keeps freed memory (measure/host_allocator.py)."""
 import statistics
 import time
 

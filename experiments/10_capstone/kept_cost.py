@@ -1,5 +1,5 @@
 """What the activations kept for the backward cost on CPU (steptime.KEPT_PASSES): one device runs the whole batch of
-lab 07 part d's data=8 step (16 x 128 tokens of the default config), loss+grad without remat and with remat full, and
+lab 10 part d's data=8 step (16 x 128 tokens of the default config), loss+grad without remat and with remat full, and
 the forward alone, in process CPU seconds. Kept bytes cost t_none - t_full + the recomputed share of the forward.
 As in part d, glibc keeps freed memory (measure/host_allocator.py; `--default-allocator` leaves it as it is), and each
 function's minor page faults per call are printed beside its time."""

@@ -1,4 +1,4 @@
-"""Lab 05 (kernels): `python experiments/05_kernels/run.py --cpu-devices 8 --out DIR`;
+"""Lab 08 (kernels): `python experiments/08_kernels/run.py --cpu-devices 8 --out DIR`;
 the code is jaxpar/labs/kernels.py."""
 import sys
 

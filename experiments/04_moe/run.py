@@ -1,7 +1,0 @@
-"""Lab 04 (MoE): `python experiments/04_moe/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/moe.py."""
-import sys
-
-from jaxpar.labs.moe import main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Lab 05: `python experiments/05_overlap/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/overlap.py."""
+import sys
+
+from jaxpar.labs.overlap import main
+
+if __name__ == "__main__":
+    sys.exit(main())

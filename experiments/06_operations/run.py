@@ -1,7 +1,0 @@
-"""Lab 06 (operations): `python experiments/06_operations/run.py --out DIR`; the code is jaxpar/labs/operations.py."""
-import sys
-
-from jaxpar.labs.operations import main
-
-if __name__ == "__main__":
-    sys.exit(main())

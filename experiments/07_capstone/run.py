@@ -1,7 +1,0 @@
-"""Lab 07 (capstone): `python experiments/07_capstone/run.py --out DIR`; the code is jaxpar/labs/capstone.py."""
-import sys
-
-from jaxpar.labs.capstone import main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""Lab 07 (MoE): `python experiments/07_moe/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/moe.py."""
+import sys
+
+from jaxpar.labs.moe import main
+
+if __name__ == "__main__":
+    sys.exit(main())

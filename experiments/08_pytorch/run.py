@@ -1,7 +1,0 @@
-"""Lab 08: `python experiments/08_pytorch/run.py --out DIR`; the code is jaxpar/labs/pytorch.py."""
-import sys
-
-from jaxpar.labs.pytorch import main
-
-if __name__ == "__main__":
-    sys.exit(main())
