@@ -90,7 +90,8 @@ class Candidate:
         pipe = f" {self.schedule}" if self.pipe > 1 else ""
         if self.pipe > 1 and self.schedule == "interleaved" and self.virtual != VIRTUAL:
             pipe += f" v={self.virtual}"
-        state = " dist-opt" if self.layout == "distributed-optimizer" else ""
+        state = {"distributed-optimizer": " dist-opt",
+                 "distributed-optimizer-bf16-grads": " dist-opt=bf16-grads"}.get(self.layout, "")
         return (f"{self.mesh_text()}{sp}{pipe} m={self.microbatches} remat={self.remat} "
                 f"{ {'bfloat16': 'bf16', 'float8': 'fp8', 'float32': 'fp32'}[self.precision]} {self.attention}{state}")
 

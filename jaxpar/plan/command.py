@@ -57,8 +57,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="also write plan.md and plan.json into DIR")
     p.add_argument("--layout", default="jaxpar", metavar="NAME",
                    help="model-state layout the memory assumes: jaxpar (default: fp32 params on every device + "
-                        "fp32 accumulator; jaxpar builds it) or distributed-optimizer (Megatron/NeMo: bf16 params, "
-                        "fp32 master + AdamW split over data; formula only)")
+                        "fp32 accumulator; jaxpar builds it), distributed-optimizer (Megatron/NeMo: bf16 params, "
+                        "fp32 grads, fp32 master + AdamW split over data; formula only) or "
+                        "distributed-optimizer-bf16-grads (the same with bf16 grads, as NeMo's published runs)")
 
 
 def load_model_config(args):

@@ -18,6 +18,7 @@ Words, separated by spaces or commas (the label of any ranked row parses back to
   v=4 (virtual=4)                     chunks per stage of interleaved (default 2; must divide layers / pipe)
   dist-opt                            the distributed optimizer (plan/layouts.py): ZeRO-1 over data with
                                       Megatron's bf16 parameters, in any mesh (pipe, expert included)
+  dist-opt=bf16-grads                 the same with bf16 gradients (NeMo's grad_sync_dtype=bf16)
   remat=none|dots|full                default full
   bf16 / fp8 / fp32 (precision=...)   default bf16
   dot / flash (attention=...)         default flash on GPU, dot on CPU
@@ -76,6 +77,8 @@ def _word(word: str, fields: dict) -> None:
         fields["microbatches"] = _positive(word, value)
     elif key in ("v", "virtual") and value:
         fields["virtual"] = _positive(word, value)
+    elif key in ("dist-opt", "distributed-optimizer") and value == "bf16-grads":
+        fields["layout"] = "distributed-optimizer-bf16-grads"
     elif key in ("async-tp", "tensor_overlap") and value in TENSOR_OVERLAPS:
         fields["tensor_overlap"] = value
     elif key == "remat" and value in REMATS:
@@ -89,7 +92,7 @@ def _word(word: str, fields: dict) -> None:
     else:
         raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|cp|{'|'.join(data_impls)}"
                           f"=N, {'|'.join(CONTEXT_IMPLS)}, sp, async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, "
-                          "dist-opt, "
+                          "dist-opt[=bf16-grads], "
                           f"remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, {'|'.join(schedules)}")
 
 
