@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import MESH_AXES, ConfigError, validate
+from jaxpar.config import ConfigError, mesh_axes, validate
 from jaxpar.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 
@@ -85,9 +85,9 @@ def make_mesh(config, devices=None, *, resumed: bool = False) -> Mesh:
     devices = list(jax.devices() if whole_job else devices)
     sizes = validate(config, len(devices), processes=jax.process_count() if whole_job and not resumed else None,
                      platform=devices[0].platform if whole_job and jax.process_count() == 1 else None)
-    shape = tuple(sizes[axis] for axis in MESH_AXES)
-    grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    axes = mesh_axes()
+    grid = np.asarray(devices, dtype=object).reshape(tuple(sizes[axis] for axis in axes))
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def describe(mesh: Mesh) -> str:
