@@ -1,9 +1,10 @@
 """The device mesh and multi-process start-up.
 
-One mesh with six named axes serves every strategy; a strategy is a choice of
-axis sizes. The mesh uses `AxisType.Auto` axes: sharding annotations are hints
-to XLA's SPMD partitioner (GSPMD), which inserts the collectives, the behaviour
-MaxText-style logical-axis rules are written for.
+One mesh with six named axes (and any a registered strategy adds, jaxpar/strategies.py)
+serves every strategy; a strategy is a choice of axis sizes. The mesh uses
+`AxisType.Auto` axes: sharding annotations are hints to XLA's SPMD partitioner
+(GSPMD), which inserts the collectives, the behaviour MaxText-style logical-axis
+rules are written for.
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def _exit_at_once(kind, value, tb) -> None:
 
 
 def make_mesh(config, devices=None, *, resumed: bool = False) -> Mesh:
-    """Build the (data, fsdp, pipe, expert, context, tensor) mesh the config asks for, after validating it.
+    """Build the mesh the config asks for (`mesh_axes()`: data, fsdp, pipe, expert, context, tensor after any
+    added axes), after validating it.
 
     A fresh run's train.fault_process must name a process of this job; a `resumed` run keeps the drill
     setting it started with, which on a job of fewer processes (an elastic resume) simply never fires.
