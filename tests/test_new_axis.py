@@ -30,9 +30,12 @@ def small_config(*overrides):
     return c
 
 
-def test_without_the_line_the_axis_is_unknown():
-    with pytest.raises(ConfigError, match=r"^mesh\.replica: unknown config field"):
-        small_config("mesh.replica=2")
+def test_without_the_line_the_axis_is_unknown(capsys):
+    """`--set mesh.replica=2` is refused in one line naming the field, exit 2."""
+    from jaxpar.cli import main
+    assert main(["plan", "--config", CONFIG, "--set", "mesh.replica=2", "--tokens", "1e9"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: mesh.replica: unknown config field; valid here: context, data, expert, fsdp, pipe, tensor"]
 
 
 def test_the_line_makes_config_fields_that_round_trip(replica):
