@@ -31,7 +31,6 @@ from jaxpar.config import ConfigError
 
 AXIS_WORDS = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "tp": "tensor", "pipe": "pipe", "pp": "pipe",
               "expert": "expert", "ep": "expert", "context": "context", "cp": "context"}
-CONTEXT_IMPLS = ("ring", "all_to_all")                                # parallel.context (config_checks.py)
 PRECISION_WORDS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8": "float8", "float8": "float8",
                    "fp32": "float32", "float32": "float32"}
 ATTENTIONS = ("dot", "flash")
@@ -43,11 +42,13 @@ FLAGS = {"sp": ("sequence", True), "sequence": ("sequence", True),
 FIELD = "--strategy"
 
 
-def registered() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(data implementations, pipeline schedules) the strategy registry runs (parallel/registry.py), auto aside."""
+def registered() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(data implementations, pipeline schedules, context implementations) the strategy registry runs
+    (parallel/registry.py), auto aside."""
     from jaxpar.parallel.registry import implementations
     valid = implementations()
-    return tuple(n for n in valid["data"] if n != "auto"), tuple(n for n in valid["pipe"] if n != "auto")
+    data, pipe, context = (tuple(n for n in valid[axis] if n != "auto") for axis in ("data", "pipe", "context"))
+    return data, pipe, context
 
 
 def added_words() -> dict[str, tuple[str, str]]:
@@ -69,7 +70,7 @@ def _positive(word: str, value: str) -> int:
 
 def _word(word: str, fields: dict) -> None:
     """The fields one word sets, into `fields`."""
-    data_impls, schedules = registered()
+    data_impls, schedules, context_impls = registered()
     added = added_words()
     key, _, value = word.partition("=")
     if not value and word in FLAGS:
@@ -80,7 +81,7 @@ def _word(word: str, fields: dict) -> None:
         fields["attention"] = word
     elif not value and word in schedules:
         fields["schedule"] = word
-    elif not value and word in CONTEXT_IMPLS or key == "context_impl" and value in CONTEXT_IMPLS:
+    elif not value and word in context_impls or key == "context_impl" and value in context_impls:
         fields["context_impl"] = value or word
     elif value and key in AXIS_WORDS:
         fields[AXIS_WORDS[key]] = _positive(word, value)
@@ -104,7 +105,7 @@ def _word(word: str, fields: dict) -> None:
         fields["schedule"] = value
     else:
         raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|cp|"
-                          f"{'|'.join([*data_impls, *added])}=N, {'|'.join(CONTEXT_IMPLS)}, sp, "
+                          f"{'|'.join([*data_impls, *added])}=N, {'|'.join(context_impls)}, sp, "
                           f"async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, dist-opt, "
                           f"remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, {'|'.join(schedules)}")
 
