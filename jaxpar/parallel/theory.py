@@ -2,9 +2,9 @@
 
 A `Candidate` is one point of the strategy space: mesh sizes, which implementation runs each axis,
 microbatches, pipeline schedule, remat, precision, attention kernel. The built-in axes are its named fields;
-an axis a registered strategy adds (jaxpar/strategies.py) is an entry of `added`: `sizes` and `impls` are
-the mappings over all of them. A strategy's `predict(shape, cand,
-global_batch, seq_len, platform)` returns a `Prediction`: every collective `Flow` (bytes each device sends
+an axis a registered strategy adds (jaxpar/strategies.py) is an entry of `added`; `sizes` and `impls` map
+every axis. A strategy's `predict(shape, cand, global_batch, seq_len, platform)` returns a `Prediction`:
+every collective `Flow` (bytes each device sends
 per step on one mesh axis, its kind, how many collectives carry it, whether the compiler can hide it),
 the pipeline bubble and the stash. The dry run compares it with the compiled program, the planner ranks
 with it, the labs print it: nothing else predicts a strategy. Plain Python: no JAX import.
@@ -89,7 +89,7 @@ class Candidate:
         return self.data * self.fsdp * self.expert
 
     def mesh_text(self) -> str:
-        words = {**SHORT, **{a: impl for a, _, impl in self.added if impl != "auto"}}   # added: zero1=8's way
+        words = {**SHORT, **{a: impl for a, _, impl in self.added if impl != "auto"}}   # by implementation, as zero1=8
         used = [f"{words.get(a, a)}={s}" for a, s in self.sizes.items() if s > 1]
         mesh = " ".join(used) or "1 device"
         if self.data_impl != "auto" and self.data > 1:
