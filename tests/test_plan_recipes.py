@@ -202,8 +202,9 @@ def test_async_tp_recipe_is_predicted_through_its_layouts_measured_overlap():
 
 
 def test_hand_written_tp_gathers_fsdp_weights_in_the_wire_dtype():
-    """Manual TP x FSDP on GPU: XLA moves the bf16 cast ahead of the fsdp gathers and reduce-scatters (the compiled
-    7B on 64 H100s sends half the fp32 bytes, lab 05), so bf16 sends half of fp32; on CPU both send fp32."""
+    """Manual TP x FSDP on GPU: the weights are cast to the compute dtype before the fsdp gather (its transpose,
+    the reduce-scatter, too), so bf16 sends half of fp32 (as the compiled 7B on 64 H100s does, lab 05); on CPU
+    XLA sends both in fp32."""
     from jaxpar.parallel.tensor import predict
     bf16 = parse_strategy("fsdp=8 tp=8 sp m=1 remat=full bf16 flash async-tp", 64)
     fp32 = dataclasses.replace(bf16, precision="float32")

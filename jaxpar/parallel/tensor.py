@@ -279,9 +279,10 @@ def fsdp_bytes(model_cfg, T: int, F: int, X: int = 1, e: int = 4) -> float:
     """fsdp bytes per device per step of manual TP x FSDP (default rules): per parameter split over fsdp,
     g = its `leaf_sizes` size, (F-1)/F·e·g per all-gather, 3 per layer weight (forward, the backward's re-gather,
     the gradient's reduce-scatter), 2 for the embedding and head (a tied one 4); the learned parameters fsdp does
-    not split (norms) all-reduce their gradient, 2(F-1)/F·e·size. e = `wire_bytes`: XLA:GPU moves the bf16 cast
-    ahead of the gather and the reduce-scatter (a compiled 7B on 64 H100s sends half the fp32 bytes, lab 05);
-    XLA:CPU sends fp32. The scalars (loss, norm) that reduce over data x fsdp together are left out."""
+    not split (norms) all-reduce their gradient, 2(F-1)/F·e·size. e = `wire_bytes`: Ops.weights casts to the
+    compute dtype before fetching, so the gather and its transpose, the reduce-scatter, move bf16 (a compiled
+    7B on 64 H100s sends the predicted bytes, lab 05); XLA:CPU sends fp32. The scalars (loss, norm) that
+    reduce over data x fsdp together are left out."""
     sent = 0.0
     for name, size, axes in leaf_sizes(model_cfg, T, F, X):
         gathers = 4 if name == "embed" and model_cfg.tie_embeddings else 2 if name in ("embed", "lm_head") else 3
