@@ -189,6 +189,32 @@ def test_published_recipes_fit_and_are_predicted():
     assert "cp=2" in nemo["strategy"] and nemo["fits"] and abs(nemo["ratio"] - 1) <= 0.15
 
 
+def test_async_tp_recipe_is_predicted_through_its_layouts_measured_overlap():
+    """torchtitan's 70B with async TP (652 published) fits and is within 15%, its tensor axis exposing what the
+    compiled fsdp x tp+sp + collective matmul schedule left exposed (overlap_measured.json, lab 05)."""
+    from jaxpar.plan.overlap import measured
+    row = next(r for r in anchors.anchor_table() if "async-tp" in r["strategy"])
+    assert row["overlap"] == "measured" and row["fits"] and abs(row["ratio"] - 1) <= 0.15, row
+    anchor = next(a for a in anchors.ANCHORS if a.name == row["anchor"])
+    t = anchors.evaluate_anchor(anchor, anchors.calibration(anchor.framework)).time
+    key = "fsdp=auto tensor=manual sequence tensor_overlap=collective_matmul"
+    assert t.exposed_s["tensor"] == pytest.approx(t.comm_s["tensor"] * (1 - dict(measured())[(key, "tensor")]))
+
+
+def test_hand_written_tp_gathers_fsdp_weights_in_the_wire_dtype():
+    """Manual TP x FSDP on GPU: the weights are cast to the compute dtype before the fsdp gather (its transpose,
+    the reduce-scatter, too), so bf16 sends half of fp32 (as the compiled 7B on 64 H100s does, lab 05); on CPU
+    XLA sends both in fp32."""
+    from jaxpar.parallel.tensor import predict
+    bf16 = parse_strategy("fsdp=8 tp=8 sp m=1 remat=full bf16 flash async-tp", 64)
+    fp32 = dataclasses.replace(bf16, precision="float32")
+
+    def fsdp(cand, platform):
+        return sum(f.bytes for f in predict(seven_b(), cand, 64, 4096, platform).flows if f.axis == "fsdp")
+    assert fsdp(bf16, "gpu") == pytest.approx(fsdp(fp32, "gpu") / 2)
+    assert fsdp(bf16, "cpu") == pytest.approx(fsdp(fp32, "cpu"))
+
+
 def test_async_tp_is_a_word_that_round_trips_and_needs_tp_and_sp():
     """async-tp (parallel.tensor_overlap=collective_matmul, or =bidirectional) on Megatron's hand-written tensor axis:
     its label reads back, a verified config sets it, and without tp > 1 and sp it is refused in one line."""

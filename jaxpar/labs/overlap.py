@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SEVEN_B = str(preset("arabic_7b"))
 TOPOLOGY = "1x8x8"                      # 8 hosts x 8 H100s
 HAND_TP = ["mesh.fsdp=1", "mesh.data=8", "mesh.tensor=8", "parallel.tensor=manual", "parallel.sequence=true"]
+FSDP_HAND_TP = ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8", "parallel.tensor=manual", "parallel.sequence=true"]
 # name -> overrides of the 7B config; the planner's key for each is its whole layout (plan/overlap.layout_key)
 LAYOUTS = {
     "fsdp (XLA)": ["mesh.data=1", "mesh.fsdp=64"],
@@ -52,6 +53,9 @@ LAYOUTS = {
     "tp+sp (by hand)": HAND_TP,
     "tp+sp + collective matmul": [*HAND_TP, "parallel.tensor_overlap=collective_matmul"],
     "tp+sp + bidirectional": [*HAND_TP, "parallel.tensor_overlap=bidirectional"],
+    # torchtitan's async TP layout: FSDP over the data axis, Megatron's hand-written TP+SP within a node
+    "fsdp x tp+sp (by hand)": FSDP_HAND_TP,
+    "fsdp x tp+sp + collective matmul": [*FSDP_HAND_TP, "parallel.tensor_overlap=collective_matmul"],
 }
 PIPELINED_ON = " ".join(f"{flag}=true" for flag in PIPELINED_COLLECTIVES)     # jaxpar's GPU default (jaxpar/env.py)
 PIPELINED_OFF = " ".join(f"{flag}=false" for flag in PIPELINED_COLLECTIVES)
