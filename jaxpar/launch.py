@@ -65,9 +65,13 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
+def _wait_all(procs: list[subprocess.Popen], seconds: float, saved: Path | None = None,
+              grace: float = KILL_GRACE_S) -> None:
+    """Wait up to `seconds` for every process to end; once `saved` exists (the save is durable), `grace` more."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if saved is not None and saved.exists():
+            deadline = min(deadline, time.monotonic() + grace)
         time.sleep(_POLL_S)
 
 
@@ -279,7 +283,7 @@ def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, pr
             out.flush()
         for p in procs:
             _signal(p, signal.SIGTERM)
-        _wait_all(procs, preempt_grace)
+        _wait_all(procs, preempt_grace, saved, grace)
         # Exit 75 or the record means the checkpoint is durable; a peer still on its way out may have been
         # killed meanwhile (JAX's distributed service aborts it once process 0, which hosts it, is gone).
         codes = [_exit_code(p.returncode) for p in procs if p.poll() is not None]

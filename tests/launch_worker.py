@@ -9,6 +9,7 @@ while process 0 goes on into the collective and would wait there for its peer
 and sleeps, for the timeout and Ctrl-C tests. With `refuse`, every process exits 2 at once
 (bad input). With `listen`, process 0 prints the addresses its coordinator listens on. With `preempted`,
 SIGTERM makes process 0 exit 75 at once and process 1 abort 0.5 s later (a preempted job's slower peer). With
+`durable`, process 0 records a durable preemption save (as `jaxpar train` does) and both are then killed. With
 `agree`, the processes ask jaxpar's preemption agreement three times, process 1 alone noticing at the second call,
 then process 1 announces that it leaves while process 0 asks a fourth time.
 """
@@ -40,6 +41,15 @@ def main(argv: list[str]) -> int:
         print("ready", flush=True)
         time.sleep(120)
         return 0
+    if "durable" in argv:   # the preemption save is durable, then the processes die on their way out
+        import signal
+        from pathlib import Path
+
+        from jaxpar.env import ENV_PREEMPTION_RECORD
+        if os.environ["JAXPAR_PROCESS_ID"] == "0":
+            Path(os.environ[ENV_PREEMPTION_RECORD]).write_text("4\n")
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
     if "sleep" in argv:   # for the timeout and Ctrl-C tests: never touches JAX
         print(f"sleeping pid={os.getpid()}", flush=True)
         time.sleep(120)
