@@ -60,6 +60,8 @@ def init_distributed(settings=None) -> None:
     if settings is None:
         from jaxpar.config import base_config
         settings = base_config().distributed
+    # jaxpar handles preemption notices itself (train/preemption.py): JAX's service would take SIGTERM over
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(**args, heartbeat_timeout_seconds=int(settings.heartbeat_timeout_s),
                                shutdown_timeout_seconds=int(settings.shutdown_timeout_s))
     sys.excepthook = _exit_at_once

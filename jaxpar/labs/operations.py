@@ -83,7 +83,7 @@ def predicted_loss(fault_step: int, checkpoint_every: int, step_time_s: float, r
     """What a failure after `fault_step` costs: the steps since the last checkpoint again, the time to stop
     the survivor, and one more start-up and compile. The survivor is blocked in a collective whose peer
     is gone: gloo fails it as soon as the peer's sockets close, so `stop_s` is ~0 (the launcher's SIGKILL,
-    KILL_GRACE_S after SIGTERM, which JAX turns into a preemption notice, is only the upper bound)."""
+    KILL_GRACE_S after SIGTERM, which jaxpar takes as a preemption notice, is only the upper bound)."""
     redone = fault_step - (fault_step // checkpoint_every) * checkpoint_every
     return {"redone_steps": redone, "redone_and_stop_s": redone * step_time_s + stop_s,
             "lost_s": redone * step_time_s + stop_s + restart_s}
