@@ -131,7 +131,7 @@ def overlap(p: argparse.ArgumentParser) -> None:
                    help="comma-separated parts: gpu (deviceless 7B compiles on 64 H100s, needs the CUDA plugin "
                         "wheels, ~2 min each) and cpu (the default model on 8 CPU devices); default both")
     p.add_argument("--layouts", metavar="LIST", default=None,
-                   help="GPU part: comma-separated layout names (default all; see jaxpar/labs/overlap.py LAYOUTS)")
+                   help="GPU part: comma-separated layout names (default all; see jaxpar/labs/overlap/lab.py LAYOUTS)")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
     p.add_argument("--steps", type=int, default=5, help="CPU part: training steps compared with one device "
                                                         "(default 5)")

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxpar.labs.report import PlotError, draw_plots
+from jaxpar.labs.base.report import PlotError, draw_plots
 
 LABS = ("zero", "tensor", "pipeline", "moe", "kernels", "pytorch")
 
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     if not path.is_file():
         print(f"error: run_dir: no results.json in {args.run_dir}", file=sys.stderr)
         return 2
-    lab = importlib.import_module(f"jaxpar.labs.{args.lab}")
+    lab = importlib.import_module(f"jaxpar.labs.{args.lab}.lab")
     try:
         written = draw_plots(json.loads(path.read_text()), args.run_dir, lab.PLOTS, args.lab)
     except PlotError as err:
