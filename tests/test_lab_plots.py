@@ -97,7 +97,7 @@ def test_replot_redraws_a_run_from_its_results(tmp_path, capsys):
 
 
 def test_a_failing_figure_keeps_the_others_and_is_one_line(tmp_path, monkeypatch, capsys):
-    """report.draw_plots, every lab's last step (after results.json): a plot that raises does not stop the
+    """base.results.draw_plots, every lab's last step (after results.json): a plot that raises does not stop the
     others, and the failure is one line that says where the results are and how to draw them again."""
     def broken(result, path):
         raise ValueError("figure width 11 in:\n at most 10")

@@ -1,18 +1,12 @@
-"""What every lab shares: markdown tables, equivalence plots, JSON, and the standalone entry
-that `experiments/NN_*/run.py` calls (parse, set the CPU devices, run; bad input exits 2 with one line)."""
+"""The sheet's pieces every lab shares: markdown tables, the deviation every equivalence part reports, and the
+figures' common style and equivalence plot (results.json and the parts runner are in results.py and runner.py)."""
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import sys
 import textwrap
-import time
-from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config import ConfigError
 from jaxpar.figures import figure, legend_below, save, styled
 
 
@@ -113,70 +107,9 @@ def plot_equivalence(path, runs: list[tuple[str, list[float], str | None]], tole
     return save(fig, path)
 
 
-# ---------------------------------------------------------------------------- results and report
-
-
-def json_default(x):
-    """`json.dumps(..., default=json_default)`: numpy scalars as numbers, anything else as text."""
-    if isinstance(x, (np.floating, np.integer)):
-        return x.item()
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return str(x)
-
-
-def write_report(out, sections: list[str], results: dict, start: float, part_seconds: dict[str, float],
-                 compiles: tuple[int, float] | None = None) -> str:
-    """Close a lab run: the total time into `results`, a footer (total, compiles, each part's seconds)
-    after `sections`, then report.md and results.json in `out`. Returns the footer."""
-    results["total_seconds"] = total = time.perf_counter() - start
-    counted = f" ({compiles[0]} compiles, {compiles[1]:.1f} s of them)" if compiles else ""
-    footer = (f"Total lab time {total:.1f} s{counted}, parts: "
-              + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in part_seconds.items()) + ".")
-    (out / "report.md").write_text("\n\n".join([*sections, footer]) + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=json_default) + "\n")
-    return footer
-
-
-class PlotError(RuntimeError):
-    """A figure failed after the lab wrote report.md and results.json: one line (the CLI prints it), exit 1."""
-    exit_code = 1
-
-
-def draw_plots(results: dict, out, plots: dict, lab: str = "LAB") -> list[str]:
-    """Write each figure of `plots` ({file name: (results key, plot(result, path))}) whose part is in
-    `results` (key None: the whole results); the lab's run and `jaxpar.labs.replot` both call this, the run
-    after writing results.json, so that a figure that fails loses nothing: the others are still drawn, then
-    PlotError names the failures in one line and how to draw them again (`lab`: the name replot takes)."""
-    written, failed = [], []
-    for name, (key, plot) in plots.items():
-        if key is None or key in results:
-            try:
-                plot(results if key is None else results[key], Path(out) / name)
-            except Exception as err:   # any plotting bug: named below, the results are kept
-                failed.append(f"{name} ({type(err).__name__}: {' '.join(str(err).split())})")
-                continue
-            written.append(name)
-    if failed:
-        raise PlotError(f"error: drawing {', '.join(failed)} failed; results.json and report.md are in {out} "
-                        f"(`python -m jaxpar.labs.replot {lab} {out}` draws the figures again)")
-    return written
-
-
-def standalone_main(description: str, add_arguments, run_from_args, argv=None) -> int:
-    """`python experiments/NN_*/run.py ...`: the lab's arguments plus --cpu-devices; bad input exits 2."""
-    from jaxpar.mesh import set_cpu_devices
-    parser = argparse.ArgumentParser(prog="run.py", description=description)
-    add_arguments(parser)
-    if not any(action.dest == "cpu_devices" for action in parser._actions):
-        parser.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices")
-    args = parser.parse_args(argv)
-    try:
-        set_cpu_devices(args.cpu_devices)
-        return run_from_args(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except PlotError as err:
-        print(err, file=sys.stderr)
-        return err.exit_code
+def plot_single_device_equivalence(result: dict, path):
+    """An equivalence part's figure whose `result["runs"]` ({key: label, losses}) all follow the run keyed "single"
+    (the single-device oracle), within `result["tolerance"]`."""
+    oracle = result["runs"]["single"]["label"]
+    return plot_equivalence(path, [(r["label"], r["losses"], None if key == "single" else oracle)
+                                   for key, r in result["runs"].items()], result["tolerance"])

@@ -24,7 +24,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -73,16 +72,8 @@ def run_from_args(args) -> int:
 
 def main(argv=None) -> int:
     """Standalone entry (experiments/10_capstone/run.py): parse, set the CPU devices, run; bad input exits 2."""
-    from jaxpar.mesh import set_cpu_devices
-    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        set_cpu_devices(args.cpu_devices)
-        return run_from_args(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    from jaxpar.labs.base.runner import standalone_main
+    return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)
 
 
 # ============================================================================ the parts
@@ -289,6 +280,7 @@ def log(line: str) -> None:
 
 
 def run_lab(args) -> dict:
+    from jaxpar.labs.base.results import write_results
     out = Path(args.out)
     started = time.perf_counter()
     config, p = part_plan(args, log)              # every input checked before anything is written
@@ -309,7 +301,7 @@ def run_lab(args) -> dict:
                "risks": risks, "elapsed_s": time.perf_counter() - started}
     report = markdown(p, config, anchors, compiler, reality, fert, risks, results["elapsed_s"], parts)
     (out / "report.md").write_text(report)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    write_results(out, results)
     plots(p, reality, fert, out, parts)
     log(report)
     log(f"wrote {out}/report.md, results.json and plots ({results['elapsed_s']:.0f} s)")

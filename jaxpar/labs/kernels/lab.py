@@ -31,7 +31,8 @@ import numpy as np
 from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.figures import figure, legend_below, save, styled
 from jaxpar.labs.arguments import kernels as add_arguments
-from jaxpar.labs.base.report import draw_plots, md_table, standalone_main, write_report
+from jaxpar.labs.base.report import md_table
+from jaxpar.labs.base.runner import Part, run_directory, run_parts, standalone_main
 from jaxpar.labs.kernels.strategies import counting_batches, relative_error, strategy_agreement
 from jaxpar.units import MIB
 
@@ -337,48 +338,33 @@ def run_lab(out=None, *, steps: int = 5, seq_lens=(128, 256, 512), depths=(2, 4,
     if gpu_results and not Path(gpu_results).is_dir():
         raise ConfigError("--gpu-results", f"'{gpu_results}' is not a directory written by the benchmarks' --out")
     start = time.perf_counter()
-    out = Path(out or f"runs/lab-kernels-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = run_directory(out, "kernels", log=log)
     devices = jax.devices()
-    log(f"lab kernels: {len(devices)} x {devices[0].platform}, run directory {out}")
     tiny = ["train.warmup_steps=1", "model.d_model=64", "model.layers=2", "model.heads=4", "model.kv_heads=4",
             "model.mlp_dim=128", "model.max_seq_len=64", "data.seq_len=32", "train.batch_size=16"]
-    parts, results = {}, {"devices": len(devices), "platform": devices[0].platform, "jax": jax.__version__,
-                          "date": time.strftime("%Y-%m-%d")}
-    plan = (("agreement: kernels", lambda: kernel_agreement()),
-            ("agreement: model", lambda: model_agreement([*tiny, *SMALL_BLOCKS], 512, steps, log)),
-            ("agreement: strategies", lambda: strategy_agreement([*tiny, *SMALL_BLOCKS, "model.layers=4"], 512, steps,
-                                                                 LOSS_TOLERANCE, log,
-                                                                 QUICK_LAYOUTS if quick else None)),
-            ("memory", lambda: memory([*tiny, "train.batch_size=2"], 512, list(seq_lens), log)),
-            ("loss memory", lambda: loss_memory([*tiny, "data.seq_len=128", "model.max_seq_len=128",
-                                                 "train.batch_size=8"], 16384, log)),
-            ("compilation", lambda: compilation(min(8, len(devices)), list(depths), log)),
-            ("gpu", lambda: gpu_tables(gpu_results)))
-    for name, part in plan:
-        t0 = time.perf_counter()
-        log(f"[{name}]")
-        result = part()
-        result["seconds"] = time.perf_counter() - t0
-        results[name.replace(": ", "_").replace(" ", "_")] = result
-        parts[name] = result["markdown"]
-        log(result["markdown"] + f"\n({name}: {result['seconds']:.0f} s)\n")
-    sections = [f"# Lab 08: fused kernels and compilation, {len(devices)} x {devices[0].platform}",
-                (f"jax {jax.__version__}, {results['date']}; Pallas kernels interpreted on CPU. Measured values come "
-                 "from the compiled programs and the clock, predictions from the formulas named beside them."),
-                "## a. Numerical agreement: kernels vs pure-jnp references", parts["agreement: kernels"],
-                "## a. Numerical agreement: the model, 5 steps, fp32", parts["agreement: model"],
-                "## a. The kernels inside every hand-written strategy (4 layers), fp32",
-                parts["agreement: strategies"],
-                "## b. Activation memory: dot vs flash attention (train step temp, one device, fp32)", parts["memory"],
-                "## b. Chunked cross-entropy memory", parts["loss memory"],
-                "## c. Compilation: persistent cache and depth", parts["compilation"],
-                "## d. GPU benchmarks", parts["gpu"]]
-    write_report(out, sections, results, start, {name: results[name.replace(": ", "_").replace(" ", "_")]["seconds"]
-                                                 for name, _ in plan})
-    draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
-    log(f"wrote {out / 'report.md'}, results.json, memory.png, compile.png")
-    return results
+    results = {"devices": len(devices), "platform": devices[0].platform, "jax": jax.__version__,
+               "date": time.strftime("%Y-%m-%d")}
+    header = [f"# Lab 08: fused kernels and compilation, {len(devices)} x {devices[0].platform}",
+              (f"jax {jax.__version__}, {results['date']}; Pallas kernels interpreted on CPU. Measured values come "
+               "from the compiled programs and the clock, predictions from the formulas named beside them.")]
+    parts = [
+        Part("agreement: kernels", lambda: kernel_agreement(), "agreement_kernels",
+             "## a. Numerical agreement: kernels vs pure-jnp references"),
+        Part("agreement: model", lambda: model_agreement([*tiny, *SMALL_BLOCKS], 512, steps, log), "agreement_model",
+             "## a. Numerical agreement: the model, 5 steps, fp32"),
+        Part("agreement: strategies",
+             lambda: strategy_agreement([*tiny, *SMALL_BLOCKS, "model.layers=4"], 512, steps, LOSS_TOLERANCE, log,
+                                        QUICK_LAYOUTS if quick else None),
+             "agreement_strategies", "## a. The kernels inside every hand-written strategy (4 layers), fp32"),
+        Part("memory", lambda: memory([*tiny, "train.batch_size=2"], 512, list(seq_lens), log), None,
+             "## b. Activation memory: dot vs flash attention (train step temp, one device, fp32)"),
+        Part("loss memory", lambda: loss_memory([*tiny, "data.seq_len=128", "model.max_seq_len=128",
+                                                 "train.batch_size=8"], 16384, log), "loss_memory",
+             "## b. Chunked cross-entropy memory"),
+        Part("compilation", lambda: compilation(min(8, len(devices)), list(depths), log), None,
+             "## c. Compilation: persistent cache and depth"),
+        Part("gpu", lambda: gpu_tables(gpu_results), None, "## d. GPU benchmarks")]
+    return run_parts("kernels", out, parts, results, header, PLOTS, start=start, log=log)
 
 
 def _ints(text: str, field: str) -> list[int]:

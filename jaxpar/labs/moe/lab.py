@@ -32,12 +32,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.labs.arguments import MOE_PARTS as PARTS
 from jaxpar.labs.arguments import MOE_SETTINGS as LAB_SETTINGS
 from jaxpar.labs.arguments import moe as add_arguments
-from jaxpar.labs.base import report
-from jaxpar.labs.base.report import max_rel_dev, md_table, standalone_main, write_report
+from jaxpar.labs.base.report import max_rel_dev, md_table
+from jaxpar.labs.base.runner import Part, chosen_parts, run_directory, run_parts, standalone_main
 from jaxpar.labs.moe.build import Lab
 from jaxpar.labs.moe.layouts import moe_layouts
 from jaxpar.labs.moe.plots import PLOTS
@@ -313,9 +313,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
     """Run `parts` (default: a-f) on every local device; write the run directory; return every number.
     `quick`: part f on two of its layouts."""
     start = time.perf_counter()
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown or not parts:
-        raise ConfigError("--parts", f"{', '.join(unknown) or 'nothing'} given; choose from {', '.join(PARTS)}")
+    parts = chosen_parts(parts, PARTS)
     for name, value in (("--steps", steps), ("--balance-steps", balance_steps),
                         ("--capacity-steps", capacity_steps), ("--compare-steps", compare_steps)):
         if value < 2:
@@ -331,44 +329,20 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 5, balance_st
         raise ConfigError("--cpu-devices", f"the lab splits {config.model.moe.experts} experts and a batch of "
                           f"{config.train.batch_size} over every device, but JAX has {n}; on CPU pass "
                           "--cpu-devices 8 (a count > 1 dividing both)")
-    out = Path(out or f"runs/lab-moe-{time.strftime('%Y%m%d-%H%M%S')}")
-    log(f"lab moe: {n} x {devices[0].platform} devices, run directory {out}")
     lab = Lab(config, devices, log)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(to_json(config))
-    m = config.model
-    header = "\n".join([
-        f"# Lab 07: Mixture-of-Experts and expert parallelism: config {config.name}, {n} x {devices[0].platform}",
-        "",
-        f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: d_model {m.d_model}, {m.layers} layers "
-        f"({m.moe.dense_layers} dense), {m.moe.experts} experts of hidden {m.moe.expert_mlp_dim or m.mlp_dim}, "
-        f"top-{m.moe.top_k}, {m.moe.shared_experts} shared; vocab {lab.vocab}; batch {config.train.batch_size} x "
-        f"{config.data.seq_len} tokens of the corpus '{config.data.corpus}'. Measured values come from the "
-        "compiled program or the clock; predicted values from the formulas named beside them.",
-    ])
-    results = {"config": config.name, "devices": n, "platform": devices[0].platform, "jax": jax.__version__,
-               "date": time.strftime("%Y-%m-%d")}
-    sections = [header]
-    log(header + "\n")
+    out = run_directory(out, "moe", config, log=log)
+    m = lab.base.model
+    header = lab.sheet_header(
+        "Lab 07: Mixture-of-Experts and expert parallelism",
+        f"Model: d_model {m.d_model}, {m.layers} layers ({m.moe.dense_layers} dense), {m.moe.experts} experts of "
+        f"hidden {m.moe.expert_mlp_dim or m.mlp_dim}, top-{m.moe.top_k}, {m.moe.shared_experts} shared; "
+        f"vocab {lab.vocab}")
     work = {"equivalence": lambda: equivalence(lab, steps), "communication": lambda: communication(lab),
             "balance": lambda: balance(lab, balance_steps, bias_rate),
             "capacity": lambda: capacity(lab, capacity_steps), "moe_vs_dense": lambda: moe_vs_dense(lab, compare_steps),
             "layouts": lambda: moe_layouts(out / "layouts", steps, n, log, quick)}
-    parts_run = [name for name in PARTS if name in parts]
-    for name in parts_run:
-        t0 = time.perf_counter()
-        log(f"[{name}]")
-        result = work[name]()
-        result["seconds"] = time.perf_counter() - t0
-        results[name] = result
-        sections.append(result["markdown"])
-        log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in parts_run},
-                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values())))
-    log(footer)
-    report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
-    log(f"wrote {out / 'report.md'}, results.json and the plots")
-    return results
+    return run_parts("moe", out, [Part(name, work[name]) for name in parts], lab.facts(), [header],
+                     PLOTS, start=start, compiles=lab.compiles, log=log)
 
 
 # ============================================================================ command line
@@ -379,7 +353,7 @@ def run_from_args(args) -> int:
     apply_overrides(config, [*LAB_SETTINGS, *args.overrides])
     run_lab(config, args.out, steps=args.steps, balance_steps=args.balance_steps,
             capacity_steps=args.capacity_steps, compare_steps=args.compare_steps, bias_rate=args.bias_rate,
-            parts=[p.strip() for p in args.parts.split(",") if p.strip()], quick=args.quick)
+            parts=args.parts, quick=args.quick)
     return 0
 
 

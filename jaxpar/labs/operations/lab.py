@@ -32,6 +32,8 @@ from jaxpar.checks import add_config_arguments
 from jaxpar.config import ConfigError
 from jaxpar.figures import figure, save, styled
 from jaxpar.labs.arguments import TEST_CONFIG, add_quick
+from jaxpar.labs.base.results import write_results
+from jaxpar.labs.base.runner import standalone_main
 
 LAB_DEFAULTS = ["train.steps=40", "train.checkpoint_every=10", "train.eval_every=20", "train.log_every=1",
                 "train.sample_tokens=0"]
@@ -224,7 +226,7 @@ def run_lab(out: Path, config: str | None, overrides: list[str], seed: int | Non
     results["reshard"] = _reshard_drill(out, args, steps)
     report = _report(results, config, overrides)
     (out / "report.md").write_text(report)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    write_results(out, results)
     print(report)
     ok = max(results["failure"]["max_rel_loss_vs_baseline"], results["reshard"]["max_rel_loss_vs_8_devices"])
     if ok > TOLERANCE:
@@ -251,11 +253,5 @@ def run_from_args(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="run.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run_from_args(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    """Standalone entry (experiments/09_operations/run.py): parse, run; bad input exits 2."""
+    return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

@@ -293,7 +293,7 @@ def cpu_part(out: Path, steps: int, overrides: list[str], log=print) -> dict:
 
 def plot_timelines(cpu: dict, path: Path) -> None:
     """One panel per hand-written variant: each device's compute (grey) and collectives (red) in one step."""
-    from jaxpar.labs.base.report import figure, save
+    from jaxpar.figures import figure, save
     names = [n for n in cpu if "profile" in cpu[n]]
     fig = figure(8, 1.7 * len(names))
     axes = fig.subplots(len(names), 1, squeeze=False)
@@ -339,8 +339,9 @@ times and roofline compute times (jaxpar/measure/overlap.py): a model of the sch
 
 
 def run_lab(out, parts, layouts, steps: int, overrides: list[str], log=print) -> dict:
-    out = Path(out or f"runs/lab-overlap-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    from jaxpar.labs.base.results import write_results
+    from jaxpar.labs.base.runner import run_directory
+    out = run_directory(out, "overlap")
     results: dict[str, Any] = {}
     lines = [SHEET_HEADER]
     if "gpu" in parts:
@@ -358,7 +359,7 @@ def run_lab(out, parts, layouts, steps: int, overrides: list[str], log=print) ->
         plot_timelines(results["cpu"], out / "timeline.png")
         lines += ["", f"## Default model on 8 CPU devices ({steps} steps, fp32)", "", *cpu_table(results["cpu"]),
                   "", "![timeline](timeline.png)"]
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    write_results(out, results)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     log(f"wrote {out / 'report.md'}")
     return results
@@ -404,5 +405,5 @@ def run_from_args(args) -> int:
 
 def main(argv=None) -> int:
     """Standalone entry (experiments/05_overlap/run.py)."""
-    from jaxpar.labs.base.report import standalone_main
+    from jaxpar.labs.base.runner import standalone_main
     return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

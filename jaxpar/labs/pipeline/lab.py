@@ -41,10 +41,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.config import ConfigError, apply_overrides, load_config, preset, to_json
+from jaxpar.config import ConfigError, apply_overrides, load_config, preset
 from jaxpar.labs.arguments import PIPELINE_PARTS as PARTS
 from jaxpar.labs.arguments import pipeline as add_arguments
-from jaxpar.labs.base.report import draw_plots, md_table, standalone_main, write_report
+from jaxpar.labs.base.report import md_table
+from jaxpar.labs.base.runner import Part, chosen_parts, run_directory, run_parts, sheet_header, standalone_main
 from jaxpar.labs.pipeline.build import LAB_MODEL, MICRO, REPO, TABLE_CASES, VOCAB, Lab, _pipe
 from jaxpar.labs.pipeline.moe import moe_pipelines
 from jaxpar.labs.pipeline.plots import PLOTS
@@ -364,55 +365,35 @@ def run_lab(overrides: list[str], out: str | Path | None = None, *, steps: int =
     if steps < 1 or warmup < 1 or pipedream_steps < 2:
         raise ConfigError("--steps" if steps < 1 else "--warmup" if warmup < 1 else "--pipedream-steps",
                           "must be at least 1 (--pipedream-steps: 2)")
-    unknown = [x for x in parts if x not in PARTS]
-    if unknown:
-        raise ConfigError("--parts", f"unknown {', '.join(unknown)}; valid: {', '.join(PARTS)}")
+    parts = tuple(chosen_parts(parts, PARTS))
     if len(jax.devices()) < 8:
         raise ConfigError("--cpu-devices", f"the lab needs 8 devices (3D layouts) but JAX has {len(jax.devices())}; "
                           "on CPU pass --cpu-devices 8")
     config = load_config("configs/test.py")
     apply_overrides(config, LAB_MODEL + list(overrides))
-    out = Path(out or f"runs/lab-pipeline-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(to_json(config))
+    out = run_directory(out, "pipeline", config)
     lab = Lab(config, out, log, quick)
     p, m = 4, 8
     c = config.model
-    header = "\n".join([
-        f"# Lab 04: pipeline parallelism on {len(jax.devices())} x {jax.devices()[0].platform}", "",
-        f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: d_model {c.d_model}, {c.layers} layers, "
-        f"{c.heads} heads, vocab {VOCAB}, seq {config.data.seq_len}; synthetic batches of {MICRO} rows per "
-        "pipeline microbatch. Measured values come from the compiled program, the profiler or the clock; "
-        "predicted ones from the formulas named beside them."])
-    log(header + "\n")
+    header = sheet_header(
+        f"Lab 04: pipeline parallelism on {len(jax.devices())} x {jax.devices()[0].platform}",
+        f"Model: d_model {c.d_model}, {c.layers} layers, {c.heads} heads, vocab {VOCAB}, seq {config.data.seq_len}; "
+        f"synthetic batches of {MICRO} rows per pipeline microbatch. Measured values come from the compiled "
+        "program, the profiler or the clock; predicted ones from the formulas named beside them.")
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "devices": len(jax.devices())}
-    report = [header]
     plan = {"tables": lambda: tables(lab), "equivalence": lambda: equivalence(lab, steps),
             "timeline": lambda: timeline(lab, p, m, warmup), "memory": lambda: memory(lab, p),
             "p2p": lambda: p2p(lab, p, m), "dryrun": lambda: dryrun_7b(lab, out),
             "dualpipev": lambda: dualpipev(lab, steps), "pipedream": lambda: pipedream(lab, pipedream_steps),
             "moe": lambda: moe_pipelines(lab, steps)}
-    steps_plan = [(name, plan[name]) for name in PARTS if name in parts]
-    for name, fn in steps_plan:
-        t0 = time.perf_counter()
-        log(f"[{name}]")
-        result = fn()
-        result["seconds"] = time.perf_counter() - t0
-        results[name] = result
-        report.append(result["markdown"])
-        log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    footer = write_report(out, report, results, start, {k: results[k]["seconds"] for k, _ in steps_plan})
-    log(footer)
-    draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
-    log(f"wrote {out / 'report.md'}, results.json and the plots")
-    return results
+    return run_parts("pipeline", out, [Part(name, plan[name]) for name in parts], results, [header], PLOTS,
+                     start=start, log=log)
 
 
 # ============================================================================ command line
 
 def run_from_args(args) -> int:
-    parts = tuple(x.strip() for x in args.parts.split(",") if x.strip())
-    run_lab(args.overrides, args.out, steps=args.steps, warmup=args.warmup, parts=parts,
+    run_lab(args.overrides, args.out, steps=args.steps, warmup=args.warmup, parts=args.parts,
             pipedream_steps=args.pipedream_steps, quick=args.quick)
     return 0
 

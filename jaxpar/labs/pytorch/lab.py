@@ -33,6 +33,8 @@ from ml_collections import ConfigDict
 from jaxpar.config import ConfigError, apply_overrides, load_config, model_vocab_size
 from jaxpar.labs.arguments import add_quick
 from jaxpar.labs.base import report
+from jaxpar.labs.base.results import draw_plots, write_report
+from jaxpar.labs.base.runner import run_directory, standalone_main
 from jaxpar.labs.pytorch.pairs import PAIRS, TOLERANCE, code_lines
 from jaxpar.labs.pytorch.sheet import (
     NOTES,
@@ -268,7 +270,7 @@ def run_lab(config_path, overrides: list[str], out=None, *, steps: int = 10, pro
     data = build_token_data(config.data)
     vocab = model_vocab_size(config, data.stats["vocab_size"], 1)
     check(config, pairs, steps, n, m, vocab)
-    out = Path(out or f"runs/lab-pytorch-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = run_directory(out, "pytorch")
     work = out / "raw"                 # the inputs and each side's raw results stay: a failure later loses nothing
     work.mkdir(parents=True, exist_ok=True)
     parts = {}
@@ -296,8 +298,8 @@ def run_lab(config_path, overrides: list[str], out=None, *, steps: int = 10, pro
                "code_lines": code_lines(), "hyper": inputs["hyper"]}
     sections = [header(results, config, cfg), md_equivalence(rows, steps), md_communication(rows, predicted, n),
                 md_memory(rows) + "\n\n" + rss_line(results), md_time(rows), md_lines(pairs, n, m), NOTES]
-    log(report.write_report(out, sections, results, start, parts))
-    report.draw_plots(results, out, PLOTS, "pytorch")     # after results.json: a failed plot can be redrawn
+    log(write_report(out, sections, results, parts, time.perf_counter() - start))
+    draw_plots(results, out, PLOTS, "pytorch")     # after results.json: a failed plot can be redrawn
     log(f"wrote {out / 'report.md'}, results.json, {', '.join(PLOTS)} and the inputs and raw results in {work}")
     return results
 
@@ -337,4 +339,4 @@ def run_from_args(args) -> int:
 
 def main(argv=None) -> int:
     """Standalone entry (experiments/06_pytorch/run.py): parse, run; bad input exits 2."""
-    return report.standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)
+    return standalone_main(__doc__.splitlines()[0], add_arguments, run_from_args, argv)

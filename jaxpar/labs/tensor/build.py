@@ -3,20 +3,11 @@ and compiled once, its step and its gradient cached, then run and read by every 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import time
-from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 
-from jaxpar.config import ConfigError, apply_overrides, model_vocab_size
-
-if TYPE_CHECKING:
-    from ml_collections import ConfigDict
-
-    from jaxpar.parallel.strategy import Strategy
-
+from jaxpar.config import ConfigError, apply_overrides
+from jaxpar.labs.base.workbench import Built, Workbench
 
 # variant key -> (label, config overrides, TensorStrategy keyword arguments)
 VARIANTS = {
@@ -30,38 +21,17 @@ VARIANTS = {
 }
 
 
-@dataclasses.dataclass
-class Built:
-    key: str
-    label: str
-    config: ConfigDict
-    strategy: Strategy
-    compiled: jax.stages.Compiled
-    compile_s: float
+class Lab(Workbench):
+    """Lab 03's variants on a data x tensor mesh (`VARIANTS`): their steps and their gradient programs."""
 
-
-class Lab:
-    def __init__(self, config, devices, tensor: int, log=print):
-        from jaxpar.data.pipeline import build_token_data, train_dataset
+    def __init__(self, config, devices, tensor: int, log=print) -> None:
         from jaxpar.model.transformer import ModelConfig
 
-        self.base, self.devices, self.t, self.log = config, devices, tensor, log
-        self.d = len(devices) // tensor
-        self.data = build_token_data(config.data)
-        vocab = model_vocab_size(config, self.data.stats["vocab_size"], tensor)
-        if vocab % tensor:
-            raise ConfigError("model.vocab_size", f"{vocab} is not divisible by --tensor {tensor}")
-        self.model_cfg = ModelConfig.from_config(config.model, vocab)
-        B = config.train.batch_size
-        self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
-        self._batches: list[np.ndarray] = []
-        self.builds: dict[tuple, Built] = {}
-        self._initial = None
-
-    def batches(self, count: int) -> list[np.ndarray]:
-        while len(self._batches) < count:
-            self._batches.append(np.asarray(next(self._stream)))
-        return self._batches[:count]
+        super().__init__(config, devices, log, vocab_multiple=tensor)
+        self.t, self.d = tensor, len(devices) // tensor
+        if self.vocab % tensor:
+            raise ConfigError("model.vocab_size", f"{self.vocab} is not divisible by --tensor {tensor}")
+        self.model_cfg = ModelConfig.from_config(config.model, self.vocab)
 
     def config_of(self, key: str, layers: int | None = None):
         config = copy.deepcopy(self.base)
@@ -93,12 +63,8 @@ class Lab:
         """The variant's train step, compiled once (cached)."""
         if ("step", key) not in self.builds:
             config, strategy = self.strategy(key)
-            start = time.perf_counter()
-            with jax.set_mesh(strategy.mesh):
-                compiled = strategy.lower_step().compile()
-            self.builds[("step", key)] = Built(key, VARIANTS[key][0], config, strategy, compiled,
-                                               time.perf_counter() - start)
-            self.log(f"  compiled the step of {VARIANTS[key][0]} in {time.perf_counter() - start:.1f} s")
+            built = self.compile(("step", key), key, VARIANTS[key][0], config, strategy)
+            self.log(f"  compiled the step of {built.label} in {built.compile_s:.1f} s")
         return self.builds[("step", key)]
 
     def gradient(self, key: str, layers: int | None = None) -> Built:
@@ -106,37 +72,19 @@ class Lab:
         layers = layers or self.model_cfg.layers
         if ("grad", key, layers) not in self.builds:
             config, strategy = self.strategy(key, layers)
-            start = time.perf_counter()
-            with jax.set_mesh(strategy.mesh):
-                if key == "single":
-                    compiled = jax.jit(_single_device_gradient(strategy)).lower(
-                        strategy.abstract_state["params"], strategy.abstract_batch()).compile()
-                else:
-                    compiled = strategy.grad_fn.lower(strategy.abstract_state["params"],
-                                                     strategy.abstract_batch()).compile()
-            self.builds[("grad", key, layers)] = Built(key, VARIANTS[key][0], config, strategy, compiled,
-                                                       time.perf_counter() - start)
-            self.log(f"  compiled the gradient of {VARIANTS[key][0]} ({layers} layers) in "
-                     f"{time.perf_counter() - start:.1f} s")
+            args = (strategy.abstract_state["params"], strategy.abstract_batch())
+            gradient = jax.jit(_single_device_gradient(strategy)) if key == "single" else strategy.grad_fn
+            built = self.compile(("grad", key, layers), key, VARIANTS[key][0], config, strategy,
+                                 lambda: gradient.lower(*args))
+            self.log(f"  compiled the gradient of {built.label} ({layers} layers) in {built.compile_s:.1f} s")
         return self.builds[("grad", key, layers)]
 
-    def initial_params(self, built: Built):
-        if self._initial is None:
-            self._initial = jax.device_get(built.strategy.init_state())
-        return self._initial
-
     def run(self, built: Built, batches) -> list[float]:
-        state = jax.device_put(self.initial_params(built), built.strategy.state_shardings)
-        losses = []
-        with jax.set_mesh(built.strategy.mesh):
-            for batch in batches:
-                state, metrics = built.compiled(state, jax.device_put(batch, built.strategy.batch_sharding))
-                losses.append(float(metrics["loss"]))
-        return losses
+        return self.train(built, batches)[1]
 
     def grads(self, built: Built, batch):
         strategy = built.strategy
-        params = jax.device_put(self.initial_params(built)["params"], strategy.param_shardings)
+        params = jax.device_put(self.initial_state(built)["params"], strategy.param_shardings)
         with jax.set_mesh(strategy.mesh):
             metrics, grads = built.compiled(params, jax.device_put(batch, strategy.batch_sharding))
         return float(metrics["loss"]), jax.device_get(grads)

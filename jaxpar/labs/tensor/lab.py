@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.labs.arguments import TENSOR_PARTS as PARTS
 from jaxpar.labs.arguments import tensor as add_arguments
-from jaxpar.labs.base import report
-from jaxpar.labs.base.report import max_rel_dev, md_table, standalone_main, write_report
+from jaxpar.labs.base.report import max_rel_dev, md_table
+from jaxpar.labs.base.runner import Part, chosen_parts, run_directory, run_parts, standalone_main
 from jaxpar.labs.tensor.build import VARIANTS, Lab
 from jaxpar.labs.tensor.context import context
 from jaxpar.labs.tensor.plots import PLOTS
@@ -282,7 +282,6 @@ def memory(lab: Lab) -> dict:
 # ============================================================================ the whole lab
 
 
-
 def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: int = 4,
             parts: tuple[str, ...] = PARTS, quick: bool = False, log=print) -> dict:
     """Run parts a-d on every local device; write the run directory; return every number. `quick`: part d on
@@ -290,9 +289,7 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
     start = time.perf_counter()
     if steps < 1:
         raise ConfigError("--steps", f"is {steps}; must be at least 1")
-    unknown = [x for x in parts if x not in PARTS]
-    if unknown:
-        raise ConfigError("--parts", f"unknown {', '.join(unknown)}; valid: {', '.join(PARTS)}")
+    parts = tuple(chosen_parts(parts, PARTS))
     devices = jax.devices()
     if tensor < 2 or len(devices) % tensor:
         raise ConfigError("--tensor", f"is {tensor}; must be at least 2 and divide the {len(devices)} devices "
@@ -303,43 +300,20 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, tensor: i
                             "mesh.fsdp=1", "mesh.pipe=1", "mesh.expert=1"])
     from jaxpar.config import validate
     validate(probe, len(devices))
-    out = Path(out or f"runs/lab-tensor-{time.strftime('%Y%m%d-%H%M%S')}")
-    log(f"lab tensor: {len(devices)} x {devices[0].platform} devices, run directory {out}")
     lab = Lab(config, devices, tensor, log)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(to_json(config))
+    out = run_directory(out, "tensor", config, log=log)
     m = lab.model_cfg
-    header = "\n".join([
-        f"# Lab 03 (tensor): Megatron TP and sequence parallelism: config {config.name}, {len(devices)} x "
-        f"{devices[0].platform}",
-        "",
-        f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: d_model {m.d_model}, {m.layers} layers, "
-        f"{m.heads} heads ({m.kv_heads} kv), mlp {m.mlp_dim}, vocab {m.vocab_size}; batch {config.train.batch_size} x "
-        f"{config.data.seq_len} tokens of '{config.data.corpus}'; mesh data={lab.d} x tensor={tensor}. Measured "
-        "values come from the compiled program or the run; predicted ones from the formulas named beside them.",
-    ])
-    results = {"config": config.name, "devices": len(devices), "platform": devices[0].platform,
-               "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "tensor": tensor, "data": lab.d}
-    sections = [header]
-    log(header + "\n")
+    header = lab.sheet_header(
+        "Lab 03 (tensor): Megatron TP and sequence parallelism",
+        f"Model: d_model {m.d_model}, {m.layers} layers, {m.heads} heads ({m.kv_heads} kv), mlp {m.mlp_dim}, "
+        f"vocab {m.vocab_size}; mesh data={lab.d} x tensor={lab.t}")
+    results = {**lab.facts(), "tensor": tensor, "data": lab.d}
     plan = {"equivalence": lambda: equivalence(lab, steps), "communication": lambda: communication(lab),
             "memory": lambda: memory(lab), "layouts": lambda: layouts(lab, steps, quick),
             "context": lambda: context(lab, steps, quick)}
-    for name, fn in ((name, plan[name]) for name in PARTS if name in parts):
-        t0 = time.perf_counter()
-        log(f"[{name}]")
-        result = fn()
-        result["seconds"] = time.perf_counter() - t0
-        results[name] = result
-        sections.append(result["markdown"])
-        log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in PARTS if k in results},
-                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values()))
-                          if lab.builds else None)     # (part d compiles its own programs, not cached)
-    log(footer)
-    report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
-    log(f"wrote {out / 'report.md'}, results.json and the plots")
-    return results
+    # the footer counts the cached programs (part d compiles its own programs, not cached)
+    return run_parts("tensor", out, [Part(name, plan[name]) for name in parts], results, [header],
+                     PLOTS, start=start, compiles=lab.compiles, log=log)
 
 
 # ============================================================================ d. layouts
@@ -427,7 +401,7 @@ def run_from_args(args) -> int:
     config = load_config(args.config)
     apply_overrides(config, args.overrides)
     run_lab(config, args.out, steps=args.steps, tensor=args.tensor,
-            parts=tuple(x.strip() for x in args.parts.split(",") if x.strip()), quick=args.quick)
+            parts=args.parts, quick=args.quick)
     return 0
 
 

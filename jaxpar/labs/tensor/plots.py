@@ -11,12 +11,6 @@ from jaxpar.labs.tensor.context import plot_context
 from jaxpar.units import byte_unit, fmt_bytes
 
 
-def plot_equivalence(result: dict, path: Path):
-    return report.plot_equivalence(path, [(r["label"], r["losses"], None if key == "single" else
-                                           result["runs"]["single"]["label"]) for key, r in result["runs"].items()],
-                                   result["tolerance"])
-
-
 def _variant_ticks(ax, rows) -> None:
     ax.set_xticks(np.arange(len(rows)), [r["label"].replace(", ", ",\n").replace(" TP", "\nTP", 1) for r in rows])
 
@@ -79,6 +73,6 @@ def plot_memory(result: dict, path: Path):
     return save(fig, path)
 
 
-PLOTS = {"equivalence.png": ("equivalence", plot_equivalence),
+PLOTS = {"equivalence.png": ("equivalence", report.plot_single_device_equivalence),
          "communication.png": ("communication", plot_communication), "memory.png": ("memory", plot_memory),
          "context.png": ("context", plot_context)}

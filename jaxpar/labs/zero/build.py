@@ -3,70 +3,28 @@ read by every part (the same executable, so nothing compiles twice)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jax
-import numpy as np
 
-from jaxpar.config import apply_overrides, model_vocab_size
-from jaxpar.measure.hlo import compiled_hlo
+from jaxpar.config import apply_overrides
+from jaxpar.labs.base.workbench import Built, Workbench
 from jaxpar.parallel.zero import STAGE_NAMES
-
-if TYPE_CHECKING:
-    from ml_collections import ConfigDict
-
-    from jaxpar.parallel.strategy import Strategy
 
 MANUAL = ("ddp", "zero1", "zero2", "zero3")
 
 
-# ============================================================================ building and running one step
+class Lab(Workbench):
+    """Lab 02's variants: the single device, the automatic data and FSDP layouts and the manual stages."""
 
-@dataclasses.dataclass
-class Built:
-    """One strategy's strategy and its compiled step (compiled once: run, timed and inspected)."""
-
-    key: str
-    label: str
-    config: ConfigDict
-    strategy: Strategy
-    compiled: jax.stages.Compiled
-    compile_s: float
-    sizes: dict
-
-    @property
-    def hlo(self) -> str:
-        return compiled_hlo(self.compiled)
-
-
-class Lab:
-    def __init__(self, config, devices, out: Path, log=print):
-        from jaxpar.data.pipeline import build_token_data, train_dataset
+    def __init__(self, config, devices, log=print) -> None:
         from jaxpar.model.counting import param_count
         from jaxpar.model.transformer import ModelConfig
 
-        self.base, self.devices, self.n, self.out, self.log = config, devices, len(devices), out, log
-        self.platform = devices[0].platform
-        self.data = build_token_data(config.data)
-        vocab = model_vocab_size(config, self.data.stats["vocab_size"], 1)
-        self.model_cfg = ModelConfig.from_config(config.model, vocab)
+        super().__init__(config, devices, log)
+        self.model_cfg = ModelConfig.from_config(config.model, self.vocab)
         self.counts = param_count(self.model_cfg)
         self.psi = self.counts["total"]
-        B = config.train.batch_size
-        self._stream = iter(train_dataset(self.data.train, B, config.data.shuffle_seed, slice(0, B)))
-        self._batches: list[np.ndarray] = []
-        self.builds: dict[tuple, Built] = {}
-        self._initial = None
         self._strategies: list[Built] | None = None
-
-    def batches(self, count: int) -> list[np.ndarray]:
-        """The first `count` training batches: the same list for every strategy and precision."""
-        while len(self._batches) < count:
-            self._batches.append(np.asarray(next(self._stream)))
-        return self._batches[:count]
 
     def variant(self, key: str, *, impl="auto", data=1, fsdp=1, remat=None, dtype="float32", layers=None) -> Built:
         """Configure, build and compile one strategy (cached by its settings); `impl` is parallel.data."""
@@ -85,37 +43,13 @@ class Lab:
                                  f"train.remat={remat}", f"train.compute_dtype={dtype}"])
         mesh = make_mesh(config, self.devices[:data * fsdp])
         model_cfg = ModelConfig.from_config(config.model, self.model_cfg.vocab_size)
-        strategy = make_strategy(config, model_cfg, mesh)
-        start = time.perf_counter()
-        with jax.set_mesh(mesh):
-            compiled = strategy.lower_step().compile()
-        built = Built(key, _label(impl, data, fsdp), config, strategy, compiled, time.perf_counter() - start,
-                      {name: int(size) for name, size in mesh.shape.items()})
+        built = self.compile(settings, key, _label(impl, data, fsdp), config, make_strategy(config, model_cfg, mesh))
         self.log(f"  compiled {built.label} (remat {remat}, {dtype}) in {built.compile_s:.1f} s")
-        self.builds[settings] = built
         return built
-
-    def initial_state(self, built: Built):
-        """The initial train state in `built`'s layout. Every strategy initialises the same values (same
-        seed, same init), so it is made once, kept on the host and placed per layout: one init
-        compile instead of one per strategy."""
-        if self._initial is None:
-            self._initial = jax.device_get(built.strategy.init_state())
-        return jax.device_put(self._initial, built.strategy.state_shardings)
 
     def run(self, built: Built, batches) -> tuple[list[float], list[float]]:
         """Train from the initial state over `batches`: per-step losses and step times (blocked)."""
-        state = self.initial_state(built)
-        losses, times = [], []
-        with jax.set_mesh(built.strategy.mesh):
-            for batch in batches:
-                tokens = jax.device_put(batch, built.strategy.batch_sharding)
-                start = time.perf_counter()
-                state, metrics = built.compiled(state, tokens)
-                jax.block_until_ready(metrics)
-                times.append(time.perf_counter() - start)
-                losses.append(float(metrics["loss"]))
-        del state
+        _, losses, times = self.train(built, batches)
         return losses, times
 
     def manual(self, impl: str, **settings) -> Built:

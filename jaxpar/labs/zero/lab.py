@@ -27,11 +27,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.config import ConfigError, apply_overrides, load_config, to_json
+from jaxpar.config import ConfigError, apply_overrides, load_config
 from jaxpar.labs.arguments import ZERO_PARTS as PARTS
 from jaxpar.labs.arguments import zero as add_arguments
-from jaxpar.labs.base import report
-from jaxpar.labs.base.report import max_rel_dev, md_table, standalone_main, write_report
+from jaxpar.labs.base.report import max_rel_dev, md_table
+from jaxpar.labs.base.runner import Part, chosen_parts, run_directory, run_parts, standalone_main
 from jaxpar.labs.zero.build import Lab
 from jaxpar.labs.zero.communication import communication
 from jaxpar.labs.zero.plots import PLOTS
@@ -310,14 +310,13 @@ def precision(lab: Lab, steps: int, wanted: list[str] | None) -> dict:
 
 # ============================================================================ the whole lab
 
+
 def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision_steps: int = 60,
             remat_repeats: int = 10, precisions: list[str] | None = None, parts: tuple[str, ...] = PARTS,
             log=print) -> dict:
     """Run parts a-e (or those in `parts`) on every local device; write the run directory; return every number."""
     start = time.perf_counter()
-    unknown = [x for x in parts if x not in PARTS]
-    if unknown or not parts:
-        raise ConfigError("--parts", f"unknown {', '.join(unknown) or '(none given)'}; valid: {', '.join(PARTS)}")
+    parts = tuple(chosen_parts(parts, PARTS))
     for name, value in (("--steps", steps), ("--precision-steps", precision_steps),
                         ("--remat-repeats", remat_repeats)):
         if value < 1:
@@ -331,42 +330,18 @@ def run_lab(config, out: str | Path | None = None, *, steps: int = 10, precision
     if len(devices) < 2:
         raise ConfigError("--cpu-devices", f"the lab compares strategies over several devices but JAX has "
                           f"{len(devices)}; on CPU pass --cpu-devices 8")
-    out = Path(out or f"runs/lab-zero-{time.strftime('%Y%m%d-%H%M%S')}")
-    log(f"lab zero: {len(devices)} x {devices[0].platform} devices, run directory {out}")
-    lab = Lab(config, devices, out, log)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(to_json(config))
+    lab = Lab(config, devices, log)
+    out = run_directory(out, "zero", config, log=log)
     m = lab.model_cfg
-    header = "\n".join([
-        f"# Lab 02: DDP, ZeRO-1/2/3 and FSDP: config {config.name}, {len(devices)} x {devices[0].platform}",
-        "",
-        f"jax {jax.__version__}, {time.strftime('%Y-%m-%d %H:%M')}. Model: {lab.psi:,} params "
-        f"(d_model {m.d_model}, {m.layers} layers, vocab {m.vocab_size}), batch {config.train.batch_size} x "
-        f"{config.data.seq_len} tokens, real corpus '{config.data.corpus}'. Measured values come from the "
-        "compiled program or the clock; predicted values from the formulas named beside them.",
-    ])
-    results = {"config": config.name, "devices": len(devices), "platform": devices[0].platform,
-               "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "params": lab.psi,
-               "params_blocks": lab.counts["blocks"]}
-    sections = [header]
-    log(header + "\n")
+    header = lab.sheet_header(
+        "Lab 02: DDP, ZeRO-1/2/3 and FSDP",
+        f"Model: {lab.psi:,} params (d_model {m.d_model}, {m.layers} layers, vocab {m.vocab_size})")
+    results = {**lab.facts(), "params": lab.psi, "params_blocks": lab.counts["blocks"]}
     plan = {"equivalence": lambda: equivalence(lab, steps), "memory": lambda: memory(lab),
             "communication": lambda: communication(lab), "remat": lambda: remat(lab, remat_repeats),
             "precision": lambda: precision(lab, precision_steps, precisions)}
-    for name, fn in ((name, plan[name]) for name in PARTS if name in parts):
-        t0 = time.perf_counter()
-        log(f"[{name}]")
-        result = fn()
-        result["seconds"] = time.perf_counter() - t0
-        results[name] = result
-        sections.append(result["markdown"])
-        log(result["markdown"] + f"\n\n({name}: {result['seconds']:.1f} s)\n")
-    footer = write_report(out, sections, results, start, {k: results[k]["seconds"] for k in PARTS if k in results},
-                          compiles=(len(lab.builds), sum(b.compile_s for b in lab.builds.values())))
-    log(footer)
-    plots = report.draw_plots(results, out, PLOTS)     # after results.json: a failed plot can be redrawn
-    log(f"wrote {out / 'report.md'}, results.json and {len(plots)} plots")
-    return results
+    return run_parts("zero", out, [Part(name, plan[name]) for name in parts], results, [header],
+                     PLOTS, start=start, compiles=lab.compiles, log=log)
 
 
 # ============================================================================ command line
@@ -378,7 +353,7 @@ def run_from_args(args) -> int:
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()] if args.precisions else None
     run_lab(config, args.out, steps=args.steps, precision_steps=args.precision_steps,
             remat_repeats=args.remat_repeats, precisions=precisions,
-            parts=tuple(x.strip() for x in args.parts.split(",") if x.strip()))
+            parts=args.parts)
     return 0
 
 

@@ -10,12 +10,6 @@ from jaxpar.labs.base import report
 from jaxpar.units import byte_unit
 
 
-def plot_equivalence(result: dict, path: Path):
-    return report.plot_equivalence(path, [(r["label"], r["losses"], None if key == "single" else
-                                           result["runs"]["single"]["label"]) for key, r in result["runs"].items()],
-                                   result["tolerance"])
-
-
 def _strategy_ticks(ax, rows) -> None:
     ax.set_xticks(np.arange(len(rows)), [r["label"].replace("manual ", "").replace(" ", "\n", 1) for r in rows])
 
@@ -99,6 +93,7 @@ def plot_precision(result: dict, path: Path):
                                    reference="reference")
 
 
-PLOTS = {"equivalence.png": ("equivalence", plot_equivalence), "memory.png": ("memory", plot_memory),
+PLOTS = {"equivalence.png": ("equivalence", report.plot_single_device_equivalence),
+         "memory.png": ("memory", plot_memory),
          "communication.png": ("communication", plot_communication), "remat.png": ("remat", plot_remat),
          "precision.png": ("precision", plot_precision)}
