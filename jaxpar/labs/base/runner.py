@@ -85,7 +85,7 @@ def run_parts(lab: str, out: Path, parts: Sequence[Part], results: dict, section
         log(result["markdown"] + f"\n\n({part.name}: {result['seconds']:.1f} s)\n")
     log(close())
     written = draw_plots(results, out, plots, lab)     # after results.json: a failed figure can be redrawn
-    log(f"wrote {out / 'report.md'}, results.json and {len(written)} figures")
+    log(f"wrote {out / 'report.md'}, results.json and the figures {', '.join(written) or '(none)'}")
     return results
 
 
