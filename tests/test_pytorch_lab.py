@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jaxpar import cli, units
-from jaxpar.labs import pytorch as lab
+from jaxpar.labs.pytorch import lab
 
 HAS_TORCH = all(importlib.util.find_spec(name) for name in ("torch", "transformers"))
 
