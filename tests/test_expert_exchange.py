@@ -132,3 +132,17 @@ def test_memory_holds_the_buffers_the_exchange_receives():
                                 256, 4096, 80e9).working for exchange in ("ragged", "padded")}
     T, k, h, f = 256 // 64 * 4096, 2, shape.d_model, shape.expert_mlp_dim
     assert working["padded"] - working["ragged"] == pytest.approx((4 - 1.25) * T * k * (2 * h + 3 * f) * 2)
+
+
+def kept_for_backward(exchange: str) -> int:
+    """Bytes the exchange's vjp holds between the forward and the backward pass (its residuals), on the mesh."""
+    x, ids, gates, w = inputs(False)
+    forward = partial(jax.vjp, lambda x, gates, w: on_mesh(x, ids, gates, w, exchange=exchange))
+    _, backward = jax.eval_shape(forward, x, gates, w)         # traced only: the residuals' shapes
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(backward))
+
+
+def test_the_overflow_round_keeps_nothing_for_the_backward_pass():
+    """Differentiating a `lax.cond` keeps both branches' residuals; the overflow round is rematerialized, so the
+    capacity exchange keeps less than the padded one (without it: the padded residuals and its own)."""
+    assert kept_for_backward("capacity") < kept_for_backward("padded")
