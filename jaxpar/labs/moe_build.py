@@ -77,7 +77,7 @@ class Lab:
         if key not in self._initial:
             with jax.default_device(jax.devices("cpu")[0]):
                 self._initial[key] = jax.device_get(built.strategy.make_state())
-        return jax.device_put(self._initial[key], built.strategy.state_shardings)
+        return built.strategy.from_canonical(self._initial[key])
 
     def run(self, built: Built, steps: int, keep=("moe_routed", "moe_dropped"), evaluate: bool = False) -> dict:
         """Train from the initial state over the first `steps` batches: losses, times, kept metrics per step,

@@ -101,7 +101,7 @@ class Lab:
         compile instead of one per strategy."""
         if self._initial is None:
             self._initial = jax.device_get(built.strategy.init_state())
-        return jax.device_put(self._initial, built.strategy.state_shardings)
+        return built.strategy.from_canonical(self._initial)
 
     def run(self, built: Built, batches) -> tuple[list[float], list[float]]:
         """Train from the initial state over `batches`: per-step losses and step times (blocked)."""
