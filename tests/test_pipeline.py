@@ -391,22 +391,25 @@ def test_checkpoints_cross_from_pipe_to_one_device_and_back(tmp_path, built, run
     _, _, state = runs("interleaved p=2 v=2 m=4")
     interleaved, single, one_f = (built(n) for n in ("interleaved p=2 v=2 m=4", "single device", "1f1b p=4 m=8"))
 
-    def save_and_restore(strategy, state, name, target):
+    def save(strategy, state, name):
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp_path / name, strategy.to_canonical(state))
-        with ocp.StandardCheckpointer() as checkpointer:
-            restored = checkpointer.restore(tmp_path / name, target.canonical_abstract_state)
-        return target.from_canonical(restored)
 
+    def restore(name, target):
+        with ocp.StandardCheckpointer() as checkpointer:
+            return target.from_canonical(checkpointer.restore(tmp_path / name, target.canonical_abstract_state))
+
+    save(interleaved.strategy, state, "a")
     saved = jax.device_get(interleaved.strategy.to_canonical(state))
-    on_single, on_1f1b = (save_and_restore(interleaved.strategy, state, "a", t.strategy) for t in (single, one_f))
+    on_single, on_1f1b = (restore("a", t.strategy) for t in (single, one_f))
     for got in (on_single, one_f.strategy.to_canonical(on_1f1b)):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))   # layer order: the model's
     a, _, next_single = single.run(on_single, steps=1)
     b, _, _ = one_f.run(on_1f1b, steps=1)
     np.testing.assert_allclose(b, a, rtol=1e-5)
-    back = save_and_restore(single.strategy, next_single, "b", one_f.strategy)       # and back onto the pipeline
+    save(single.strategy, next_single, "b")
+    back = restore("b", one_f.strategy)                                             # and back onto the pipeline
     for got, want in zip(jax.tree.leaves(one_f.strategy.to_canonical(back)), jax.tree.leaves(next_single)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     np.testing.assert_allclose(one_f.run(back, steps=1)[0], single.run(next_single, steps=1)[0], rtol=1e-5)
