@@ -5,7 +5,9 @@ holds s and 2p-1-s). A schedule (parallel/schedules.py) is a table tick x stage 
 `compile_program` (pipeline_program.py) turns it into integer tables and pipeline_executor.py runs them as
 a `lax.scan` over ticks inside one `shard_map` (`lax.switch` per cell; per direction a `ppermute` over just
 the pairs the table sends on that tick, none in a bubble), so the stash holds exactly the microbatches the
-schedule keeps alive and each stage sends what the schedule sends. Around it: `data` (gradients averaged once
+schedule keeps alive and each stage sends what the schedule sends. The embedding lives on the first stage, the
+head and final norm on the last (parallel/stage_owned.py: a slot axis over `pipe`; checkpoints converted to the
+one canonical layout), so nothing of theirs is summed over `pipe`. Around it: `data` (gradients averaged once
 per step), `fsdp` (stage weights gathered once per step, gradients reduce-scattered once), `tensor`
 (Megatron's f/g, or SP, with its collective matmuls too, inside every stage), `expert` (parallel/expert.py's
 exchange inside the stages), gradient accumulation (the whole pipeline a times on strided slices). MoE models
