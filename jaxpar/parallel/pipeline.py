@@ -209,9 +209,9 @@ class PipelineStrategy(Strategy):
         self.param_specs = self.owned.specs(canonical)
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs)
         replicated = NamedSharding(mesh, P())
-        self.state_shardings = self._state_layout(jax.eval_shape(self.make_state), self.param_shardings,
-                                                  replicated=replicated)
-        self.abstract_state = self._with_shardings(jax.eval_shape(self.make_state), self.state_shardings)
+        abstract = jax.eval_shape(self.make_state)
+        self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=replicated)
+        self.abstract_state = self._with_shardings(abstract, self.state_shardings)
         self._checkpoint_layout(canonical, replicated)
         self.batch_spec = P(self.batch_axes or None, None)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
