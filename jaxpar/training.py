@@ -198,10 +198,11 @@ def _initial_state(strategy, checkpoints, batch_size: int, resume: bool, preempt
         with preemption.exits_at_once("initialising the state", lock.release):
             return 0, strategy.init_state()
     with preemption.exits_at_once("restoring the last checkpoint", lock.release):
-        start, state = checkpoints.restore(strategy.abstract_state)
+        start, state = checkpoints.restore(strategy.canonical_abstract_state)
     if start is None:
         raise ConfigError("--resume", f"no intact checkpoint in '{checkpoints.directory}' "
                           "(every step is damaged or unreadable); start a new run")
+    state = strategy.from_canonical(state)      # the checkpoints' one layout -> this strategy's
     checkpoints.set_aside_damaged()
     say(f"resumed from step {start} (global sample {start * batch_size:,}) on "
         f"{jax.process_count()} process(es) x {jax.local_device_count()} devices")
@@ -351,7 +352,7 @@ def _evaluate_and_save(run: _Run, tally: _Tally, state, step: int, evaluate: boo
     if save:
         run.guard.check_state(step, state)   # nor an exploded one
         save_start = time.perf_counter()
-        run.checkpoints.save(step, state, run.config.train.batch_size)
+        run.checkpoints.save(step, run.strategy.to_canonical(state), run.config.train.batch_size)   # one layout
         if run.config_changed:
             run.checkpoints.wait()   # the first step saved under the changed config is on disk: record it
             if is_main():
@@ -421,7 +422,8 @@ def _finish(run: _Run, tally: _Tally, state, step: int, preempted: bool) -> dict
 
     sample_text = None
     if t.sample_tokens > 0:
-        sample_text = sample_from_state(state["params"], run.model_cfg, run.data.tokenizer, t.sample_prompt,
+        params = run.strategy.to_canonical(state)["params"]      # the model's layout
+        sample_text = sample_from_state(params, run.model_cfg, run.data.tokenizer, t.sample_prompt,
                                         t.sample_tokens, run.config.data.seq_len)
         say(f"sample ({END_OF_RUN.describe()}): {t.sample_prompt}{sample_text}")
     totals = goodput.flush(finished=True)

@@ -34,7 +34,7 @@ def run_counting_steps(strategy, vocab: int, steps: int = 2, start=None):
     of the initial state (the same numbers every strategy's init_state makes; one init saves a compile)."""
     import jax
 
-    state = strategy.init_state() if start is None else jax.device_put(start, strategy.state_shardings)
+    state = strategy.init_state() if start is None else strategy.from_canonical(start)
     losses, norms = [], []
     with jax.set_mesh(strategy.mesh):
         step = strategy.lower_step().compile()

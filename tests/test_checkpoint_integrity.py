@@ -102,7 +102,7 @@ def abstract_state(run_dir):
     from jaxpar.train.rundir import resume_config
     config = resume_config(run_dir)
     model_cfg = ModelConfig.from_config(config.model, 512)   # configs/test.py's 512-token BPE vocabulary
-    return make_strategy(config, model_cfg, make_mesh(config, jax.devices())).abstract_state
+    return make_strategy(config, model_cfg, make_mesh(config, jax.devices())).canonical_abstract_state
 
 
 def truncate(path):

@@ -72,7 +72,7 @@ class Compiled:
         self.strategy = strategy
         with jax.set_mesh(strategy.mesh):
             self.step = strategy.lower_step().compile(compiler_options=FAST)
-        self.initial = jax.device_put(initial, strategy.state_shardings)
+        self.initial = strategy.init_state() if initial is None else strategy.from_canonical(initial)
 
     def run(self, state=None, steps=STEPS):
         state = self.initial if state is None else state
@@ -239,11 +239,12 @@ def oracle(runs):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_single_device(name, runs, oracle):
+def test_matches_single_device(name, built, runs, oracle):
     losses, norms, state = runs(name)
     np.testing.assert_allclose(losses, oracle[0], rtol=1e-4)
     np.testing.assert_allclose(norms, oracle[1], rtol=1e-4)          # gradients: their global norm every step
-    for got, want in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(oracle[2]["params"])):
+    canonical = built(name).strategy.to_canonical(state)             # the stage-owned layout, back in the model's
+    for got, want in zip(jax.tree.leaves(canonical), jax.tree.leaves(oracle[2])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
 
 
@@ -372,9 +373,9 @@ def test_sp_rings_gradients_match_one_device(built):
     s, batch = c.strategy, counting_batches(c.strategy.config, 1, VOCAB)[0]
     fast = lambda fn, *args: jax.jit(fn).lower(*args).compile(compiler_options=FAST)(*args)
     with jax.set_mesh(s.mesh):
-        grads = fast(lambda p, t: s._unstaged(s._grads(s._staged(p), t)[2]), c.initial["params"],
-                     jax.device_put(batch, s.batch_sharding))
-    params = jax.device_put(c.initial["params"], single.param_shardings)
+        grads = fast(lambda p, t: s.owned.to_canonical(s._unstaged(s._grads(s._staged(p), t)[2])),
+                     c.initial["params"], jax.device_put(batch, s.batch_sharding))   # each from its owner's slot
+    params = jax.device_put(s.to_canonical(c.initial)["params"], single.param_shardings)
     want = fast(jax.grad(lambda p, x: loss(p, x, single.model_cfg, single.ops)[0]), params, batch)
     for (path, got), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-4, atol=1e-7,
@@ -383,22 +384,57 @@ def test_sp_rings_gradients_match_one_device(built):
 
 # ---------------------------------------------------------------------------- one checkpoint layout
 
-def test_interleaved_checkpoint_restores_on_one_device_and_on_1f1b(tmp_path, built, runs):
+def test_checkpoints_cross_from_pipe_to_one_device_and_back(tmp_path, built, runs):
+    """A pipeline stores its embedding and head stage-owned (parallel/stage_owned.py) but saves the canonical
+    layout: interleaved's state restores on one device and on 1F1B, both continue alike; one device's next state
+    restores on 1F1B as the very same arrays, and both continue alike again."""
     _, _, state = runs("interleaved p=2 v=2 m=4")
-    path = tmp_path / "ckpt"
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path, state)
-    single, one_f = built("single device"), built("1f1b p=4 m=8")
-    for target in (single, one_f):
+    interleaved, single, one_f = (built(n) for n in ("interleaved p=2 v=2 m=4", "single device", "1f1b p=4 m=8"))
+
+    def save(strategy, state, name):
         with ocp.StandardCheckpointer() as checkpointer:
-            restored = checkpointer.restore(path, target.strategy.abstract_state)
-        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))   # layer order: the model's
-        target.restored = restored
-    # and both continue alike from it
-    a = single.run(single.restored, steps=1)[0]
-    b = one_f.run(one_f.restored, steps=1)[0]
+            checkpointer.save(tmp_path / name, strategy.to_canonical(state))
+
+    def restore(name, target):
+        with ocp.StandardCheckpointer() as checkpointer:
+            return target.from_canonical(checkpointer.restore(tmp_path / name, target.canonical_abstract_state))
+
+    save(interleaved.strategy, state, "a")
+    saved = jax.device_get(interleaved.strategy.to_canonical(state))
+    on_single, on_1f1b = (restore("a", t.strategy) for t in (single, one_f))
+    for got in (on_single, one_f.strategy.to_canonical(on_1f1b)):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))   # layer order: the model's
+    a, _, next_single = single.run(on_single, steps=1)
+    b, _, _ = one_f.run(on_1f1b, steps=1)
     np.testing.assert_allclose(b, a, rtol=1e-5)
+    save(single.strategy, next_single, "b")
+    back = restore("b", one_f.strategy)                                             # and back onto the pipeline
+    for got, want in zip(jax.tree.leaves(one_f.strategy.to_canonical(back)), jax.tree.leaves(next_single)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(one_f.run(back, steps=1)[0], single.run(next_single, steps=1)[0], rtol=1e-5)
+
+
+def test_tied_embedding_is_summed_between_first_and_last_stage_only():
+    """Tied: the first stage's lookup gradient and the last stage's head gradient meet in one exchange between
+    those two stages (compiled bytes = `predict`), and 1F1B over 4 stages equals one device."""
+    from collections import defaultdict
+
+    from jaxpar.parallel.registry import predicted_collective_bytes
+    tied = ["model.tie_embeddings=true"]
+    single = Compiled(make(tied + ["mesh.data=1"], 1), None)
+    pipe = Compiled(make(tied + ["mesh.data=1", "mesh.pipe=4", "parallel.pipe=1f1b", "parallel.pipe_microbatches=4"],
+                         4), jax.device_get(single.strategy.to_canonical(single.initial)))
+    (want, want_norms, _), (got, got_norms, _) = single.run(steps=3), pipe.run(steps=3)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_norms, want_norms, rtol=1e-5)     # the tied copy counted once
+    sent = defaultdict(float)
+    for collective in step_collectives(pipe.strategy, pipe.step.as_text()):
+        sent[collective.axis_label] += collective.bytes_per_step
+    sizes = {axis: int(n) for axis, n in pipe.strategy.mesh.shape.items()}
+    predicted = predicted_collective_bytes(pipe.strategy.config, pipe.strategy.model_cfg, sizes, "cpu")
+    vocab = pipe.strategy.model_cfg.vocab_size * pipe.strategy.model_cfg.d_model * 4
+    assert sent["pipe"] == pytest.approx(predicted["pipe"], rel=0.01) and predicted["pipe"] > vocab
 
 
 # ---------------------------------------------------------------------------- bad input

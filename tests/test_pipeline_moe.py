@@ -54,14 +54,14 @@ def train(overrides, devices: int, initial=None):
     strategy = build_strategy(config, jax.devices()[:devices], VOCAB)
     with jax.set_mesh(strategy.mesh):
         step = strategy.lower_step().compile(compiler_options=FAST)
-        state = strategy.init_state() if initial is None else jax.device_put(initial, strategy.state_shardings)
+        state = strategy.init_state() if initial is None else strategy.from_canonical(initial)
         first = jax.device_get(state)
         metrics = []
         for batch in counting_batches(config, STEPS, VOCAB):
             state, m = step(state, jax.device_put(batch, strategy.batch_sharding))
             metrics.append(jax.device_get(m))
     metrics = {k: np.array([m[k] for m in metrics]) for k in metrics[0]}
-    return metrics, jax.device_get(state["params"]), first, strategy, step
+    return metrics, jax.device_get(strategy.to_canonical(state)["params"]), first, strategy, step
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ holds s and 2p-1-s). A schedule (parallel/schedules.py) is a table tick x stage 
 `compile_program` (pipeline_program.py) turns it into integer tables and pipeline_executor.py runs them as
 a `lax.scan` over ticks inside one `shard_map` (`lax.switch` per cell; per direction a `ppermute` over just
 the pairs the table sends on that tick, none in a bubble), so the stash holds exactly the microbatches the
-schedule keeps alive and each stage sends what the schedule sends. Around it: `data` (gradients averaged once
+schedule keeps alive and each stage sends what the schedule sends. The embedding lives on the first stage, the
+head and final norm on the last (parallel/stage_owned.py: a slot axis over `pipe`; checkpoints converted to the
+one canonical layout), so nothing of theirs is summed over `pipe`. Around it: `data` (gradients averaged once
 per step), `fsdp` (stage weights gathered once per step, gradients reduce-scattered once), `tensor`
 (Megatron's f/g, or SP, with its collective matmuls too, inside every stage), `expert` (parallel/expert.py's
 exchange inside the stages), gradient accumulation (the whole pipeline a times on strided slices). MoE models
@@ -15,6 +17,8 @@ in the model's layer order, so every layout equals one device accumulating over 
 experiments/04_pipeline/README.md, "How jaxpar pipelines".
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -45,9 +49,10 @@ from jaxpar.parallel.pipeline_program import (  # noqa: F401  (the table's cell 
     program_for,
 )
 from jaxpar.parallel.rules import AxisRules, parse_rules
-from jaxpar.parallel.schedules import NAMES, build, chunks_per_stage, pipeline_microbatches, validate
+from jaxpar.parallel.schedules import NAMES, build, chunks_per_stage, pipeline_microbatches, placement, validate
 from jaxpar.parallel.stage_memory import stage_memory
-from jaxpar.parallel.step import accumulate, apply_outside_gradient
+from jaxpar.parallel.stage_owned import StageOwned
+from jaxpar.parallel.step import accumulate, apply_outside_gradient, clip_to_norm, make_optimizer
 from jaxpar.parallel.strategy import Strategy
 from jaxpar.parallel.tensor_moe import SequenceShards
 
@@ -169,16 +174,22 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, config, model_cfg, mesh, donate: bool | None = None):
         super().__init__(config, model_cfg, mesh, donate)
-        if config.parallel.pipe == "pipedream-2bw":      # asynchronous: one step of weight staleness
-            self.optimizer = delayed_gradient(self.optimizer)
         sizes = {axis: int(size) for axis, size in mesh.shape.items()}
         self.p, self.v = sizes[AXIS], pipe_virtual(config)
         self.m = pipe_microbatches(config, self.p)
         self.schedule = build(config.parallel.pipe, self.p, self.m, self.v)
         validate(self.schedule)                           # before anything compiles
+        self.stack, layers = pipelined_stack(config.model)
+        device_of = lambda k: placement(k, self.p, self.schedule.shape)[0]
+        self.owned = StageOwned(self.p, device_of(0), device_of(self.p * self.v - 1), model_cfg.tie_embeddings,
+                                dense_blocks=self.stack != "blocks" and "blocks" in model_cfg.param_axes())
+        # the executor reads the head from the `embed` slot when it rides there (StageOwned)
+        self.loop_cfg = dataclasses.replace(model_cfg, tie_embeddings=self.owned.head_in_embed)
+        self.optimizer = make_optimizer(config.train, mask=self.owned.decays, clip=False)   # clipped in `_step`
+        if config.parallel.pipe == "pipedream-2bw":      # asynchronous: one step of weight staleness
+            self.optimizer = delayed_gradient(self.optimizer)
         self.program = compile_program(self.schedule)
         self.eval_program = compile_program(forward_only(self.schedule))
-        self.stack, layers = pipelined_stack(config.model)
         self.chunk_layers = layers // (self.p * self.v)
         self.live = tuple(a for a in mesh.axis_names if sizes[a] > 1)
         self.batch_axes = tuple(a for a in BATCH_AXES if a in self.live and (a != "expert" or model_cfg.moe))
@@ -191,15 +202,17 @@ class PipelineStrategy(Strategy):
             self.policy = ring_policy(self.policy, swap_axis="tensor")
         self.stage_ops = self._stage_ops(sizes)
 
-        abstract = jax.eval_shape(self.make_state)
-        self.param_specs = self.rules.tree_specs(model_cfg.param_axes(), self.live)
-        if self.stack != "blocks" and "blocks" in self.param_specs:     # the dense stack: whole on every stage
-            self.param_specs["blocks"] = jax.tree.map(lambda s: P(None, *s[1:]), self.param_specs["blocks"],
-                                                      is_leaf=lambda x: isinstance(x, P))
+        canonical = self.rules.tree_specs(model_cfg.param_axes(), self.live)
+        if self.stack != "blocks" and "blocks" in canonical:     # the dense stack: whole in the first stage's slot
+            canonical["blocks"] = jax.tree.map(lambda s: P(None, *s[1:]), canonical["blocks"],
+                                               is_leaf=lambda x: isinstance(x, P))
+        self.param_specs = self.owned.specs(canonical)
         self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.param_specs)
         replicated = NamedSharding(mesh, P())
+        abstract = jax.eval_shape(self.make_state)
         self.state_shardings = self._state_layout(abstract, self.param_shardings, replicated=replicated)
         self.abstract_state = self._with_shardings(abstract, self.state_shardings)
+        self._checkpoint_layout(canonical, replicated)
         self.batch_spec = P(self.batch_axes or None, None)
         self.batch_sharding = NamedSharding(mesh, self.batch_spec)
 
@@ -242,6 +255,35 @@ class PipelineStrategy(Strategy):
         return ops
 
     # ---------------------------------------------------------------- layout
+    def make_state(self):
+        """The initial state in the stage-owned layout (parallel/stage_owned.py)."""
+        params = self.owned.to_owned(super().make_state()["params"])
+        return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def _checkpoint_layout(self, canonical_specs, replicated):
+        """Checkpoints hold the canonical layout: the converters to and from it, jitted into their shardings."""
+        mesh, owned = self.mesh, self.owned
+        abstract = jax.eval_shape(lambda: Strategy.make_state(self))
+        shardings = self._state_layout(abstract, jax.tree.map(lambda s: NamedSharding(mesh, s), canonical_specs),
+                                       replicated=replicated)
+        self._canonical_abstract = self._with_shardings(abstract, shardings)
+        keys = set(self.param_specs), set(canonical_specs)
+        self._to_canonical = jax.jit(lambda st: owned.state(st, owned.to_canonical, keys[0]), out_shardings=shardings)
+        self._from_canonical = jax.jit(lambda st: owned.state(st, owned.to_owned, keys[1]),
+                                       out_shardings=self.state_shardings)
+
+    @property
+    def canonical_abstract_state(self):
+        return self._canonical_abstract
+
+    def to_canonical(self, state):
+        with jax.set_mesh(self.mesh):
+            return self._to_canonical(state)
+
+    def from_canonical(self, state):
+        with jax.set_mesh(self.mesh):
+            return self._from_canonical(state)
+
     def _staged(self, params):
         """[L, ...] -> [v, p, Lc, ...]: model stage c*p + s goes to pipe device s (a re-deal of chunks when v > 1);
         under DualPipeV's V chunk 1 of device s is model stage 2p-1-s (the second half reversed)."""
@@ -262,11 +304,13 @@ class PipelineStrategy(Strategy):
     def _step(self, state, tokens):
         ce, aux, grads = self._grads(self._staged(state["params"]), tokens)
         grads = self._unstaged(grads)
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        norm = self.owned.norm(grads)                 # the canonical gradient's (a tied copy counted once)
+        clipped = clip_to_norm(grads, norm, self.config.train.grad_clip)
+        updates, opt_state = self.optimizer.update(clipped, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = self._metrics(ce, aux)
         params = apply_outside_gradient(state["params"], params, metrics, self.model_cfg)
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads)}
+        metrics = {**metrics, "grad_norm": norm}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     def _metrics(self, ce, aux):
@@ -290,7 +334,7 @@ class PipelineStrategy(Strategy):
 
     def _split(self, params):
         chunks = jax.tree.map(lambda w: w[:, 0].astype(self.ops.dtype), params[self.stack])   # [v, Lc, ...]
-        outer = {k: w for k, w in params.items() if k != self.stack}
+        outer = self.owned.local({k: w for k, w in params.items() if k != self.stack})   # this stage's slots
         return chunks, outer
 
     def _local_grads(self, params, tokens):
@@ -302,25 +346,25 @@ class PipelineStrategy(Strategy):
 
         def one_run(params, tokens):
             chunks, outer = self._split(params)
-            ce, grads, aux = run_program(self.program, stage, chunks, outer, tokens, cfg=self.model_cfg,
+            ce, grads, aux = run_program(self.program, stage, chunks, outer, tokens, cfg=self.loop_cfg,
                                          ops=self.stage_ops, train=True)
-            return (ce, {"loss": ce, "aux": aux}), {**grads["outer"],
+            return (ce, {"loss": ce, "aux": aux}), {**jax.tree.map(lambda g: g[None], grads["outer"]),   # its slot
                                                     self.stack: jax.tree.map(lambda g: g[:, None], grads["chunks"])}
 
         (ce, out), grads = accumulate(one_run, self._gather_fsdp(params), tokens, self.microbatches)
-        aux = out["aux"]
-        grads = {**grads, **{k: jax.lax.psum(grads[k], AXIS) for k in grads if k != self.stack}}  # first / last stage's
+        aux = out["aux"]      # the embedding's, head's and final norm's gradients: their owner's alone (no psum)
         if self.sequence:   # SP: a weight not split over tensor saw this device's s/t tokens only
             grads = jax.tree.map(lambda g, spec: g if "tensor" in jax.tree.leaves(tuple(spec)) else
                                  jax.lax.psum(g, "tensor"), grads, self.staged_specs,
                                  is_leaf=lambda x: isinstance(x, P))
         aux = jax.tree.map(lambda a: self._mean_over_batch(a)[:, None], aux)
-        return self._mean_over_batch(jax.lax.psum(ce, AXIS)), aux, self._reduce_grads(grads)
+        grads = self.owned.exchange_tied(self._reduce_grads(grads))
+        return self._mean_over_batch(jax.lax.psum(ce, AXIS)), aux, grads
 
     def _local_eval(self, params, tokens):
         chunks, outer = self._split(self._gather_fsdp(params))
         stage = StageFunctions(self.model_cfg, self.stage_ops, None, False, self.chunk_layers)
-        loss, _, _ = run_program(self.eval_program, stage, chunks, outer, tokens, cfg=self.model_cfg,
+        loss, _, _ = run_program(self.eval_program, stage, chunks, outer, tokens, cfg=self.loop_cfg,
                                  ops=self.stage_ops, train=False)
         return self._mean_over_batch(jax.lax.psum(loss, AXIS))
 

@@ -19,7 +19,6 @@ from jaxpar.parallel.theory import (
     Flow,
     Prediction,
     moe_all_to_all_bytes,
-    stored_params,
     wire_bytes,
 )
 
@@ -29,18 +28,19 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
 
     b = microbatch rows per batch shard (data x fsdp, x expert for MoE), a = b·s·h·e one microbatch's activation
     (e = `wire_bytes`); r = train.microbatches, the whole pipeline run r times per step. Ψ_P = the pipelined stack
-    (`moe_blocks` for MoE), Ψ_x its routed experts, Ψ_o everything else (embedding, head, final norm, an MoE
-    model's dense stack), all replicated over pipe.
+    (`moe_blocks` for MoE), Ψ_x its routed experts, Ψ_o what a stage owns beside its layers (`owned_params`: one
+    V·h slot of the embedding and head, the final norm, an MoE model's dense stack; parallel/stage_owned.py).
       pipe      n·a·r, n = the most activations and gradients one stage sends in the table (`sends_per_stage`:
                 2m on a middle stage of one chunk each, m on the first and the last): a tick sends only over the
                 pairs that have something to send, a bubble nothing. Under sequence parallelism a is divided by
                 the tensor size (the stages pass [b, s/t, h]).
       tensor    Megatron inside every stage: `tensor_bytes`.
-      gradients fp32, once per step: Ψ_o summed over pipe, then every gradient averaged over the batch shards:
-                all-reduced over data (and, but for the routed experts, over expert), reduce-scattered over fsdp
-                after the weights' all-gather ((F-1)/F·4 for Ψ_o, (F-1)/F·e for the chunks: XLA casts before
-                it gathers). Per device Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). XLA:GPU folds consecutive
-                all-reduces into one over the union of their axes (`data+pipe+expert`); XLA:CPU keeps one each.
+      gradients fp32, once per step, every gradient averaged over the batch shards: all-reduced over data
+                (and, but for the routed experts, over expert), reduce-scattered over fsdp after the weights'
+                all-gather ((F-1)/F·4 for Ψ_o, (F-1)/F·e for the chunks: XLA casts before it gathers). Per device
+                Ψ_o/T, (Ψ_P - Ψ_x)/(p·T), Ψ_x/(p·X·T). Nothing over pipe but a tied embedding's gradient: the
+                first and the last stage each send theirs to the other, 4·V·h/(F·T). XLA:GPU folds consecutive
+                all-reduces into one over the union of their axes (`data+expert`); XLA:CPU keeps one each.
       expert    MoE: the all_to_alls of the stage's MoE layers (`moe_all_to_all_bytes`, L/p layers, m·r
                 microbatches; with tensor > 1 every tensor rank exchanges the whole tokens).
       re-deal   v > 1 (interleaved, DualPipeV): the stored stack's layout against the staged one, `redeal`.
@@ -52,7 +52,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
     a = global_batch // (D * F * X) // (m * r) * seq_len * shape.d_model * e
     counts = shape.counts()
     psi_pipelined = counts["blocks"] - (shape.dense_layers * block_params(shape.model) if shape.moe else 0)
-    psi_other, psi_x = counts["total"] - psi_pipelined, counts["experts"]
+    psi_other, psi_x = owned_params(shape, cand), counts["experts"]
     program = program_for(cand.schedule, p, m, v)
     sent = a / T if cand.sequence else a
     sends = most_sends_for(cand.schedule, p, m, v)
@@ -68,7 +68,9 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
             out.append(Flow("fsdp", "all-gather", (F - 1) / F * gathered / 4 * nbytes, arrays, False))
             out.append(Flow("fsdp", "reduce-scatter", (F - 1) / F * nbytes, arrays, False))
 
-    all_reduce(("pipe", "data", "expert"), 4 * psi_other / T, OTHER_WEIGHTS)
+    all_reduce(("data", "expert"), 4 * psi_other / T, OTHER_WEIGHTS - (1 if head_in_embed(shape, cand) else 0))
+    if shape.tie_embeddings and cand.schedule != "dualpipev":     # the tied gradient, between first and last
+        out.append(Flow("pipe", "permute", 4 * counts["embedding"] / (F * T), 1, False))
     all_reduce(("data", "expert"), 4 * (psi_pipelined - psi_x) / (p * T), WEIGHTS_PER_LAYER, gathered=e)
     all_reduce(("data",), 4 * psi_x / (p * X * T), 3, gathered=e)
     if T > 1:
@@ -78,8 +80,27 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
         exchange = moe_all_to_all_bytes(shape, cand, global_batch, seq_len, platform, microbatches=m * r,
                                         layers=shape.moe_layers // p)
         out.append(Flow("expert", "all-to-all", exchange["predicted"], exchange["runs"], False))
-    return Prediction(out, stored_params(shape, cand), bubble=bubble_fraction(cand.schedule, p, m, v),
-                      stash=program.slots["stash"])
+    each = ((psi_pipelined - psi_x + psi_x / X) / p + psi_other) / (F * T)
+    return Prediction(out, dict.fromkeys(("params", "grads", "optimizer"), each),
+                      bubble=bubble_fraction(cand.schedule, p, m, v), stash=program.slots["stash"])
+
+
+def head_in_embed(shape, cand: Candidate) -> bool:
+    """The head stored in the embedding's array, in the last stage's slot: tied, or on another device than the
+    embedding (every schedule but DualPipeV's V, whose first and last model stages share device 0)."""
+    return bool(shape.tie_embeddings) or cand.schedule != "dualpipev"
+
+
+def owned_params(shape, cand: Candidate) -> float:
+    """Parameters a device stores beside its pipelined layers (parallel/stage_owned.py): one V·h slot (two under
+    DualPipeV untied), the final norm, an MoE model's dense stack. The compiler-driven circular pipeline keeps
+    them whole on every stage."""
+    c = shape.counts()
+    dense = shape.dense_layers * block_params(shape.model) if shape.moe else 0
+    if cand.schedule == "circular":
+        return c["total"] - c["blocks"] + dense
+    vocab = c["embedding"] + (0 if head_in_embed(shape, cand) else c["lm_head"])
+    return vocab + c["final_norm"] + dense
 
 
 def tensor_bytes(shape, cand: Candidate, a: float, tokens: int) -> Flow:

@@ -8,19 +8,21 @@ experiments/10_capstone/README.md, "How the model is built".
 """
 from __future__ import annotations
 
-from jaxpar.model.counting import ModelShape
+from jaxpar.model.counting import ModelShape, block_params
 from jaxpar.parallel.memory import Held
+from jaxpar.parallel.pipeline_predict import owned_params
 from jaxpar.parallel.theory import Candidate, Prediction, rows_per_microbatch
 
 PIPELINE_EXTRA_SLOTS = 2      # a pipeline's stash and taps hold 2 microbatches more than the schedule keeps alive
 
 
 def stage_params(shape: ModelShape, cand: Candidate) -> float:
-    """Parameters of one pipeline stage on one device, whole over fsdp: its layers and the (replicated)
-    embedding and head, split only by tensor (the experts also by expert)."""
+    """Parameters of one pipeline stage on one device, whole over fsdp: its layers and what it owns beside them
+    (`owned_params`: its slot of the embedding and head, ...), split only by tensor (the experts also by expert)."""
     c = shape.counts()
-    layers = c["blocks"] - c["experts"] * (1 - 1 / cand.expert)
-    return (layers / cand.pipe + c["total"] - c["blocks"]) / cand.tensor
+    dense = shape.dense_layers * block_params(shape.model) if shape.moe else 0
+    layers = c["blocks"] - dense - c["experts"] * (1 - 1 / cand.expert)
+    return (layers / cand.pipe + owned_params(shape, cand)) / cand.tensor
 
 
 def tap_elements(shape: ModelShape, tensor: int) -> float:

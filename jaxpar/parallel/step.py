@@ -62,13 +62,12 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
-    """AdamW with warmup + cosine, global-norm clipping; weight decay where `decay_mask` says."""
-    return optax.chain(
-        optax.clip_by_global_norm(train_cfg.grad_clip),
-        optax.adamw(learning_rate(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
-                    weight_decay=train_cfg.weight_decay, mask=decay_mask),
-    )
+def make_optimizer(train_cfg, mask=decay_mask, clip: bool = True) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine, global-norm clipping; weight decay where `mask` says. `clip=False`: the
+    strategy clips by the norm it computes itself (`clip_to_norm`), its gradient's layout not the canonical one."""
+    adamw = optax.adamw(learning_rate(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps,
+                        weight_decay=train_cfg.weight_decay, mask=mask)
+    return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip) if clip else optax.identity(), adamw)
 
 
 def clip_to_norm(grads, norm, max_norm: float):

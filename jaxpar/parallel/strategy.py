@@ -17,8 +17,10 @@ sets:
                     with at least `loss` and `grad_norm`; the loop logs every key
   eval_fn           jitted (params, tokens) -> the mean cross-entropy (replicated scalar)
 
-Every strategy stores the same state pytree with the same global shapes (only the
-shardings differ), so a checkpoint written by one restores into any other.
+Checkpoints hold one canonical state pytree (the params of `init_params`, their Adam moments),
+so a checkpoint written by one strategy restores into any other. A strategy that stores its
+state in another layout (the hand-written pipeline's stage-owned embedding and head) converts:
+`to_canonical` before a save, `from_canonical` after a restore onto `canonical_abstract_state`.
 """
 from __future__ import annotations
 
@@ -96,6 +98,20 @@ class Strategy:
 
     def _with_shardings(self, abstract, shardings):
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    # ---------------------------------------------------------------- checkpoints: one canonical layout
+    @property
+    def canonical_abstract_state(self):
+        """Restore target of a checkpoint (the stored layout, for every strategy but a stage-owned one)."""
+        return self.abstract_state
+
+    def to_canonical(self, state):
+        """The state in the checkpoints' layout (the same arrays, for every strategy but a stage-owned one)."""
+        return state
+
+    def from_canonical(self, state):
+        """A restored (or host) canonical state placed in this strategy's layout."""
+        return jax.device_put(state, self.state_shardings)
 
     def init_state(self):
         """Initialise directly into the sharded layout: no device ever holds more than its part."""

@@ -66,7 +66,7 @@ def layout_flows(prediction, shape, cand, layout: str) -> list:
     reduce-scatters the gradients (fp32, or bf16) of what a device stores over `data` once per step (not per microbatch)
     and all-gathers the updated bf16 parameters, both overlapped with the backward and the next forward
     (Megatron's overlap_grad_reduce / overlap_param_gather: hideable). It takes over the gradients' all-reduce
-    over `data`; one over a group of `data` and other axes (a pipeline's "data+pipe") keeps its other axes.
+    over `data`; one over a group of `data` and other axes (an MoE model's "data+expert") keeps its other axes.
     With context parallelism the group is data x context ("data+context"): the context axis' per-microbatch
     gradient all-reduce (parallel/context_predict.py) is taken over too; its ring or all-to-all stays."""
     flow_list = prediction.flows

@@ -83,7 +83,7 @@ class Workbench:
         if key not in self._initial:
             with jax.default_device(jax.devices("cpu")[0]):
                 self._initial[key] = jax.device_get(built.strategy.make_state())
-        return jax.device_put(self._initial[key], built.strategy.state_shardings)
+        return built.strategy.from_canonical(self._initial[key])
 
     def train(self, built: Built, batches, record=None):
         """Train from the initial state over `batches` with `built`'s step: the last state, each step's loss and

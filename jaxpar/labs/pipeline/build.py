@@ -63,7 +63,7 @@ class Lab:
             return strategy.init_state()
         if self._initial is None:
             self._initial = jax.device_get(self.strategy(["mesh.data=1"], 1).init_state())
-        return jax.device_put(self._initial, strategy.state_shardings)
+        return strategy.from_canonical(self._initial)
 
     def batches(self, config, steps: int):
         rng = np.random.default_rng(0)

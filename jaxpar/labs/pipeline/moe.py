@@ -84,12 +84,13 @@ CASES = [   # label, (overrides, devices, the oracle's microbatches), MoE model 
 
 def _run_metrics(lab, strategy, step, steps: int, initial):
     """Every metric of `steps` steps ([steps, ...] arrays) and the final params, from `initial` (host)."""
-    state, metrics = jax.device_put(initial, strategy.state_shardings), []
+    state, metrics = strategy.from_canonical(initial), []
     for batch in lab.batches(strategy.config, steps):
         with jax.set_mesh(strategy.mesh):
             state, m = step(state, jax.device_put(batch, strategy.batch_sharding))
         metrics.append(jax.device_get(m))
-    return {k: np.array([m[k] for m in metrics]) for k in metrics[0]}, jax.device_get(state["params"])
+    params = jax.device_get(strategy.to_canonical(state)["params"])       # the model's layout
+    return {k: np.array([m[k] for m in metrics]) for k in metrics[0]}, params
 
 
 def _max_dev(got, want) -> float:

@@ -72,7 +72,7 @@ def run_variants(config, batches: list[np.ndarray], variants: dict[str, list[str
         compile_s = time.perf_counter() - start
         if initial is None:
             initial = jax.device_get(strategy.init_state())
-        state = jax.device_put(initial, strategy.state_shardings)
+        state = strategy.from_canonical(initial)
         losses, norms, times = [], [], []
         with jax.set_mesh(strategy.mesh):
             for batch in batches:

@@ -169,9 +169,9 @@ NOTES = """## f. What runs, what does not, and why
   and `ScheduleInterleavedZeroBubble` (several stages per rank); jaxpar has `interleaved` and `zb-h1` (lab 04);
   they are not paired in this lab. jaxpar's automatic pipeline counterpart is `parallel.pipe=circular`
   (the compiler-driven pipeline); no automatic 1F1B exists. jaxpar's executor sends only the useful
-  buffers, as torch.distributed.pipelining does (each tick over just the pairs that send; part b). jaxpar's
-  pipeline also keeps the embedding and the head on every stage and all-reduces their gradients over `pipe`
-  (the all-reduce of its pipeline rows); PyTorch's stages hold them only on the first and last rank.
+  buffers, as torch.distributed.pipelining does (each tick over just the pairs that send; part b). Both keep
+  the embedding on the first rank and the head on the last (jaxpar: a slot axis over `pipe`, lab 04), so
+  neither sends anything for them.
 - **Clipping.** Both sides clip with optax's formula (g·max/‖g‖ when ‖g‖ ≥ max): torch's `clip_grad_norm_`
   would add 1e-6 to the norm, and with DTensor gradients of mixed placements (TP) its norm needs the
   placements reconciled first, which `torch_train.clip_by_global_norm` does."""
