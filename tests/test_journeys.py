@@ -10,6 +10,7 @@ by `jaxpar lab --help` runs end to end as `jaxpar lab NAME --quick`.
 """
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -225,22 +226,34 @@ def test_every_documented_lab_is_listed():
 # --quick), moe (tests/test_moe_lab.py), capstone (tests/test_capstone.py).
 QUICK_CPU_S = {"dryrun": 9, "collectives": 4, "zero": 51, "tensor": 107, "pipeline": 302, "moe": 225, "kernels": 90,
                "operations": 87, "overlap": 211, "capstone": 226, "pytorch": 86}
-CI_LAB_CPU_S = 60
+CI_LAB_CPU_S = 120
 TABLES_ONLY = {"dryrun"}     # its report is the compiled program's tables: memory, collectives per axis, FLOPs
 
 
+def _children_cpu_s() -> float:
+    """CPU-seconds of this process's finished children and theirs (a lab's processes), as `time` counts them."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def _lab_case(name):
+    """Each lab in its own xdist group (tests/conftest.py keeps it): under `pytest -n 2` two labs run at once."""
     heavy = QUICK_CPU_S.get(name, CI_LAB_CPU_S + 1) > CI_LAB_CPU_S      # a new lab counts as heavy until measured
-    return pytest.param(name, marks=[pytest.mark.heavy_journey] if heavy else [])
+    marks = [pytest.mark.xdist_group(f"journey-lab-{name}"), *([pytest.mark.heavy_journey] if heavy else [])]
+    return pytest.param(name, marks=marks)
 
 
-@pytest.mark.parametrize("name", [_lab_case(name) for name in LABS])
+# Longest first: xdist's loadgroup hands out the one-test groups in this order, so the short labs fill the end.
+@pytest.mark.parametrize("name", [_lab_case(name) for name in sorted(LABS, key=lambda n: -QUICK_CPU_S.get(n, 0))])
 def test_lab_quick(name, user):
     """`jaxpar lab NAME --quick --out DIR`: exit 0, and DIR holds a results JSON, a figure and a markdown sheet."""
     cwd, env = user
     out = cwd / f"lab-{name}"
     command = docs.Command("jaxpar", ["lab", name, "--quick", "--out", str(out)], f"jaxpar lab --help: {name}")
+    cpu_before = _children_cpu_s()
     done, seconds = _run_jaxpar(command, command.argv, cwd, env)
+    print(f"lab {name} --quick: {seconds:.0f} s wall, {_children_cpu_s() - cpu_before:.0f} CPU-s, load "
+          f"{os.getloadavg()[0]:.0f} (for QUICK_CPU_S: `pytest -m journeys -rP -k test_lab_quick`)")
     output = _tail(done.stdout + done.stderr)
     assert "unrecognized arguments: --quick" not in done.stderr, \
         f"`jaxpar lab {name}` has no --quick (the smoke size every lab offers):\n{output}"
@@ -250,4 +263,4 @@ def test_lab_quick(name, user):
     assert list(out.glob("*.json")) and figures and list(out.glob("*.md")), \
         f"`{command.text}`: --out lacks a results JSON, a PNG or a markdown sheet; it holds {files}"
     if name in lab_results.CHECKS:
-        lab_results.CHECKS[name](json.loads((out / "results.json").read_text()), (out / "report.md").read_text())
+        lab_results.CHECKS[name](json.loads((out / "results.json").read_text()), (out / "report.md").read_text(), out)
