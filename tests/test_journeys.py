@@ -8,6 +8,7 @@ environment's `jaxpar`, from one temporary folder (never the checkout), in the o
 `jaxpar slurm`'s CPU job run on a real local Slurm cluster (skipped where Slurm is not installed); every lab listed
 by `jaxpar lab --help` runs end to end as `jaxpar lab NAME --quick`.
 """
+import importlib.util
 import json
 import os
 import resource
@@ -227,6 +228,7 @@ def test_every_documented_lab_is_listed():
 QUICK_CPU_S = {"dryrun": 9, "collectives": 4, "zero": 51, "tensor": 107, "pipeline": 302, "moe": 225, "kernels": 90,
                "operations": 87, "overlap": 211, "capstone": 226, "pytorch": 86}
 CI_LAB_CPU_S = 120
+OPTIONAL_EXTRAS = {"pytorch": ("torch", "transformers")}     # the lab's extra (pyproject.toml); CI installs it
 TABLES_ONLY = {"dryrun"}     # its report is the compiled program's tables: memory, collectives per axis, FLOPs
 
 
@@ -247,6 +249,10 @@ def _lab_case(name):
 @pytest.mark.parametrize("name", [_lab_case(name) for name in sorted(LABS, key=lambda n: -QUICK_CPU_S.get(n, 0))])
 def test_lab_quick(name, user):
     """`jaxpar lab NAME --quick --out DIR`: exit 0, and DIR holds a results JSON, a figure and a markdown sheet."""
+    missing = [m for m in OPTIONAL_EXTRAS.get(name, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"lab {name} needs {', '.join(missing)}, not installed (the torch extra; its CPU-only install: "
+                    "experiments/06_pytorch/README.md)")
     cwd, env = user
     out = cwd / f"lab-{name}"
     command = docs.Command("jaxpar", ["lab", name, "--quick", "--out", str(out)], f"jaxpar lab --help: {name}")
