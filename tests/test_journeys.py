@@ -218,16 +218,17 @@ def test_every_documented_lab_is_listed():
     assert sorted(set(DOCUMENTED_LABS) - set(LABS)) == [], f"documented labs that `jaxpar lab --help` lacks: {LABS}"
 
 
-# CPU-seconds of each lab's quick run at -O0 on the shared 2-core VM (2026-12-02; they grow ~20% with load: zero took
-# 43 at load 1-3, 51 at load 14): dryrun, collectives, zero, tensor (52 before its part e, context parallelism, which
-# adds 55), kernels from the wheel at load 13-18; operations from the checkout at load 9-12; the others earlier, at
-# load 4-15. CI runs the labs of at most CI_LAB_CPU_S (their runs here check the numbers their sheets rely on,
-# tests/lab_results.py); every lab runs with `pytest -m journeys`.
-# The labs left out of CI run end to end there through the CLI at another size: pytorch (tests/test_pytorch_lab.py,
-# --quick), moe (tests/test_moe_lab.py), capstone (tests/test_capstone.py).
-QUICK_CPU_S = {"dryrun": 9, "collectives": 4, "zero": 51, "tensor": 107, "pipeline": 302, "moe": 225, "kernels": 90,
-               "operations": 87, "overlap": 211, "capstone": 226, "pytorch": 86}
-CI_LAB_CPU_S = 120
+# CPU-seconds of each lab's quick run at -O0 on the shared 2-core VM, 2026-12-02 (they grow with load: zero took 43 at
+# load 1-3, 51 at load 14; kernels 90 at load 13-18, 115 at load 22-35): pytorch, operations and collectives from the
+# wheel at load 20-23 (`pytest -m journeys -rP -k test_lab_quick` prints each lab's), tensor (parts a-e) and kernels
+# from the checkout at load 18-35; dryrun and zero from the wheel at load 13-18; the others at load 4-15.
+# CI runs the labs of at most CI_LAB_CPU_S: 00-03, 06, 08, 09, about 7 CPU-minutes together (the limit lies between
+# them and the next, overlap; their runs check the numbers their sheets rely on, tests/lab_results.py); every lab runs
+# with `pytest -m journeys`. The labs left out of CI run end to end there through the CLI at another size: moe
+# (tests/test_moe_lab.py), capstone (tests/test_capstone.py).
+QUICK_CPU_S = {"dryrun": 9, "collectives": 5, "zero": 51, "tensor": 106, "pipeline": 302, "moe": 225, "kernels": 115,
+               "operations": 109, "overlap": 211, "capstone": 226, "pytorch": 41}
+CI_LAB_CPU_S = 150
 OPTIONAL_EXTRAS = {"pytorch": ("torch", "transformers")}     # the lab's extra (pyproject.toml); CI installs it
 TABLES_ONLY = {"dryrun"}     # its report is the compiled program's tables: memory, collectives per axis, FLOPs
 
