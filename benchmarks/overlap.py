@@ -48,7 +48,7 @@ def measure(name: str, overrides: list[str], devices, vocab: int, log=print) -> 
     import numpy as np
 
     from jaxpar.config import apply_overrides, load_config
-    from jaxpar.labs.overlap import profile_step
+    from jaxpar.labs.overlap.lab import profile_step
     from jaxpar.measure import hardware, overlap
     from jaxpar.mesh import make_mesh
     from jaxpar.model.transformer import ModelConfig

@@ -138,14 +138,14 @@ def config_before_jax(config, cpu_devices: int | None, resumed: bool, environ=os
     sequence parallelism refuses mesh.tensor=1, so a -1 tensor waits for JAX. Where JAX is imported already
     (the command run in-process), the real devices are a moment away and the stand-in is not used.
     """
-    from jaxpar.config import MESH_AXES, validate, validate_fields
+    from jaxpar.config import mesh_axes, validate, validate_fields
     validate_fields(config)
     processes = int(environ.get(ENV_NUM_PROCESSES) or (environ.get("SLURM_STEP_ID") and environ.get("SLURM_NTASKS"))
                     or 1)
     if cpu_devices and cpu_devices > 0 and environ.get("JAX_PLATFORMS") == "cpu":
         devices = cpu_devices * processes
     elif int(config.mesh.tensor) > 0 and "jax" not in sys.modules:
-        devices = math.prod(max(int(config.mesh[axis]), 1) for axis in MESH_AXES)
+        devices = math.prod(max(int(config.mesh[axis]), 1) for axis in mesh_axes())
     else:
         return
     validate(config, devices, processes=None if resumed else processes,

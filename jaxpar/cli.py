@@ -122,7 +122,7 @@ def alias_of(add, quick: dict, **defaults):
     return add_as
 
 
-# `jaxpar lab NAME`: jaxpar/labs/NAME.py provides run_from_args(args) and add_arguments(parser); where the module
+# `jaxpar lab NAME`: jaxpar/labs/NAME/lab.py provides run_from_args(args) and add_arguments(parser); where the module
 # imports JAX (or torch) at its top, add_arguments lives in jaxpar/labs/arguments.py as NAME(parser), so that
 # `jaxpar lab NAME --help` stays fast. Add a lab with one line here.
 LABS = (
@@ -175,7 +175,7 @@ LAB_ALIASES = (
 def lab_arguments(name: str):
     """jaxpar/labs/arguments.py defines the arguments of the labs whose module imports JAX; the others their own."""
     from jaxpar.labs import arguments
-    return getattr(arguments, name, None) or defined_in(f"jaxpar.labs.{name}")
+    return getattr(arguments, name, None) or defined_in(f"jaxpar.labs.{name}.lab")
 
 
 def lab_table():
@@ -295,7 +295,7 @@ def check(args) -> None:
         from jaxpar.bench.options import parse_sweep
         parse_sweep(args.ops, args.min_bytes, args.max_bytes, args.budget)
     elif args.subcommand == "lab" and args.lab == "overlap":   # its CPU part's --set and devices: before JAX
-        importlib.import_module("jaxpar.labs.overlap").check_arguments(args)
+        importlib.import_module("jaxpar.labs.overlap.lab").check_arguments(args)
 
 
 def check_started(args) -> None:
@@ -360,7 +360,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_lab(args) -> int:
-    return importlib.import_module(f"jaxpar.labs.{args.lab}").run_from_args(args)
+    return importlib.import_module(f"jaxpar.labs.{args.lab}.lab").run_from_args(args)
 
 
 def cmd_slurm(args) -> int:

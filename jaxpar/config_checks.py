@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-MESH_AXES = ("data", "fsdp", "pipe", "expert", "context", "tensor")
+from jaxpar.strategies import mesh_axes
+
 COMPUTE_DTYPES = ("float32", "bfloat16", "float8")
 REMAT_POLICIES = ("none", "full", "dots", "names")
 # What train.remat="names" can keep: the activations model/transformer.py tags with checkpoint_name.
@@ -30,7 +31,7 @@ class ConfigError(ValueError):
 def mesh_shape(config, num_devices: int, platform: str | None = None) -> dict[str, int]:
     """Mesh axis sizes with a single -1 filled from the device count. `platform`: the devices' (one process's
     run), so that a CPU run is told the `--cpu-devices N` that gives it the devices the mesh asks for."""
-    sizes = {axis: int(config.mesh[axis]) for axis in MESH_AXES}
+    sizes = {axis: int(config.mesh[axis]) for axis in mesh_axes()}
     for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}", f"is {size}; use a positive size or -1 (fill)")

@@ -15,6 +15,8 @@ from pathlib import Path
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
+# A file `jaxpar launch` names: process 0 writes the step there once a preemption save of it is durable.
+ENV_PREEMPTION_RECORD = "JAXPAR_PREEMPTION_RECORD"
 
 EXIT_BAD_INPUT = 2    # a configuration error: restarting cannot help
 EXIT_PREEMPTED = 75   # EX_TEMPFAIL: "try again later"; saved after a preemption notice, the Slurm script requeues

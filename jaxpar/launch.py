@@ -17,7 +17,10 @@ again, up to K times, and a `train` command resumes from its last checkpoint
 any work: the same command would fail the same way) is not restarted. SIGTERM or
 SIGUSR1 to the launcher is a preemption notice: it
 is passed on to the children as SIGTERM, and the launcher waits for them to save
-and exit (up to `--preempt-grace` seconds) instead of killing them mid-save.
+and exit (up to `--preempt-grace` seconds) instead of killing them mid-save. The
+launcher exits 75 whenever the preemption save is durable: a process exited 75, or
+process 0 wrote the saved step into the file the launcher names (`ENV_PREEMPTION_RECORD`),
+also when a process was then killed on its way out.
 
 The coordinator listens on 127.0.0.1 only (`JAX_COORDINATOR_BIND_ADDRESS`): JAX would
 otherwise bind every interface, and its service has no authentication.
@@ -30,14 +33,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import IO
 
 from jaxpar.checks import non_negative_seconds
 from jaxpar.cluster.goodput import ENV_ATTEMPT_START, ENV_RESTARTS
 from jaxpar.config import ConfigError
-from jaxpar.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, EXIT_PREEMPTED
+from jaxpar.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PREEMPTION_RECORD, ENV_PROCESS_ID, EXIT_PREEMPTED
 
 # Seconds a child has to exit after SIGTERM before it gets SIGKILL. A process
 # stuck in a JAX collective or inside XLA often does not act on SIGTERM at all.
@@ -60,9 +65,13 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-def _wait_all(procs: list[subprocess.Popen], seconds: float) -> None:
+def _wait_all(procs: list[subprocess.Popen], seconds: float, saved: Path | None = None,
+              grace: float = KILL_GRACE_S) -> None:
+    """Wait up to `seconds` for every process to end; once `saved` exists (the save is durable), `grace` more."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if saved is not None and saved.exists():
+            deadline = min(deadline, time.monotonic() + grace)
         time.sleep(_POLL_S)
 
 
@@ -166,9 +175,9 @@ def launch(
 
     Returns 0 when every process exits 0; the first non-zero exit code otherwise
     (the other processes are then stopped; a child killed by signal S counts as
-    128 + S; 75 when any process saved and stopped after a preemption notice), after
+    128 + S; 75 when a preemption save is durable or any process exited 75), after
     `max_restarts` restarts of all of them; 130 on Ctrl-C; on SIGTERM or SIGUSR1 to the
-    launcher, 75 when a child saved and stopped (preempted), else 143; 124 when `timeout`
+    launcher, 75 when the save is durable or a child exited 75, else 143; 124 when `timeout`
     seconds pass first. Children that do not exit within `grace` seconds of being stopped
     are killed. `out` (default: sys.stdout at call time) receives
     the children's output, each line prefixed with `[p{i}] `.
@@ -216,6 +225,8 @@ def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, pr
     procs: list[subprocess.Popen] = []
     relays: list[threading.Thread] = []
     status = 0
+    records = tempfile.TemporaryDirectory(prefix="jaxpar-launch-")
+    saved = Path(records.name) / "preemption-saved"   # process 0 writes it once a preemption save is durable
     try:
         started = time.time()
         for i in range(nproc):
@@ -227,6 +238,7 @@ def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, pr
                 ENV_PROCESS_ID: str(i),
                 ENV_RESTARTS: str(attempt),
                 ENV_ATTEMPT_START: repr(started),
+                ENV_PREEMPTION_RECORD: str(saved),
                 "PYTHONUNBUFFERED": "1",
             })
             # Simulated hosts are CPU hosts: on a GPU machine every child would
@@ -252,7 +264,7 @@ def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, pr
             codes = [p.poll() for p in procs]
             failed = [_exit_code(c) for c in codes if c not in (None, 0)]
             if failed:
-                status = _first_failure(procs, failed)
+                status = _first_failure(procs, failed, saved)
                 break
             if all(c == 0 for c in codes):
                 break
@@ -271,25 +283,26 @@ def _attempt(nproc, argv, port, attempt, deadline, timeout, out, lock, grace, pr
             out.flush()
         for p in procs:
             _signal(p, signal.SIGTERM)
-        _wait_all(procs, preempt_grace)
-        # A process that saved and exited 75 means the checkpoint is durable (it waited for the save); a peer
-        # still finishing may be aborted by JAX's distributed service once process 0, which hosts it, is gone.
+        _wait_all(procs, preempt_grace, saved, grace)
+        # Exit 75 or the record means the checkpoint is durable; a peer still on its way out may have been
+        # killed meanwhile (JAX's distributed service aborts it once process 0, which hosts it, is gone).
         codes = [_exit_code(p.returncode) for p in procs if p.poll() is not None]
-        status = EXIT_PREEMPTED if EXIT_PREEMPTED in codes else EXIT_TERMINATED
+        status = EXIT_PREEMPTED if EXIT_PREEMPTED in codes or saved.exists() else EXIT_TERMINATED
     finally:
         _stop_all(procs, grace)
         for t in relays:
             t.join(timeout=grace)
+        records.cleanup()
     return status
 
 
-def _first_failure(procs: list[subprocess.Popen], failed: list[int]) -> int:
-    """The job's status once a process failed: 75 when any process saved after a preemption notice and exited 75
-    (its peers then die with it: JAX's distributed service aborts them), else the first failure's."""
+def _first_failure(procs: list[subprocess.Popen], failed: list[int], saved: Path) -> int:
+    """The job's status once a process failed: 75 when the preemption save is durable or a process exited 75
+    (its peers may die with it: JAX's distributed service aborts them), else the first failure's."""
     if EXIT_PREEMPTED not in failed:   # a peer seen first may have died only because a preempted process left
         time.sleep(_POLL_S)
         failed += [_exit_code(c) for c in (p.poll() for p in procs) if c not in (None, 0)]
-    return EXIT_PREEMPTED if EXIT_PREEMPTED in failed else failed[0]
+    return EXIT_PREEMPTED if EXIT_PREEMPTED in failed or saved.exists() else failed[0]
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,9 +1,10 @@
 """The device mesh and multi-process start-up.
 
-One mesh with six named axes serves every strategy; a strategy is a choice of
-axis sizes. The mesh uses `AxisType.Auto` axes: sharding annotations are hints
-to XLA's SPMD partitioner (GSPMD), which inserts the collectives, the behaviour
-MaxText-style logical-axis rules are written for.
+One mesh with six named axes (and any a registered strategy adds, jaxpar/strategies.py)
+serves every strategy; a strategy is a choice of axis sizes. The mesh uses
+`AxisType.Auto` axes: sharding annotations are hints to XLA's SPMD partitioner
+(GSPMD), which inserts the collectives, the behaviour MaxText-style logical-axis
+rules are written for.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import MESH_AXES, ConfigError, validate
+from jaxpar.config import ConfigError, mesh_axes, validate
 from jaxpar.env import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 
@@ -59,6 +60,8 @@ def init_distributed(settings=None) -> None:
     if settings is None:
         from jaxpar.config import base_config
         settings = base_config().distributed
+    # jaxpar handles preemption notices itself (train/preemption.py): JAX's service would take SIGTERM over
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(**args, heartbeat_timeout_seconds=int(settings.heartbeat_timeout_s),
                                shutdown_timeout_seconds=int(settings.shutdown_timeout_s))
     sys.excepthook = _exit_at_once
@@ -73,7 +76,8 @@ def _exit_at_once(kind, value, tb) -> None:
 
 
 def make_mesh(config, devices=None, *, resumed: bool = False) -> Mesh:
-    """Build the (data, fsdp, pipe, expert, context, tensor) mesh the config asks for, after validating it.
+    """Build the mesh the config asks for (`mesh_axes()`: data, fsdp, pipe, expert, context, tensor after any
+    added axes), after validating it.
 
     A fresh run's train.fault_process must name a process of this job; a `resumed` run keeps the drill
     setting it started with, which on a job of fewer processes (an elastic resume) simply never fires.
@@ -85,9 +89,9 @@ def make_mesh(config, devices=None, *, resumed: bool = False) -> Mesh:
     devices = list(jax.devices() if whole_job else devices)
     sizes = validate(config, len(devices), processes=jax.process_count() if whole_job and not resumed else None,
                      platform=devices[0].platform if whole_job and jax.process_count() == 1 else None)
-    shape = tuple(sizes[axis] for axis in MESH_AXES)
-    grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    axes = mesh_axes()
+    grid = np.asarray(devices, dtype=object).reshape(tuple(sizes[axis] for axis in axes))
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def describe(mesh: Mesh) -> str:

@@ -44,7 +44,7 @@ from jaxpar.parallel.registry import make_strategy, select
 from jaxpar.parallel.step import learning_rate
 from jaxpar.train.checkpoint import Checkpoints, write_failed
 from jaxpar.train.guard import NonFiniteGuard
-from jaxpar.train.preemption import PEERS_LEAVE_FIRST_S, Preempted, Preemption
+from jaxpar.train.preemption import Preempted, Preemption
 from jaxpar.train.progress import StepClock
 from jaxpar.train.rundir import (
     check_resume_config,
@@ -414,9 +414,7 @@ def _finish(run: _Run, tally: _Tally, state, step: int, preempted: bool) -> dict
     goodput.add("checkpoint", time.perf_counter() - wait_start)
     if preempted and step < t.steps:
         totals = goodput.flush()
-        if jax.process_count() > 1:   # every process saved; process 0 hosts JAX's distributed service: it leaves
-            multihost_utils.sync_global_devices("jaxpar-preempted")   # last, or a peer still exiting is aborted
-            time.sleep(PEERS_LEAVE_FIRST_S if jax.process_index() == 0 else 0)
+        run.preemption.leave_after_save(step)   # durable on every process; process 0 leaves last
         raise Preempted(f"preempted: saved a checkpoint at step {step} of {t.steps} and stopped "
                         f"(goodput so far {totals['goodput']:.1%}); start the run again to resume")
     say(tally.throughput.describe())

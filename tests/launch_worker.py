@@ -8,7 +8,10 @@ while process 0 goes on into the collective and would wait there for its peer
 (until gloo gives up after 30 s). With `sleep`, each process only prints its pid
 and sleeps, for the timeout and Ctrl-C tests. With `refuse`, every process exits 2 at once
 (bad input). With `listen`, process 0 prints the addresses its coordinator listens on. With `preempted`,
-SIGTERM makes process 0 exit 75 at once and process 1 abort 0.5 s later (a preempted job's slower peer).
+SIGTERM makes process 0 exit 75 at once and process 1 abort 0.5 s later (a preempted job's slower peer). With
+`durable`, process 0 records a durable preemption save (as `jaxpar train` does) and both are then killed. With
+`agree`, the processes ask jaxpar's preemption agreement three times, process 1 alone noticing at the second call,
+then process 1 announces that it leaves while process 0 asks a fourth time.
 """
 from __future__ import annotations
 
@@ -38,6 +41,15 @@ def main(argv: list[str]) -> int:
         print("ready", flush=True)
         time.sleep(120)
         return 0
+    if "durable" in argv:   # the preemption save is durable, then the processes die on their way out
+        import signal
+        from pathlib import Path
+
+        from jaxpar.env import ENV_PREEMPTION_RECORD
+        if os.environ["JAXPAR_PROCESS_ID"] == "0":
+            Path(os.environ[ENV_PREEMPTION_RECORD]).write_text("4\n")
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
     if "sleep" in argv:   # for the timeout and Ctrl-C tests: never touches JAX
         print(f"sleeping pid={os.getpid()}", flush=True)
         time.sleep(120)
@@ -60,6 +72,8 @@ def main(argv: list[str]) -> int:
             port = int(os.environ["JAXPAR_COORDINATOR"].rsplit(":", 1)[1])
             print(f"coordinator listens on {' '.join(listening(port))}", flush=True)
         return 0
+    if "agree" in argv:
+        return agree(jax.process_index())
     if crash and jax.process_index() == 1:
         print("crashing", flush=True)
         # os._exit, not sys.exit: sys.exit runs JAX's atexit hook, whose
@@ -78,6 +92,22 @@ def main(argv: list[str]) -> int:
     x = jax.make_array_from_callback(values.shape, NamedSharding(mesh, P("x")), lambda idx: values[idx])
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
     print(f"sum={float(total):g}", flush=True)
+    return 0
+
+
+def agree(index: int) -> int:
+    from jaxpar.train.agreement import JobAgreement, PeerLeft, announce_leaving
+    agreement = JobAgreement(2)
+    answers = [agreement.any_notice(mine=index == 1 and call == 2) for call in (1, 2, 3)]
+    print(f"answers={answers}", flush=True)
+    if index == 1:
+        announce_leaving(index)
+        time.sleep(2)   # process 0 hosts the coordinator: it must still be there when process 1 announces
+        return 0
+    try:
+        agreement.any_notice(mine=False)
+    except PeerLeft:
+        print("peer left", flush=True)
     return 0
 
 

@@ -11,7 +11,7 @@ from jaxpar.parallel.theory import Candidate
 
 @pytest.fixture
 def reduced(monkeypatch):
-    import jaxpar.labs.capstone as lab
+    import jaxpar.labs.capstone.lab as lab
     import jaxpar.plan.reality as reality
     plain = dict(remat="none", precision="float32", attention="dot")
     monkeypatch.setattr(reality, "default_strategies", lambda: [Candidate(data=8, **plain), Candidate(fsdp=8, **plain)])

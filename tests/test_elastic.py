@@ -3,14 +3,18 @@
 The oracle is one uninterrupted run of 1 process x 8 devices. A 2-process job whose
 process 1 is killed at step 6 is restarted by `jaxpar launch --max-restarts 1` and
 ends with the oracle's losses; its checkpoint resumes on 1 process x 8 devices, and
-the oracle's step-4 checkpoint resumes on 2 processes x 4 devices under FSDP.
+the oracle's step-4 checkpoint resumes on 2 processes x 4 devices under FSDP. A 2-process
+job preempted mid-run (SIGTERM to the launcher and both processes) saves, exits 75 and
+resumes with the oracle's losses.
 """
 import json
 import os
 import shutil
 import signal
-import threading
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,31 +113,49 @@ def test_sigterm_saves_and_exits_preempted(tmp_path, capsys):
     assert max(losses(run_dir)) == 6
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue   # gone meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 @pytest.mark.slow
-def test_launcher_passes_a_preemption_signal_on_and_waits_for_the_save(tmp_path):
-    """SIGUSR1 to `jaxpar launch`: every process stops at the same step, saves, exits 75; nobody is killed."""
+def test_a_launch_signalled_as_a_whole_group_saves_exits_75_and_resumes_the_same(reference, tmp_path):
+    """SIGTERM to `jaxpar launch` and to both of its processes mid-run (what a scheduler killing the job's
+    processes does; each process also gets it again from the launcher): both save the same step, every process
+    exits 75, the launch exits 75, and the run resumed (on 1 process x 8 devices) has the oracle's losses.
+    The processes are stopped while the signals are sent, so that they land mid-run on a loaded machine too."""
     run_dir = tmp_path / "run"
-    log = tmp_path / "launch.log"
-
-    def preempt_when_training():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if max(losses(run_dir), default=0) >= 2:
-                    os.kill(os.getpid(), signal.SIGUSR1)
-                    return
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.1)
-
-    threading.Thread(target=preempt_when_training, daemon=True).start()
-    with open(log, "w") as out:
-        code = launch(2, 4, ["train", *TINY, "--run-dir", str(run_dir), "--set", "train.steps=400",
-                             "--set", "train.checkpoint_every=100"], timeout=400, out=out)
-    text = log.read_text()
+    with open(tmp_path / "launch.log", "w") as log:
+        launcher = subprocess.Popen([sys.executable, "-m", "jaxpar.cli", "launch", "--nproc", "2", "--cpu-devices", "4",
+                                     "--", "train", *TINY, "--run-dir", str(run_dir)],
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while max(losses(run_dir) if (run_dir / "metrics.jsonl").is_file() else [0]) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "launch.log").read_text()
+        time.sleep(0.02)
+    children = children_of(launcher.pid)
+    assert len(children) == 2, children
+    for pid in children:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in [launcher.pid, *children]:
+        os.kill(pid, signal.SIGTERM)
+    for pid in children:
+        os.kill(pid, signal.SIGCONT)
+    code = launcher.wait(timeout=300)
+    text = (tmp_path / "launch.log").read_text()
     assert code == EXIT_PREEMPTED, text[-3000:]
-    assert "jaxpar launch: preemption signal" in text
-    saved = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    assert len(saved) == 1 and 2 <= saved[0] < 100, saved
+    assert "jaxpar launch: preemption signal; asking every process to save and stop" in text, text[-3000:]
+    last = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert 2 <= last < 8, last
     for i in range(2):
-        assert f"[p{i}] preempted: saved a checkpoint at step {saved[0]} of 400" in text, text[-3000:]
+        assert f"[p{i}] preempted: saved a checkpoint at step {last} of 8" in text, text[-3000:]
+    assert main(["train", *TINY, "--run-dir", str(run_dir), "--resume"]) == 0
+    assert_same_losses(run_dir, reference, range(1, 9))

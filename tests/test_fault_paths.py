@@ -6,6 +6,7 @@ start-up exits 75; a checkpoint whose checksum record is missing is damaged; the
 metrics server and the launcher's coordinator listen on loopback. The exploding-update
 case is tests/test_checkpoint_integrity.py's NaN test.
 """
+import io
 import json
 import os
 import shutil
@@ -272,6 +273,13 @@ def test_a_launch_whose_process_saved_and_exited_75_exits_75(worker_path, tmp_pa
     text = log.read_text()
     assert "[p0] saved; exiting 75" in text and "jaxpar launch: preemption signal" in text, text
     assert code == EXIT_PREEMPTED, text
+
+
+def test_a_launch_whose_preemption_save_is_durable_exits_75_though_its_processes_were_killed(worker_path):
+    """Process 0 records the durable save in the file `jaxpar launch` names (ENV_PREEMPTION_RECORD), then both
+    processes die by SIGKILL: the launch exits 75, not 137, so the scheduler requeues."""
+    out = io.StringIO()
+    assert launch(2, 1, ["durable"], module="launch_worker", timeout=60, out=out) == EXIT_PREEMPTED, out.getvalue()
 
 
 # 4. The state check before a save (the run-level case is test_checkpoint_integrity's NaN test) ------------------

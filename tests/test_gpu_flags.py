@@ -4,7 +4,7 @@ import argparse
 import os
 
 from jaxpar.env import PIPELINED_COLLECTIVES, compiles_for_gpu, start_platform, with_gpu_defaults
-from jaxpar.labs import overlap as lab
+from jaxpar.labs.overlap import lab
 
 
 def test_defaults_are_added_and_the_users_setting_wins():

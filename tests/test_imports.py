@@ -88,9 +88,9 @@ def test_every_module_imports_alone():
 
 # ----------------------------------------------------------------------------- layers
 
-LAYERS = [("config", "configs", "config_checks", "checks", "env", "units", "figures"), ("model", "data", "mesh"),
-          ("kernels",), ("parallel",), ("train",), ("measure", "bench"), ("cluster", "plan", "launch"),
-          ("labs", "cli", "dryrun", "training")]
+LAYERS = [("config", "configs", "config_checks", "checks", "env", "units", "figures", "strategies"),
+          ("model", "data", "mesh"), ("kernels",), ("parallel",), ("train",), ("measure", "bench"),
+          ("cluster", "plan", "launch"), ("labs", "cli", "dryrun", "training")]
 LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 # Imports that still run back up a layer, each with what has to move; the list may only shrink (the test fails
 # on a new back-edge, and on one that is gone but still listed).

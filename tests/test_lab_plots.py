@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jaxpar import units
-from jaxpar.labs import report
-from jaxpar.labs import tensor as lab_tensor
-from jaxpar.labs import zero as lab_zero
+from jaxpar.labs.base import report
 from jaxpar.labs.replot import main as replot
+from jaxpar.labs.tensor import plots as tensor_plots
+from jaxpar.labs.zero import lab as lab_zero
 
 MIB = 2**20
 
@@ -61,7 +61,7 @@ def tensor_result(scale: float) -> dict:
 def test_byte_axes_use_the_unit_of_the_tables(tmp_path, scale, unit):
     result = tensor_result(scale)
     assert units.fmt_bytes(result["rows"]["auto"]["layer_bytes"]).endswith(unit)      # what the table prints
-    fig = lab_tensor.plot_communication(result, tmp_path / "communication.png")
+    fig = tensor_plots.plot_communication(result, tmp_path / "communication.png")
     ax = fig.axes[0]
     assert ax.get_ylabel() == f"{unit} sent per device per layer"
     tallest = max(bar.get_y() + bar.get_height() for bar in ax.patches)
@@ -77,7 +77,7 @@ def test_tensor_memory_plot_is_readable(tmp_path):
                   "saved": region, "jaxpar_formula": region,
                   "korthikanti_bf16": {k: v / 2.4 for k, v in region.items()}}
             for key, label in (("tp", "manual TP"), ("sp", "manual TP+SP"))}
-    fig = lab_tensor.plot_memory({"rows": rows}, tmp_path / "memory.png")
+    fig = tensor_plots.plot_memory({"rows": rows}, tmp_path / "memory.png")
     assert fig.axes[0].get_ylabel() == "MiB per layer per device"
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert "compiled (temp slope)" in legend and any("sequence region" in t for t in legend)
@@ -97,7 +97,7 @@ def test_replot_redraws_a_run_from_its_results(tmp_path, capsys):
 
 
 def test_a_failing_figure_keeps_the_others_and_is_one_line(tmp_path, monkeypatch, capsys):
-    """report.draw_plots, every lab's last step (after results.json): a plot that raises does not stop the
+    """base.results.draw_plots, every lab's last step (after results.json): a plot that raises does not stop the
     others, and the failure is one line that says where the results are and how to draw them again."""
     def broken(result, path):
         raise ValueError("figure width 11 in:\n at most 10")

@@ -103,6 +103,17 @@ def test_an_uncaught_exception_ends_its_process_at_once(worker_path):
 
 
 @pytest.mark.slow
+def test_every_process_learns_of_a_notice_to_any_process_at_the_same_call(worker_path):
+    """jaxpar's preemption agreement (train/agreement.py) between two processes: a notice to process 1 alone at
+    call 2 is the answer of call 2 on both; a peer that announced leaving ends a wait for the others."""
+    out = Recorder()
+    assert launch(2, 1, ["agree"], module=WORKER, timeout=120, out=out) == 0, out.text
+    for i in range(2):
+        assert f"[p{i}] answers=[False, True, False]" in out.text, out.text
+    assert "[p0] peer left" in out.text, out.text
+
+
+@pytest.mark.slow
 def test_timeout_stops_everything(worker_path):
     out = Recorder()
     t0 = time.monotonic()

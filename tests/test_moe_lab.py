@@ -104,7 +104,8 @@ class RecordedLab:
 
 def test_balance_part_tables_and_heatmaps(tmp_path):
     """Coefficient of variation and dropped fraction from per-step loads, per method; the plots draw them."""
-    from jaxpar.labs import moe as lab_moe
+    from jaxpar.labs.moe import lab as lab_moe
+    from jaxpar.labs.moe import plots as moe_plots
     config = load_config("configs/test.py")
     apply_overrides(config, ["model.moe.experts=8"])
     balanced, skewed = np.full(8, 1 / 8), np.array([0.5, 0.5, 0, 0, 0, 0, 0, 0])
@@ -120,13 +121,14 @@ def test_balance_part_tables_and_heatmaps(tmp_path):
     assert none["cv_end"] == pytest.approx(np.sqrt(3)) and aux["cv_end"] == pytest.approx(0.0, abs=1e-12)
     assert none["dropped_end"] == pytest.approx(0.5) and aux["dropped_mean"] == 0
     assert "| none | 1.732 | 1.732 |" in result["markdown"]
-    lab_moe.plot_balance(result, tmp_path / "balance.png")
-    lab_moe.plot_heatmaps(result, tmp_path / "heatmaps.png")
+    moe_plots.plot_balance(result, tmp_path / "balance.png")
+    moe_plots.plot_heatmaps(result, tmp_path / "heatmaps.png")
     assert (tmp_path / "balance.png").stat().st_size > 0 and (tmp_path / "heatmaps.png").stat().st_size > 0
 
 
 def test_moe_vs_dense_compares_equal_active_flops(tmp_path):
-    from jaxpar.labs import moe as lab_moe
+    from jaxpar.labs.moe import lab as lab_moe
+    from jaxpar.labs.moe import plots as moe_plots
     config = load_config("configs/test.py")
     apply_overrides(config, ["model.moe.experts=8", "model.moe.top_k=2"])
     def curve(label, steps):
@@ -135,7 +137,7 @@ def test_moe_vs_dense_compares_equal_active_flops(tmp_path):
     moe, dense = result["runs"]["MoE"], result["runs"]["dense (MLP 256)"]          # 2 experts x 128 wide
     assert moe["active"] == pytest.approx(dense["active"], rel=0.02) and moe["params"] > 2 * dense["params"]
     assert moe["flops_per_token"] == pytest.approx(dense["flops_per_token"], rel=0.02)
-    lab_moe.plot_moe_vs_dense(result, tmp_path / "curves.png")
+    moe_plots.plot_moe_vs_dense(result, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
@@ -154,8 +156,8 @@ def test_lab_bad_input_exits_2(capsys, tmp_path):
 def test_layouts_part_covers_the_hand_written_layouts_and_each_passes_the_checks():
     """Part f (run by the lab, not here: it compiles 20 programs): every pipeline schedule, expert x pipe x data
     and x fsdp, manual TP; each layout's config is accepted by the strategy registry (no compile)."""
-    from jaxpar.labs.moe_layouts import LAYOUTS, MODEL
-    from jaxpar.labs.pipeline_moe import MOE_MODEL
+    from jaxpar.labs.moe.layouts import LAYOUTS, MODEL
+    from jaxpar.labs.pipeline.moe import MOE_MODEL
     from jaxpar.parallel.registry import select
 
     seen = set()

@@ -102,7 +102,7 @@ def test_a_pair_marked_synchronous_is_exposed():
 
 
 def test_profile_lanes_count_collective_time_beside_compute():
-    from jaxpar.labs.overlap import lanes_of, overlap_of
+    from jaxpar.labs.overlap.lab import lanes_of, overlap_of
     cpu = lambda name, ts, dur, dev=0: {"ph": "X", "pid": 1, "tid": 1, "name": name, "ts": ts, "dur": dur,
                                         "args": {"hlo_op": name, "device_ordinal": dev}}
     gpu = lambda name, ts, dur, tid: {"ph": "X", "pid": 9, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": {}}

@@ -23,7 +23,7 @@ MOE = ["train.warmup_steps=1", "model.layers=6", "model.moe.experts=4", "model.m
        "model.moe.dense_layers=2", "model.moe.router=sigmoid", "model.moe.bias_rate=0.01",
        "model.moe.balance_loss=0.1", "model.moe.z_loss=0.01"]
 CASES = {   # name: (overrides, devices); every case's a·m = 4, the oracle's train.microbatches. A representative
-    # subset: `jaxpar lab pipeline --parts moe` runs 28 layouts (labs/pipeline_moe.py), among them MoE DualPipeV
+    # subset: `jaxpar lab pipeline --parts moe` runs 28 layouts (labs/pipeline/moe.py), among them MoE DualPipeV
     # pipe=2 x tensor=2 and GPipe with accumulation
     # expert x pipe x tensor: every expert's hidden dimension split Megatron-style inside the stages, tokens
     # exchanged over expert

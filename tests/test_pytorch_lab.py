@@ -4,7 +4,7 @@ tests/test_journeys.py::test_lab_quick[pytorch], checked by tests/lab_results.py
 import sys
 
 from jaxpar import cli
-from jaxpar.labs import pytorch as lab
+from jaxpar.labs.pytorch import lab
 
 
 def test_without_torch_one_line_names_the_cpu_wheel_and_exits_2(tmp_path, monkeypatch, capsys):

@@ -1,10 +1,11 @@
-"""A strategy owns its prediction: registered with it, a strategy is in the dry run's report and the planner's space
-with no other edit."""
+"""A strategy owns its prediction: registered with it, a strategy is in the planner's space and `--strategy`'s words
+with no other edit (in the dry run's report too: tests/test_new_axis.py, whose toy also adds a mesh axis)."""
 
 import dataclasses
 
 import pytest
 
+from jaxpar import strategies
 from jaxpar.config import apply_overrides, load_config
 from jaxpar.model.counting import ModelShape
 from jaxpar.parallel import registry
@@ -32,30 +33,7 @@ class ToyStrategy(AutoStrategy):
 
 @pytest.fixture
 def toy(monkeypatch):
-    monkeypatch.setattr(registry, "STRATEGIES", (*registry.STRATEGIES, ToyStrategy))
-
-
-def test_a_registered_strategy_is_in_the_dry_run(toy):
-    """The report's predicted bytes are the strategy's, and its step time is the planner's for that strategy."""
-    from jaxpar.dryrun import dryrun, markdown_report
-    from jaxpar.measure.hardware import probe_host
-    from jaxpar.plan.fleet import cpu_cluster
-    from jaxpar.plan.planner import predict_config
-    from jaxpar.plan.steptime import Calibration
-    c = load_config(CONFIG)
-    apply_overrides(c, ["model.vocab_size=512", "parallel.data=toy", "mesh.data=8"])
-    r = dryrun(c, "cpu")
-    assert r["collectives"]["by_axis"]["data"]["predicted_bytes"] == TOY_BYTES * 8
-    host = probe_host()
-    expected = predict_config(c, r["mesh"], c.model.vocab_size, cpu_cluster(8, {}, host.fp32_flops, host.hbm_bw,
-                                                                             host.hbm_bytes or 16e9),
-                              Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0,
-                                          layer_overhead_s=0.0))
-    assert r["time"]["calibrated"]["step_s"] == pytest.approx(expected.total_s)
-    assert expected.comm_s["data"] > 0
-    text = markdown_report(r)
-    assert "The planner's step model (jaxpar.plan) for these 8 virtual CPU devices:" in text
-    assert "Optimistic bound (100% of peak" in text
+    monkeypatch.setattr(strategies, "STRATEGIES", (*strategies.STRATEGIES, ToyStrategy))
 
 
 def test_a_registered_strategy_is_in_the_planners_space(toy):
@@ -89,7 +67,7 @@ def test_every_registered_strategy_predicts():
     c = load_config(CONFIG)
     apply_overrides(c, ["model.vocab_size=512"])
     shape = ModelShape.from_config(c)
-    for cls in map(registry._load, registry.STRATEGIES):
+    for cls in registry.registered():
         pipe = {"pipe": 2, "microbatches": 2, "schedule": cls.RUNS["pipe"][0]} if "pipe" in cls.RUNS else {}
         for axis, names in cls.RUNS.items():
             if axis in ("expert", "pipe"):

@@ -12,7 +12,7 @@ from synthetic import counting_batches
 
 from jaxpar.cli import main
 from jaxpar.config import apply_overrides, load_config
-from jaxpar.labs.tensor import layer_activations
+from jaxpar.labs.tensor.lab import layer_activations
 from jaxpar.measure.hlo import collectives
 from jaxpar.mesh import make_mesh
 from jaxpar.model.transformer import ModelConfig, loss

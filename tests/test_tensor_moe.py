@@ -30,7 +30,7 @@ MOE = ["model.moe.experts=4", "model.moe.router=sigmoid", "model.moe.bias_rate=0
        "model.moe.expert_mlp_dim=64", "model.kv_heads=4", "train.warmup_steps=1", "train.grad_clip=0.05"]
 TELEMETRY = ("loss", "grad_norm", "ce_loss", "moe_balance_loss", "moe_z_loss", "moe_routed", "moe_dropped",
              "moe_entropy")
-LAYOUTS = {   # tensor=2 x fsdp=2 x data=2 and tensor=4 x data=2: lab 07's layouts part (labs/moe_layouts.py)
+LAYOUTS = {   # tensor=2 x fsdp=2 x data=2 and tensor=4 x data=2: lab 07's layouts part (labs/moe/layouts.py)
            "expert-tp": ["mesh.expert=2", "mesh.data=2", "mesh.tensor=2", "parallel.expert=manual"],
            "sp-expert-fsdp": ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "parallel.expert=manual",
                               "parallel.sequence=true"],

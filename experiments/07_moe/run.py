@@ -1,7 +1,7 @@
-"""Lab 07 (MoE): `python experiments/07_moe/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/moe.py."""
+"""Lab 07 (MoE): `python experiments/07_moe/run.py --cpu-devices 8 --out DIR`; the code is jaxpar/labs/moe/lab.py."""
 import sys
 
-from jaxpar.labs.moe import main
+from jaxpar.labs.moe.lab import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,8 @@
-"""Lab 09 (operations): `python experiments/09_operations/run.py --out DIR`; the code is jaxpar/labs/operations.py."""
+"""Lab 09 (operations): `python experiments/09_operations/run.py --out DIR`;
+the code is jaxpar/labs/operations/lab.py."""
 import sys
 
-from jaxpar.labs.operations import main
+from jaxpar.labs.operations.lab import main
 
 if __name__ == "__main__":
     sys.exit(main())

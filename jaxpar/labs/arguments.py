@@ -45,20 +45,26 @@ def add_quick(p: argparse.ArgumentParser, **values) -> None:
     p.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
+def run_arguments(p: argparse.ArgumentParser, lab: str, parts: tuple[str, ...] = ()) -> None:
+    """What every lab that runs on virtual CPU devices takes: --cpu-devices, --out and (with `parts`) --parts."""
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
+    p.add_argument("--out", metavar="DIR", help=f"run directory (default: runs/lab-{lab}-<time>)")
+    if parts:
+        p.add_argument("--parts", metavar="LIST", default=",".join(parts),
+                       help=f"comma-separated parts to run (default all: {','.join(parts)})")
+
+
 def zero(p: argparse.ArgumentParser) -> None:
     """`jaxpar lab zero`."""
     add_config_arguments(p, config_help="config file (default: the embedded default, ~3.4M params; configs/test.py: "
                                         "the tiny test model, ~2x faster)")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-zero-<time>)")
+    run_arguments(p, "zero", ZERO_PARTS)
     p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
     p.add_argument("--precision-steps", type=int, default=60,
                    help="training steps of each precision's loss curve (default 60)")
     p.add_argument("--remat-repeats", type=int, default=10, help="timed steps per remat policy (default 10)")
     p.add_argument("--precisions", metavar="LIST", default=None,
                    help="comma-separated compute dtypes (default: float32,bfloat16,float8)")
-    p.add_argument("--parts", metavar="LIST", default=",".join(ZERO_PARTS),
-                   help=f"comma-separated parts to run (default all: {','.join(ZERO_PARTS)})")
     add_quick(p, config=TEST_CONFIG, cpu_devices=8, steps=2, precision_steps=2, remat_repeats=1,
               precisions="float32,bfloat16")
 
@@ -67,12 +73,9 @@ def tensor(p: argparse.ArgumentParser) -> None:
     """`jaxpar lab tensor`."""
     add_config_arguments(p, config_help="config file (default: the embedded default; configs/test.py with --set "
                                         "model.kv_heads=4: the tiny test model)")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-tensor-<time>)")
+    run_arguments(p, "tensor", TENSOR_PARTS)
     p.add_argument("--steps", type=int, default=10, help="training steps of the equivalence part (default 10)")
     p.add_argument("--tensor", type=int, default=4, help="mesh.tensor (default 4); mesh.data takes the other devices")
-    p.add_argument("--parts", metavar="LIST", default=",".join(TENSOR_PARTS),
-                   help=f"comma-separated parts to run (default all: {','.join(TENSOR_PARTS)})")
     add_quick(p, config=TEST_CONFIG, overrides=["model.kv_heads=4"], cpu_devices=8, steps=2)
 
 
@@ -80,13 +83,10 @@ def pipeline(p: argparse.ArgumentParser) -> None:
     """`jaxpar lab pipeline`."""
     add_config_arguments(p, config=False,
                          set_help="override a field of the lab's model (configs/test.py + 8 layers, d_model 128)")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-pipeline-<time>)")
+    run_arguments(p, "pipeline", PIPELINE_PARTS)
     p.add_argument("--steps", type=int, default=5, help="training steps of the equivalence part (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="steps run before the profiled one (default 2)")
     p.add_argument("--pipedream-steps", type=int, default=60, help="training steps of part h (default 60)")
-    p.add_argument("--parts", metavar="LIST", default=",".join(PIPELINE_PARTS),
-                   help=f"comma-separated parts to run (default all: {','.join(PIPELINE_PARTS)})")
     add_quick(p, cpu_devices=8, steps=1, warmup=1, pipedream_steps=3)
 
 
@@ -96,14 +96,11 @@ def moe(p: argparse.ArgumentParser) -> None:
                          config_help="an MoE config (default: configs/mixtral_tiny.py, 8 experts, top-2)",
                          set_help="override a config field, e.g. --set model.layers=4 (repeatable); applied after "
                                   f"the lab's own settings {', '.join(MOE_SETTINGS)}")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-moe-<time>)")
+    run_arguments(p, "moe", MOE_PARTS)
     p.add_argument("--steps", type=int, default=5, help="steps of the equivalence part (default 5)")
     p.add_argument("--balance-steps", type=int, default=150, help="training steps per balancing method (default 150)")
     p.add_argument("--capacity-steps", type=int, default=30, help="steps per capacity factor (default 30)")
     p.add_argument("--compare-steps", type=int, default=150, help="steps of MoE and dense each (default 150)")
-    p.add_argument("--parts", default=",".join(MOE_PARTS), metavar="LIST",
-                   help=f"comma-separated parts to run (default: all of {','.join(MOE_PARTS)})")
     p.add_argument("--bias-rate", type=float, default=0.01,
                    help="aux-free bias step per training step in the balance part (default 0.01)")
     add_quick(p, cpu_devices=8, steps=2, balance_steps=3, capacity_steps=2, compare_steps=3)
@@ -111,8 +108,7 @@ def moe(p: argparse.ArgumentParser) -> None:
 
 def kernels(p: argparse.ArgumentParser) -> None:
     """`jaxpar lab kernels`."""
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
-    p.add_argument("--out", metavar="DIR", help="run directory (default: runs/lab-kernels-<time>)")
+    run_arguments(p, "kernels")
     p.add_argument("--steps", type=int, default=5, help="training steps of the model agreement (default 5)")
     p.add_argument("--seq-lens", default="128,256,512", help="sequence lengths of the memory part")
     p.add_argument("--depths", default="2,4,8,16", help="layer counts of the compile-time part")
@@ -131,7 +127,7 @@ def overlap(p: argparse.ArgumentParser) -> None:
                    help="comma-separated parts: gpu (deviceless 7B compiles on 64 H100s, needs the CUDA plugin "
                         "wheels, ~2 min each) and cpu (the default model on 8 CPU devices); default both")
     p.add_argument("--layouts", metavar="LIST", default=None,
-                   help="GPU part: comma-separated layout names (default all; see jaxpar/labs/overlap.py LAYOUTS)")
+                   help="GPU part: comma-separated layout names (default all; see jaxpar/labs/overlap/lab.py LAYOUTS)")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="run on N virtual CPU devices (8 for the lab)")
     p.add_argument("--steps", type=int, default=5, help="CPU part: training steps compared with one device "
                                                         "(default 5)")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 
-from jaxpar.labs.report import PlotError, draw_plots
+from jaxpar.labs.base.results import PlotError, draw_plots, read_results
 
 LABS = ("zero", "tensor", "pipeline", "moe", "kernels", "pytorch")
 
@@ -21,13 +20,12 @@ def main(argv=None) -> int:
     if args.lab not in LABS:
         print(f"error: lab: unknown {args.lab!r}; valid: {', '.join(LABS)}", file=sys.stderr)
         return 2
-    path = Path(args.run_dir) / "results.json"
-    if not path.is_file():
+    if not (Path(args.run_dir) / "results.json").is_file():
         print(f"error: run_dir: no results.json in {args.run_dir}", file=sys.stderr)
         return 2
-    lab = importlib.import_module(f"jaxpar.labs.{args.lab}")
+    lab = importlib.import_module(f"jaxpar.labs.{args.lab}.lab")
     try:
-        written = draw_plots(json.loads(path.read_text()), args.run_dir, lab.PLOTS, args.lab)
+        written = draw_plots(read_results(args.run_dir), args.run_dir, lab.PLOTS, args.lab)
     except PlotError as err:
         print(err, file=sys.stderr)
         return err.exit_code

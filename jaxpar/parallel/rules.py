@@ -29,7 +29,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import MESH_AXES, ConfigError
+from jaxpar.config import ConfigError, mesh_axes
 
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # parameters
@@ -61,10 +61,10 @@ def parse_rules(text: str) -> dict[str, tuple[str, ...]]:
             raise ConfigError("parallel.rules", f"'{item}' is not NAME=AXIS[+AXIS...] with NAME one of "
                               f"{', '.join(DEFAULT_RULES)}")
         chosen = tuple(a.strip() for a in axes.split("+") if a.strip())
-        unknown = [a for a in chosen if a not in MESH_AXES]
+        unknown = [a for a in chosen if a not in mesh_axes()]
         if unknown:
             raise ConfigError("parallel.rules", f"'{item}': {unknown[0]} is not a mesh axis; valid: "
-                              f"{', '.join(MESH_AXES)}")
+                              f"{', '.join(mesh_axes())}")
         overrides[name] = chosen
     return overrides
 

@@ -2,7 +2,8 @@
 need to know which strategy runs.
 
 A strategy is a subclass of `Strategy` in one file under jaxpar/parallel/ plus one
-line in `jaxpar/parallel/registry.py`. Beside its builder the file holds its theory,
+line in `jaxpar/strategies.py` (`NewAxis` there when it runs a mesh axis of its own). Beside its
+builder the file holds its theory,
 `predict` (parallel/theory.py says what a prediction is): the dry run, the planner and the
 labs all read it. Its constructor calls `Strategy.__init__` (config,
 model, mesh, optimizer, logical-axis rules, ops bundle, remat policy, donation) and then

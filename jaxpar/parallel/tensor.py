@@ -244,7 +244,7 @@ def predict(shape, cand: Candidate, global_batch: int, seq_len: int, platform: s
         out.append(Flow("tensor", "reduce-scatter" if cand.sequence else "all-reduce", total, count, False))
     arrays = WEIGHTS_PER_LAYER + OTHER_WEIGHTS
     if F > 1:
-        sent = fsdp_bytes(shape.model, T, F, X)
+        sent = fsdp_bytes(shape.model, T, F, X, e)
         stored = dict.fromkeys(stored, sum(size / (F if "fsdp" in axes else 1) for _, size, axes in every))
         out.append(Flow("fsdp", "all-gather", sent, 3 * L * WEIGHTS_PER_LAYER + 2 * OTHER_WEIGHTS, False))
     if D > 1:
@@ -275,17 +275,19 @@ def leaf_sizes(model_cfg, T: int, F: int, X: int) -> list[tuple[str, float, tupl
     return out
 
 
-def fsdp_bytes(model_cfg, T: int, F: int, X: int = 1) -> float:
-    """fsdp bytes per device per step of manual TP x FSDP (default rules): per parameter split over fsdp, fp32,
-    g = its `leaf_sizes` size, (F-1)/F·4·g per all-gather, 3 per layer weight (forward, the backward's re-gather,
+def fsdp_bytes(model_cfg, T: int, F: int, X: int = 1, e: int = 4) -> float:
+    """fsdp bytes per device per step of manual TP x FSDP (default rules): per parameter split over fsdp,
+    g = its `leaf_sizes` size, (F-1)/F·e·g per all-gather, 3 per layer weight (forward, the backward's re-gather,
     the gradient's reduce-scatter), 2 for the embedding and head (a tied one 4); the learned parameters fsdp does
-    not split (norms) all-reduce their gradient, 2(F-1)/F·4·size. The scalars (loss, norm) that reduce over data x
-    fsdp together are left out."""
+    not split (norms) all-reduce their gradient, 2(F-1)/F·e·size. e = `wire_bytes`: Ops.weights casts to the
+    compute dtype before fetching, so the gather and its transpose, the reduce-scatter, move bf16 (a compiled
+    7B on 64 H100s sends the predicted bytes, lab 05); XLA:CPU sends fp32. The scalars (loss, norm) that
+    reduce over data x fsdp together are left out."""
     sent = 0.0
     for name, size, axes in leaf_sizes(model_cfg, T, F, X):
         gathers = 4 if name == "embed" and model_cfg.tie_embeddings else 2 if name in ("embed", "lm_head") else 3
         if "fsdp" in axes:
-            sent += (F - 1) / F * 4 * size * gathers
+            sent += (F - 1) / F * e * size * gathers
         elif name != "router_bias":     # no gradient
-            sent += 2 * (F - 1) / F * 4 * size
+            sent += 2 * (F - 1) / F * e * size
     return sent

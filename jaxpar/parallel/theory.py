@@ -1,8 +1,10 @@
 """What a strategy predicts for one training step, before anything is compiled: the contract of `Strategy.predict`.
 
 A `Candidate` is one point of the strategy space: mesh sizes, which implementation runs each axis,
-microbatches, pipeline schedule, remat, precision, attention kernel. A strategy's `predict(shape, cand,
-global_batch, seq_len, platform)` returns a `Prediction`: every collective `Flow` (bytes each device sends
+microbatches, pipeline schedule, remat, precision, attention kernel. The built-in axes are its named fields;
+an axis a registered strategy adds (jaxpar/strategies.py) is an entry of `added`; `sizes` and `impls` map
+every axis. A strategy's `predict(shape, cand, global_batch, seq_len, platform)` returns a `Prediction`:
+every collective `Flow` (bytes each device sends
 per step on one mesh axis, its kind, how many collectives carry it, whether the compiler can hide it),
 the pipeline bubble and the stash. The dry run compares it with the compiled program, the planner ranks
 with it, the labs print it: nothing else predicts a strategy. Plain Python: no JAX import.
@@ -10,13 +12,15 @@ with it, the labs print it: nothing else predicts a strategy. Plain Python: no J
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 
 from jaxpar.config import ConfigError, fused_attention
 from jaxpar.parallel.expert_sizes import received_rows, resolve
 from jaxpar.parallel.schedules import chunks_per_stage, pipeline_microbatches
+from jaxpar.strategies import BUILT_IN_AXES, added_axes
 
-AXES = ("data", "fsdp", "pipe", "expert", "context", "tensor")   # jaxpar.mesh's order: tensor innermost
+AXES = BUILT_IN_AXES   # jaxpar.mesh's order: tensor innermost (the added axes come before them)
 SHORT = {"expert": "ep", "context": "cp", "tensor": "tp"}        # labels: data=8 fsdp=8 tp=2
 VIRTUAL = chunks_per_stage("interleaved")   # the interleaved schedule's chunks per stage when the config leaves 0
 WEIGHTS_PER_LAYER = 9        # attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down: one collective each
@@ -49,25 +53,35 @@ class Candidate:
     layout: str = "jaxpar"         # model-state layout the planner's memory assumes (plan/layouts.py)
     tensor_overlap: str = "none"   # parallel.tensor_overlap (tensor_impl manual + sequence): collective matmul
     prefetch: bool = False         # parallel.prefetch (data_impl zero3): layer i+1 gathered during layer i
+    added: tuple[tuple[str, int, str], ...] = ()   # (axis, size, parallel.<axis>) of each added axis in use (> 1)
 
     def __post_init__(self):
         if not self.virtual:
             object.__setattr__(self, "virtual", chunks_per_stage(self.schedule))
+        object.__setattr__(self, "added", tuple((a, int(s), i) for a, s, i in self.added if s > 1))
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in AXES}
+        """Every mesh axis in use and its size, in mesh order (the added axes outermost)."""
+        return {**{axis: size for axis, size, _ in self.added}, **{axis: getattr(self, axis) for axis in AXES}}
 
     @property
     def impls(self) -> dict[str, str]:
         """`parallel.<axis>` of every mesh axis: what the strategy registry matches on."""
         return {"data": self.data_impl, "fsdp": "auto", "pipe": self.schedule if self.pipe > 1 else "auto",
                 "expert": self.expert_impl, "context": self.context_impl if self.context > 1 else "auto",
-                "tensor": self.tensor_impl}
+                "tensor": self.tensor_impl, **{axis: impl for axis, _, impl in self.added}}
 
     @property
     def devices(self) -> int:
-        return self.data * self.fsdp * self.tensor * self.pipe * self.expert * self.context
+        return math.prod(self.sizes.values())
+
+    def to_dict(self) -> dict:
+        """The fields as a plan's JSON records them (`added` only when an added axis is in use)."""
+        fields = dataclasses.asdict(self)
+        if not self.added:
+            del fields["added"]
+        return fields
 
     @property
     def batch_shards(self) -> int:
@@ -75,7 +89,8 @@ class Candidate:
         return self.data * self.fsdp * self.expert
 
     def mesh_text(self) -> str:
-        used = [f"{SHORT.get(a, a)}={s}" for a, s in self.sizes.items() if s > 1]
+        words = {**SHORT, **{a: impl for a, _, impl in self.added if impl != "auto"}}   # by implementation, as zero1=8
+        used = [f"{words.get(a, a)}={s}" for a, s in self.sizes.items() if s > 1]
         mesh = " ".join(used) or "1 device"
         if self.data_impl != "auto" and self.data > 1:
             mesh = mesh.replace(f"data={self.data}", f"{self.data_impl}={self.data}")
@@ -90,7 +105,8 @@ class Candidate:
         pipe = f" {self.schedule}" if self.pipe > 1 else ""
         if self.pipe > 1 and self.schedule == "interleaved" and self.virtual != VIRTUAL:
             pipe += f" v={self.virtual}"
-        state = " dist-opt" if self.layout == "distributed-optimizer" else ""
+        state = {"distributed-optimizer": " dist-opt",
+                 "distributed-optimizer-bf16-grads": " dist-opt=bf16-grads"}.get(self.layout, "")
         return (f"{self.mesh_text()}{sp}{pipe} m={self.microbatches} remat={self.remat} "
                 f"{ {'bfloat16': 'bf16', 'float8': 'fp8', 'float32': 'fp32'}[self.precision]} {self.attention}{state}")
 
@@ -100,10 +116,10 @@ class Candidate:
         if "+" in axis:
             return max(self.span(a) for a in axis.split("+"))
         stride = 1
-        for name in reversed(AXES):
+        for name, size in reversed(self.sizes.items()):
             if name == axis:
-                return stride * getattr(self, name)
-            stride *= getattr(self, name)
+                return stride * size
+            stride *= size
         raise KeyError(axis)
 
 
@@ -180,7 +196,8 @@ def candidate_from_config(config, sizes: dict[str, int], platform: str = "gpu") 
                      virtual=parallel.pipe_virtual if pipe > 1 else 0,
                      grad_buckets=parallel.grad_buckets,
                      tensor_overlap=parallel.tensor_overlap,
-                     prefetch=bool(parallel.prefetch))
+                     prefetch=bool(parallel.prefetch),
+                     added=tuple((axis, sizes.get(axis, 1), parallel[axis]) for axis in added_axes()))
 
 
 def moe_all_to_all_bytes(shape, cand: Candidate, global_batch: int, seq_len: int, platform: str, *,

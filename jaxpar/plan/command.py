@@ -57,8 +57,9 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="also write plan.md and plan.json into DIR")
     p.add_argument("--layout", default="jaxpar", metavar="NAME",
                    help="model-state layout the memory assumes: jaxpar (default: fp32 params on every device + "
-                        "fp32 accumulator; jaxpar builds it) or distributed-optimizer (Megatron/NeMo: bf16 params, "
-                        "fp32 master + AdamW split over data; formula only)")
+                        "fp32 accumulator; jaxpar builds it), distributed-optimizer (Megatron/NeMo: bf16 params, "
+                        "fp32 grads, fp32 master + AdamW split over data; formula only) or "
+                        "distributed-optimizer-bf16-grads (the same with bf16 grads, as NeMo's published runs)")
 
 
 def load_model_config(args):
@@ -277,9 +278,8 @@ def step_range(r, factors: dict | None) -> list[float] | None:
 
 def candidate_json(r, factors: dict | None = None) -> dict:
     """One candidate's predictions, for --json and plan.json; `factors`: `range_json`'s."""
-    import dataclasses
     t = r.time
-    return {"strategy": r.label, "step_s_range": step_range(r, factors), "candidate": dataclasses.asdict(r.cand),
+    return {"strategy": r.label, "step_s_range": step_range(r, factors), "candidate": r.cand.to_dict(),
             "layout": r.memory.layout,
             "fits": r.memory.fits, "memory": r.memory.parts(), "memory_total": r.memory.total, "step_s": t.total_s,
             "terms": t.terms(), "comm_s": t.comm_s, "exposed_s": t.exposed_s, "comm_bytes": r.comm_bytes,
@@ -298,12 +298,11 @@ def candidates_json(p, framework: str = "jaxpar") -> dict:
 
 
 def plan_json(p, framework: str = "jaxpar") -> dict:
-    import dataclasses
     factors = range_json(p, framework)
     rows = []
     for r in p.ranked[:50]:
         rows.append({"strategy": r.label, "step_s_range": step_range(r, factors),
-                     "candidate": dataclasses.asdict(r.cand), "memory": r.memory.parts(),
+                     "candidate": r.cand.to_dict(), "memory": r.memory.parts(),
                      "memory_total": r.memory.total, "step_s": r.time.total_s, "terms": r.time.terms(),
                      "comm_s": r.time.comm_s, "comm_bytes": r.comm_bytes, "tokens_per_s": r.tokens_per_s,
                      "mfu": r.mfu, "days": r.days, "gpu_hours": r.gpu_hours, "cost": r.cost, "note": r.note})

@@ -132,7 +132,7 @@ class Cluster:
         (n-g)/(n-1). A pipeline's permute sends each device's activation through its own NIC too."""
         names = axis.split("+")
         span = max(cand.span(a) for a in names)
-        size = math.prod(getattr(cand, a) for a in names)
+        size = math.prod(cand.sizes[a] for a in names)
         link = self.link(span, size)
         if self.platform == "cpu" or self.scaleout is None:
             return link

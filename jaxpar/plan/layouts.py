@@ -11,6 +11,10 @@
                           parallelism `data` is data x context (Megatron's data-parallel group with context
                           parallelism: each context device holds whole parameters and the gradients of its
                           own rows). jaxpar does not build it: a candidate that needs it is marked formula-only.
+  distributed-optimizer-  the same with the gradients reduced and kept in bf16 (2 bytes): NeMo's published
+    bf16-grads            performance runs set `optim.grad_sync_dtype=bf16` (NeMo-Framework-Launcher's H100 Llama
+                          examples), where Megatron's default accumulates and reduces them in fp32. 4 + 12/D
+                          bytes per stored parameter; the reduce-scatter moves half the bytes. Formula-only too.
 
 Activations and working buffers are the same in both (the compute is bf16 either way).
 """
@@ -23,8 +27,16 @@ LAYOUTS = {
     "jaxpar": "jaxpar's: fp32 params on every data device + fp32 gradients (+ an fp32 accumulator) + AdamW",
     "distributed-optimizer": "distributed optimizer (Megatron/NeMo): bf16 params + fp32 grads on every data "
                              "device, fp32 master params + AdamW split over data",
+    "distributed-optimizer-bf16-grads": "distributed optimizer with bf16 gradients (NeMo's grad_sync_dtype=bf16): "
+                                        "bf16 params + bf16 grads on every data device, fp32 master params + "
+                                        "AdamW split over data",
 }
 BUILDABLE = ("jaxpar",)
+
+
+def gradient_bytes(layout: str) -> int:
+    """Bytes per gradient element a layout keeps and reduces."""
+    return 2 if layout == "distributed-optimizer-bf16-grads" else 4
 
 
 def check_layout(layout: str, field: str = "--layout") -> str:
@@ -43,6 +55,7 @@ def apply_layout(mem, cand, layout: str):
     accumulates = cand.microbatches > 1 and cand.pipe == 1
     grads = mem.gradients / (1 + ACCUMULATOR) if accumulates else mem.gradients
     split = cand.data * cand.context if cand.data_impl == "auto" else 1   # ZeRO stages split what they split
+    grads = grads * gradient_bytes(layout) / 4
     out = dataclasses.replace(mem, params=2 * params, optimizer=12 / 8 * mem.optimizer / split, gradients=grads,
                               layout=layout)
     return dataclasses.replace(out, fits=out.total <= out.limit)
@@ -50,7 +63,7 @@ def apply_layout(mem, cand, layout: str):
 
 def layout_flows(prediction, shape, cand, layout: str) -> list:
     """The collectives of `layout` (a `Prediction`'s flows in, the layout's out). A distributed optimizer
-    reduce-scatters the fp32 gradients of what a device stores over `data` once per step (not per microbatch)
+    reduce-scatters the gradients (fp32, or bf16) of what a device stores over `data` once per step (not per microbatch)
     and all-gathers the updated bf16 parameters, both overlapped with the backward and the next forward
     (Megatron's overlap_grad_reduce / overlap_param_gather: hideable). It takes over the gradients' all-reduce
     over `data`; one over a group of `data` and other axes (a pipeline's "data+pipe") keeps its other axes.
@@ -75,5 +88,5 @@ def layout_flows(prediction, shape, cand, layout: str) -> list:
     size, axis = math.prod(getattr(cand, a) for a in group), "+".join(group)
     ring = (size - 1) / size
     shard = prediction.stored["params"]             # parameters this device stores (over pipe, fsdp, tensor, expert)
-    return kept + [Flow(axis, "reduce-scatter", ring * 4 * shard, 1, True),
+    return kept + [Flow(axis, "reduce-scatter", ring * gradient_bytes(layout) * shard, 1, True),
                    Flow(axis, "all-gather", ring * 2 * shard, 1, True)]

@@ -6,15 +6,20 @@ attention kernel). `enumerate_candidates` lists every one a model and a cluster 
 each axis size divides what it splits (heads, kv_heads, the MLP, the vocabulary for
 `tensor`; d_model for `fsdp`; layers for `pipe`; experts for `expert`; the global batch
 for data x fsdp x expert x microbatches). Whether jaxpar has a strategy that runs a
-candidate is the registry's: each axis' implementations are those its strategies offer the planner.
+candidate is the registry's: each axis' implementations are those its strategies offer the planner, and an
+axis a registered strategy adds (jaxpar/strategies.py) is enumerated at every size that divides the devices,
+with each implementation offered, where a registered strategy runs the combination.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 
 from jaxpar.model.counting import ModelShape
-from jaxpar.parallel.registry import planned
+from jaxpar.parallel.registry import planned, runs
 from jaxpar.parallel.theory import VIRTUAL, Candidate
+from jaxpar.strategies import added_axes
 
 REMATS = ("none", "dots", "full")
 PRECISIONS = ("bfloat16", "float8", "float32")
@@ -80,11 +85,34 @@ def microbatch_choices(rows: int, pipe: int, schedule: str) -> list[int]:
     return [m for m in counts if m >= pipe and (schedule != "interleaved" or m % pipe == 0)]
 
 
-def enumerate_candidates(shape: ModelShape, devices: int, global_batch: int, *, remats=REMATS,
-                         precisions=("bfloat16", "float8"), attentions=ATTENTIONS, schedules=None,
-                         data_impls=None, seq_len: int = 0) -> list[Candidate]:
+def added_choices(devices: int) -> list[tuple[tuple[str, int, str], ...]]:
+    """The settings of the added axes: each unused, or (axis, size, implementation) for every size > 1 dividing the
+    devices and every implementation offered the planner; [()] when no strategy adds an axis."""
+    offered = planned()
+    out: list[tuple[tuple[str, int, str], ...]] = [()]
+    for axis in added_axes():
+        used = [((axis, size, impl),) for size in divisors(devices)[1:] for impl in offered[axis] if impl != "auto"]
+        out = [(*prior, *entry) for prior in out for entry in [(), *used]]
+    return [c for c in out if devices % math.prod(size for _, size, _ in c) == 0]
+
+
+def enumerate_candidates(shape: ModelShape, devices: int, global_batch: int, *, seq_len: int = 0,
+                         **space) -> list[Candidate]:
     """The strategy space: every mesh x microbatches x schedule x remat x precision x attention allowed, and
-    each axis' implementations the registered strategies offer the planner (`registry.planned`)."""
+    each axis' implementations the registered strategies offer the planner (`registry.planned`); `space`:
+    `built_in_candidates`' narrowing."""
+    out = []
+    for added in added_choices(devices):
+        rest = devices // math.prod(size for _, size, _ in added)
+        found = built_in_candidates(shape, rest, global_batch, seq_len=seq_len, whole=devices, **space)
+        out += [dataclasses.replace(c, added=added) for c in found] if added else found
+    return [c for c in out if not c.added or runs(c.impls)]
+
+
+def built_in_candidates(shape: ModelShape, devices: int, global_batch: int, *, remats=REMATS,
+                        precisions=("bfloat16", "float8"), attentions=ATTENTIONS, schedules=None,
+                        data_impls=None, seq_len: int = 0, whole: int = 0) -> list[Candidate]:
+    """The space over the built-in axes on `devices` (of a mesh of `whole` devices, default the same)."""
     offered = planned()
     schedules = schedules or tuple(s for s in offered["pipe"] if s != "auto")
     data_impls = data_impls or offered["data"]
@@ -92,7 +120,7 @@ def enumerate_candidates(shape: ModelShape, devices: int, global_batch: int, *, 
     for sizes in mesh_choices(shape, devices, global_batch, seq_len):
         rows = global_batch // (sizes["data"] * sizes["fsdp"] * sizes["expert"])
         pipe = sizes["pipe"]
-        only_data = sizes["data"] > 1 and sizes["data"] == devices
+        only_data = sizes["data"] > 1 and sizes["data"] == (whole or devices)   # the ZeRO strategies: data alone
         impls = [i for i in data_impls if i == "auto" or only_data]
         for schedule in (schedules if pipe > 1 else ("",)):
             if schedule == "interleaved" and (shape.layers // pipe) % VIRTUAL:

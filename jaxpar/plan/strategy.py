@@ -18,9 +18,12 @@ Words, separated by spaces or commas (the label of any ranked row parses back to
   v=4 (virtual=4)                     chunks per stage of interleaved (default 2; must divide layers / pipe)
   dist-opt                            the distributed optimizer (plan/layouts.py): ZeRO-1 over data with
                                       Megatron's bf16 parameters, in any mesh (pipe, expert included)
+  dist-opt=bf16-grads                 the same with bf16 gradients (NeMo's grad_sync_dtype=bf16)
   remat=none|dots|full                default full
   bf16 / fp8 / fp32 (precision=...)   default bf16
   dot / flash (attention=...)         default flash on GPU, dot on CPU
+  <axis>=N / <implementation>=N       an axis a registered strategy adds (jaxpar/strategies.py): its size, run
+                                      by that implementation (<axis>=N: the first its strategy lists)
 Sizes the text leaves out are 1; `devices` (when given) must be their product.
 """
 from __future__ import annotations
@@ -29,7 +32,6 @@ from jaxpar.config import ConfigError
 
 AXIS_WORDS = {"data": "data", "fsdp": "fsdp", "tensor": "tensor", "tp": "tensor", "pipe": "pipe", "pp": "pipe",
               "expert": "expert", "ep": "expert", "context": "context", "cp": "context"}
-CONTEXT_IMPLS = ("ring", "all_to_all")                                # parallel.context (config_checks.py)
 PRECISION_WORDS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8": "float8", "float8": "float8",
                    "fp32": "float32", "float32": "float32"}
 ATTENTIONS = ("dot", "flash")
@@ -41,11 +43,24 @@ FLAGS = {"sp": ("sequence", True), "sequence": ("sequence", True),
 FIELD = "--strategy"
 
 
-def registered() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(data implementations, pipeline schedules) the strategy registry runs (parallel/registry.py), auto aside."""
+def registered() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(data implementations, pipeline schedules, context implementations) the strategy registry runs
+    (parallel/registry.py), auto aside."""
     from jaxpar.parallel.registry import implementations
     valid = implementations()
-    return tuple(n for n in valid["data"] if n != "auto"), tuple(n for n in valid["pipe"] if n != "auto")
+    data, pipe, context = (tuple(n for n in valid[axis] if n != "auto") for axis in ("data", "pipe", "context"))
+    return data, pipe, context
+
+
+def added_words() -> dict[str, tuple[str, str]]:
+    """The words of the added axes (parallel/registry.py's `added_implementations`): each axis and each of its
+    implementations -> (axis, implementation)."""
+    from jaxpar.parallel.registry import added_implementations
+    words = {}
+    for axis, impls in added_implementations().items():
+        words.update({impl: (axis, impl) for impl in impls})
+        words[axis] = (axis, impls[0])
+    return words
 
 
 def _positive(word: str, value: str) -> int:
@@ -56,7 +71,8 @@ def _positive(word: str, value: str) -> int:
 
 def _word(word: str, fields: dict) -> None:
     """The fields one word sets, into `fields`."""
-    data_impls, schedules = registered()
+    data_impls, schedules, context_impls = registered()
+    added = added_words()
     key, _, value = word.partition("=")
     if not value and word in FLAGS:
         fields[FLAGS[word][0]] = FLAGS[word][1]
@@ -66,16 +82,20 @@ def _word(word: str, fields: dict) -> None:
         fields["attention"] = word
     elif not value and word in schedules:
         fields["schedule"] = word
-    elif not value and word in CONTEXT_IMPLS or key == "context_impl" and value in CONTEXT_IMPLS:
+    elif not value and word in context_impls or key == "context_impl" and value in context_impls:
         fields["context_impl"] = value or word
     elif value and key in AXIS_WORDS:
         fields[AXIS_WORDS[key]] = _positive(word, value)
     elif value and key in data_impls:
         fields["data"], fields["data_impl"] = _positive(word, value), key
+    elif value and key in added:                 # gathered into the candidate's `added` by parse_strategy
+        fields[added[key][0]] = (_positive(word, value), added[key][1])
     elif key in ("m", "microbatches") and value:
         fields["microbatches"] = _positive(word, value)
     elif key in ("v", "virtual") and value:
         fields["virtual"] = _positive(word, value)
+    elif key in ("dist-opt", "distributed-optimizer") and value == "bf16-grads":
+        fields["layout"] = "distributed-optimizer-bf16-grads"
     elif key in ("async-tp", "tensor_overlap") and value in TENSOR_OVERLAPS:
         fields["tensor_overlap"] = value
     elif key == "remat" and value in REMATS:
@@ -87,9 +107,9 @@ def _word(word: str, fields: dict) -> None:
     elif key == "schedule" and value in schedules:
         fields["schedule"] = value
     else:
-        raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|cp|{'|'.join(data_impls)}"
-                          f"=N, {'|'.join(CONTEXT_IMPLS)}, sp, async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, "
-                          "dist-opt, "
+        raise ConfigError(FIELD, f"'{word}' is not understood; valid: data|fsdp|tp|pipe|ep|cp|"
+                          f"{'|'.join([*data_impls, *added])}=N, {'|'.join(context_impls)}, sp, "
+                          f"async-tp[={'|'.join(TENSOR_OVERLAPS[1:])}], m=N, v=N, dist-opt[=bf16-grads], "
                           f"remat={'|'.join(REMATS)}, bf16|fp8|fp32, dot|flash, {'|'.join(schedules)}")
 
 
@@ -168,6 +188,8 @@ def parse_strategy(text: str, devices: int | None = None, platform: str = "gpu")
     _check(fields)
     if fields.get("tensor_overlap", "none") != "none":
         fields["tensor_impl"] = "manual"            # jaxpar's async TP is the hand-written tensor axis' rings
+    from jaxpar.strategies import added_axes
+    fields["added"] = tuple((axis, *fields.pop(axis)) for axis in added_axes() if axis in fields)
     cand = Candidate(**fields)
     _check_predicted(cand)
     if devices is not None and cand.devices != devices:

@@ -16,7 +16,6 @@ or a single-node GPU plan); multi-node candidates need `jaxpar slurm`'s multi-pr
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shlex
@@ -50,7 +49,7 @@ def write_sweep(p, config_path: str, overrides: list[str], count: int, steps: in
             chosen.append(r)
     if len(chosen) < count:
         raise ConfigError("--sweep", f"is {count}; only {len(chosen)} ranked candidates fit one node and build here")
-    entries = [{"index": i, "strategy": r.label, "candidate": dataclasses.asdict(r.cand),
+    entries = [{"index": i, "strategy": r.label, "candidate": r.cand.to_dict(),
                 "overrides": candidate_overrides(r.cand, p.global_batch, p.seq_len, platform),
                 "predicted_step_s": r.time.total_s, "predicted_memory": r.memory.total,
                 "predicted_tokens_per_s_per_device": r.tokens_per_s / r.cand.devices}

@@ -45,7 +45,7 @@ def candidate_overrides(cand: Candidate, global_batch: int, seq_len: int, platfo
             out += [f"parallel.tensor_overlap={cand.tensor_overlap}"]
     if cand.attention == "flash":
         out += [f"model.attention={FLASH}"]
-    return out
+    return out + [f"parallel.{axis}={impl}" for axis, _, impl in cand.added]
 
 
 def candidate_config(base, cand: Candidate, global_batch: int, seq_len: int, platform: str = "gpu"):

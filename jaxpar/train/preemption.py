@@ -14,18 +14,17 @@ After that, `train` looks again before its first step; a notice there also saves
 as nothing new exists to save. While it restores or initialises the state and compiles and runs the
 first step, nothing new exists either, yet the main thread sits in XLA for seconds to
 minutes and a Python signal handler runs only when it comes back: `exits_at_once` watches
-from a thread (the signal's byte on `signal.set_wakeup_fd`; in a multi-process job also
-the notice JAX's service records for the whole job) and ends the process with
+from a thread (the signal's byte on `signal.set_wakeup_fd`; in a multi-process job also a
+peer's word that it left, `agreement.announce_leaving`) and ends the process with
 EXIT_PREEMPTED at once, the compile abandoned, not awaited.
 
-Every process must stop at the same point or the ones that go on wait forever in a
-collective. In a multi-process job JAX's own preemption service does this: it turns
-SIGTERM into a notice that `reached_preemption_sync_point` reports on every process at
-the same call; SIGUSR1 is passed on to it as SIGTERM. The service agrees on "the next
-call after the fastest process's last one", so the calls are counted here (every
-process makes the same calls in the same order), not numbered by training step: a
-notice before the first call would otherwise name call 1 and a resumed run, whose
-steps start later, would never reach it. A single process just sets a flag.
+Every process must stop at the same step (a collective save needs all of them) or the ones that go on
+wait forever in a collective. In a multi-process job jaxpar's own handler takes the signals on every
+process as on one (JAX's preemption service is switched off: its sync point was measured to miss
+notices), and the processes agree once per step, through the job's coordinator, whether any of them got
+a notice (train/agreement.py): every process learns of a notice to any process at the same step. Once
+the save is durable process 0 records it for `jaxpar launch` (`ENV_PREEMPTION_RECORD`), which then exits
+75 even when a process was killed on its way out. A single process just sets a flag.
 """
 from __future__ import annotations
 
@@ -36,9 +35,11 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxpar.env import EXIT_PREEMPTED
+from jaxpar.env import ENV_PREEMPTION_RECORD, EXIT_PREEMPTED
+from jaxpar.train.agreement import JobAgreement, PeerLeft, announce_leaving, peer_left
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -47,7 +48,6 @@ SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 # After a preemption save process 0 waits this long before it exits: it hosts JAX's distributed service, and a
 # peer still on its way out when the service goes is aborted (exit 134, not 75: Slurm would not requeue the job).
 PEERS_LEAVE_FIRST_S = 1.0
-NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"   # where JAX's preemption service records a notice for every process
 WATCH_POLL_S = 0.1
 
 _early: dict[str, Any] = {"requested": False, "previous": {}, "exit_at_once": False}   # listen_from_start
@@ -70,7 +70,7 @@ def listen_from_start(exit_at_once: bool = True) -> None:
     `Preemption`, which takes the notice and the handlers over."""
     def early(signum, frame):
         _early["requested"] = True
-        if exit_at_once and not _joined():   # once joined, the processes of a job stop together (JAX's service)
+        if exit_at_once and not _joined():   # once joined, the processes of a job stop together (agreement.py)
             _exit_now()
 
     _early["exit_at_once"] = exit_at_once
@@ -97,16 +97,6 @@ def _exit_now(stage: str = "before the run directory was written") -> None:
     os._exit(EXIT_PREEMPTED)
 
 
-def _job_noticed() -> bool:
-    """JAX's preemption service recorded a notice to some process of this job (False when it cannot tell)."""
-    try:
-        from jax._src import distributed
-        client = distributed.global_state.client
-        return client is not None and client.key_value_try_get(NOTICE_KEY) is not None
-    except Exception:   # noqa: BLE001 - not recorded yet (NOT_FOUND), or no client: nothing known
-        return False
-
-
 def stop_listening() -> None:
     """Undo `listen_from_start` when no `Preemption` took over (the command ended before training)."""
     for sig, handler in _early["previous"].items():
@@ -121,35 +111,33 @@ class Preemption:
         import jax
         self.requested, _early["requested"] = _early["requested"], False
         self.multi_process = jax.process_count() > 1
-        self.calls = 0
+        self.agreement = JobAgreement(jax.process_count()) if self.multi_process else None
         self.owns_process = bool(_early.get("exit_at_once"))   # the command is this process: it may end it
         # until the run directory is written, a notice to a single process ends it at once (see listen_from_start)
         self.exit_at_once = bool(_early.get("exit_at_once")) and not self.multi_process
         self._previous, _early["previous"] = dict(_early["previous"]), {}
-        for sig in (signal.SIGUSR1,) if self.multi_process else SIGNALS:
+        for sig in SIGNALS:   # a repeated notice (the launcher passes the group's signal on) only sets the flag again
             try:
                 self._previous.setdefault(sig, signal.signal(sig, self._on_signal))
             except ValueError:   # not the main thread (e.g. a test runs the loop in a thread)
                 pass
-        if self.multi_process:
-            self._previous.pop(signal.SIGTERM, None)   # JAX's notifier holds SIGTERM now: leave it there
-            if self.requested:
-                os.kill(os.getpid(), signal.SIGTERM)   # a notice from before JAX started: pass it on
 
     def _on_signal(self, signum, frame) -> None:
         self.requested = True
         if self.exit_at_once:
             _exit_now()
-        if self.multi_process and signum != signal.SIGTERM:
-            os.kill(os.getpid(), signal.SIGTERM)   # JAX's preemption notifier listens for SIGTERM
 
     def reached(self, step: int | None = None) -> bool:
-        """True on every process at the same call once any of them was signalled (`step`: for the reader)."""
-        self.calls += 1
-        if self.multi_process:
-            from jax.experimental import multihost_utils
-            return multihost_utils.reached_preemption_sync_point(self.calls)
-        return self.requested
+        """True on every process at the same call once any of them was signalled (`step`: for the reader).
+        Raises `Preempted` when a peer left at once after a notice: nothing can be saved without it."""
+        if self.agreement is None:
+            return self.requested
+        try:
+            return self.agreement.any_notice(self.requested)
+        except PeerLeft:
+            where = "before the first step" if step is None else f"at step {step}"
+            raise Preempted(f"preempted {where}: another process of the job left after a notice while it had "
+                            "nothing new to save; nothing saved; start the run again to continue it") from None
 
     @contextlib.contextmanager
     def exits_at_once(self, stage: str, release: Callable[[], None]) -> Iterator[None]:
@@ -183,25 +171,22 @@ class Preemption:
         while window["open"]:
             ready, _, _ = select.select([read_fd], [], [], WATCH_POLL_S)
             signalled = (bool(ready) and bool(wanted & set(os.read(read_fd, 64)))) or self.requested   # or before
-            if not (signalled or (self.multi_process and _job_noticed())):
+            if not (signalled or (self.multi_process and peer_left())):
                 continue
             with lock:
                 if not window["open"]:
                     return
                 if self.multi_process:
-                    self._tell_the_job(signalled)
+                    self._tell_the_job()
                 release()
                 _exit_now(stage)
 
-    def _tell_the_job(self, signalled: bool) -> None:
-        """Make sure every process hears of a notice this one got (JAX's notifier listens for SIGTERM), then, on
-        process 0, give the peers time to leave before the service they are connected to goes."""
+    @staticmethod
+    def _tell_the_job() -> None:
+        """Tell every process that this one leaves (a peer waiting for it in the agreement leaves too), then, on
+        process 0, give the peers time to leave before the coordinator they are connected to goes."""
         import jax
-        deadline = time.monotonic() + PEERS_LEAVE_FIRST_S
-        if signalled:
-            os.kill(os.getpid(), signal.SIGTERM)
-            while not _job_noticed() and time.monotonic() < deadline:
-                time.sleep(WATCH_POLL_S / 4)
+        announce_leaving(jax.process_index())
         if jax.process_index() == 0:
             time.sleep(PEERS_LEAVE_FIRST_S)
 
@@ -210,6 +195,20 @@ class Preemption:
         self.exit_at_once = False   # the run directory is written next: from now on a notice is acted on here
         if self.reached():
             raise during_start_up(stage)
+
+    def leave_after_save(self, step: int) -> None:
+        """After the preemption save of `step` (this process's part waited for): once every process is here the
+        step is durable; process 0 records it for the launcher and, as the coordinator's host, leaves last."""
+        import jax
+        if self.multi_process:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("jaxpar-preempted")
+        if jax.process_index() == 0:
+            record = os.environ.get(ENV_PREEMPTION_RECORD)
+            if record:
+                Path(record).write_text(f"{step}\n")
+            if self.multi_process:
+                time.sleep(PEERS_LEAVE_FIRST_S)   # or a peer still exiting is aborted
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

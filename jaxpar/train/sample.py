@@ -110,7 +110,7 @@ def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=
     from tokenizers import Tokenizer
 
     from jaxpar.checks import sample_arguments
-    from jaxpar.config import MESH_AXES, ConfigError, model_vocab_size
+    from jaxpar.config import ConfigError, mesh_axes, model_vocab_size
     from jaxpar.parallel.registry import build_strategy
     from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.train.rundir import resume_config
@@ -129,7 +129,7 @@ def sample_run(run_dir, prompt: str, max_tokens: int, *, temperature=0.0, top_k=
     if prompt_len + max_tokens > context:
         notice(f"note: --max-tokens {max_tokens} does not fit the {context}-token context after a {prompt_len}-token "
                f"prompt; generating at most {context - prompt_len}")
-    for axis in MESH_AXES:
+    for axis in mesh_axes():
         config.mesh[axis] = 1          # decode on one device, whatever mesh trained the run
         config.parallel[axis] = "auto"  # checkpoints of every strategy share one layout
     config.parallel.sequence = False   # a one-device decode has no sequence to split

@@ -1,0 +1,1 @@
+"""Lab 08: fused kernels and compilation (lab.py runs it; strategies)."""

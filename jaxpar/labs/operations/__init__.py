@@ -1,0 +1,1 @@
+"""Lab 09: failure and reshard drills (lab.py runs it)."""

@@ -1,0 +1,1 @@
+"""Lab 05: communication hidden behind computation (lab.py runs it)."""

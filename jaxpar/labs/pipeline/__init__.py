@@ -1,0 +1,1 @@
+"""Lab 04: pipeline schedules (lab.py runs it; build, timeline, moe, plots)."""
