@@ -219,15 +219,15 @@ def test_every_documented_lab_is_listed():
 
 
 # CPU-seconds of each lab's quick run at -O0 on the shared 2-core VM, 2026-12-02 (they grow with load: zero took 43 at
-# load 1-3, 51 at load 14; kernels 90 at load 13-18, 115 at load 22-35): pytorch, operations and collectives from the
-# wheel at load 20-23 (`pytest -m journeys -rP -k test_lab_quick` prints each lab's), tensor (parts a-e) and kernels
-# from the checkout at load 18-35; dryrun and zero from the wheel at load 13-18; the others at load 4-15.
+# load 1-3, 51 at load 14; kernels 100 at load 9, 115 at load 22-35): tensor, kernels, operations, pytorch from the
+# wheel at load 7-9 (`pytest -m journeys -rP -k test_lab_quick` prints each lab's); collectives from the wheel at load
+# 20; dryrun and zero from the wheel at load 13-18; the others at load 4-15.
 # CI runs the labs of at most CI_LAB_CPU_S: 00-03, 06, 08, 09, about 7 CPU-minutes together (the limit lies between
 # them and the next, overlap; their runs check the numbers their sheets rely on, tests/lab_results.py); every lab runs
 # with `pytest -m journeys`. The labs left out of CI run end to end there through the CLI at another size: moe
 # (tests/test_moe_lab.py), capstone (tests/test_capstone.py).
-QUICK_CPU_S = {"dryrun": 9, "collectives": 5, "zero": 51, "tensor": 106, "pipeline": 302, "moe": 225, "kernels": 115,
-               "operations": 109, "overlap": 211, "capstone": 226, "pytorch": 41}
+QUICK_CPU_S = {"dryrun": 9, "collectives": 5, "zero": 51, "tensor": 99, "pipeline": 302, "moe": 225, "kernels": 100,
+               "operations": 99, "overlap": 211, "capstone": 226, "pytorch": 38}
 CI_LAB_CPU_S = 150
 OPTIONAL_EXTRAS = {"pytorch": ("torch", "transformers")}     # the lab's extra (pyproject.toml); CI installs it
 TABLES_ONLY = {"dryrun"}     # its report is the compiled program's tables: memory, collectives per axis, FLOPs
