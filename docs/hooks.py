@@ -41,10 +41,11 @@ def _title(sheet: Path) -> str:
 
 
 def on_files(files, config):
-    """Add the configuration reference and every lab sheet with its files (not the labs' Python)."""
+    """Add the configuration reference and every lab sheet with its files, figures/ included (not the labs'
+    Python)."""
     files.append(File.generated(config, REFERENCE, content=_generator().reference()))
-    for path in sorted((ROOT / LABS).glob("*/*")):
-        if path.is_file() and path.suffix != ".py":
+    for path in sorted((ROOT / LABS).glob("*/**/*")):
+        if path.is_file() and path.suffix != ".py" and "__pycache__" not in path.parts:
             files.append(File.generated(config, path.relative_to(ROOT).as_posix(), abs_src_path=str(path)))
     return files
 

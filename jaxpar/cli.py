@@ -94,7 +94,7 @@ def add_dryrun_arguments(p: argparse.ArgumentParser) -> None:
                         "(needs the CUDA plugin)")
     p.add_argument("--devices", type=int, metavar="N", help="device count (cpu: set before JAX starts)")
     p.add_argument("--topology", metavar="PxHxG", help="GPU targets: partitions x hosts x GPUs per host, e.g. 1x8x8")
-    p.add_argument("--out", metavar="DIR", help="also write dryrun.json and dryrun.md into DIR")
+    p.add_argument("--out", metavar="DIR", help="also write dryrun.json, dryrun.md and memory.png into DIR")
 
 
 def add_memory_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxpar.figures import figure, save, styled
 from jaxpar.measure.dryrun import dryrun as compile_and_measure
-from jaxpar.units import GIB, fmt_bytes, fmt_seconds, ratio
+from jaxpar.units import GIB, byte_unit, fmt_bytes, fmt_seconds, ratio
 
 
 def dryrun(config, target: str = "cpu", devices=None, topology: str | None = None) -> dict:
@@ -216,11 +217,38 @@ def _flops_and_time_lines(r: dict) -> list[str]:
     ]
 
 
+@styled
+def plot_memory(r: dict, path: str | Path):
+    """The memory table as two bars per device: the strategy's prediction by part beside the compiled step's
+    arguments and temp (the peak the report compares them by), with the device's memory where the target has one."""
+    pr, cm = r["memory"]["predicted"], r["memory"]["compiled"]
+    parts = [("params", pr["params"]), ("Adam mu + nu", pr["optimizer"]), ("gradients", pr["gradients"]),
+             ("activations kept", pr["activations"]), ("working set", pr["working"]),
+             ("stage weights", pr["stage_weights"]), ("ZB-H1 taps", pr["taps"])]
+    compiled = [("arguments", cm["argument"]), ("temp", cm["temp"])]
+    unit, scale = byte_unit([pr["total"], cm["peak"], r["memory"]["device_hbm_bytes"] or 0])
+    fig = figure(8, 4.5)
+    ax = fig.add_subplot()
+    for x, bars in ((0, parts), (1, compiled)):
+        bottom = 0.0
+        for label, value in (b for b in bars if b[1]):
+            ax.bar(x, value / scale, 0.6, bottom=bottom, label=label, hatch="//" if x else None, edgecolor="k")
+            bottom += value / scale
+    if r["memory"]["device_hbm_bytes"]:
+        ax.axhline(r["memory"]["device_hbm_bytes"] / scale, color="r", linestyle="--", label="device memory")
+    ax.set_xticks([0, 1], [f"predicted\n(peak {fmt_bytes(pr['total'])})", f"compiled\n(peak {fmt_bytes(cm['peak'])})"])
+    ax.set(ylabel=f"{unit} per device", title=f"Memory per device: {r['config']}, {r['devices']} x {r['target']}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1))
+    return save(fig, path)
+
+
 def write_json(result: dict, out_dir: str | Path) -> Path:
-    """Write the report's numbers (dryrun.json) and its markdown (dryrun.md) into `out_dir`."""
+    """Write the report's numbers (dryrun.json), its markdown (dryrun.md) and memory bars (memory.png) into
+    `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dryrun.md").write_text(markdown_report(result) + "\n")
+    plot_memory(result, out / "memory.png")
     path = out / "dryrun.json"
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     return path

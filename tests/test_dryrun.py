@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar.config import ConfigError, apply_overrides, load_config
-from jaxpar.dryrun import dryrun, markdown_report
+from jaxpar.dryrun import dryrun, markdown_report, plot_memory
 from jaxpar.measure.flops import compiled_flops
 from jaxpar.measure.targets import gpu_plugin_problem, parse_topology, target_devices
 from jaxpar.mesh import make_mesh
 from jaxpar.model.counting import param_count
 from jaxpar.model.transformer import ModelConfig
 from jaxpar.parallel.registry import make_strategy
-from jaxpar.units import fmt_bytes
+from jaxpar.units import byte_unit, fmt_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "configs/test.py"
@@ -114,6 +114,20 @@ def test_report_has_every_section(fsdp8):
     assert t["overlapped_s"] == max(t["compute_s"], t["communication_s"])
     assert t["serial_s"] == pytest.approx(t["compute_s"] + t["communication_s"])
     json.dumps(fsdp8, default=str)                                   # the --out file is plain JSON
+
+
+def test_memory_figure_stacks_the_tables_parts(fsdp8, tmp_path):
+    """memory.png: the predicted parts stack to the predicted peak, the compiled bar to arguments + temp."""
+    fig = plot_memory(fsdp8, tmp_path / "memory.png")
+    tops: dict[int, float] = {}
+    for bar in fig.axes[0].patches:
+        x = round(bar.get_x() + bar.get_width() / 2)
+        tops[x] = max(tops.get(x, 0.0), bar.get_y() + bar.get_height())
+    pr, cm = fsdp8["memory"]["predicted"], fsdp8["memory"]["compiled"]
+    _, scale = byte_unit([pr["total"], cm["peak"], fsdp8["memory"]["device_hbm_bytes"] or 0])
+    assert tops[0] * scale == pytest.approx(pr["total"])
+    assert tops[1] * scale == pytest.approx(cm["argument"] + cm["temp"])
+    assert (tmp_path / "memory.png").stat().st_size > 0
 
 
 def test_cpu_headline_is_memory_and_communication_not_a_step_time(fsdp8):

@@ -122,13 +122,32 @@ def test_predicted_bytes_follow_the_exchange(exchange, times_formula):
 
 
 def test_memory_holds_the_buffers_the_exchange_receives():
-    """The working set of an MoE step counts the rows the device's experts receive: 4 x T·k padded, 1.25 x ragged."""
+    """An MoE step's working set has room for the padded overflow round whichever exchange runs (XLA holds both
+    branches' buffers); without remat each layer keeps the rows its experts received and their SwiGLU states,
+    4 x T·k rows padded, 1.25 x ragged."""
     from jaxpar.config import load_config
     from jaxpar.model.counting import ModelShape
+    from jaxpar.parallel.expert_memory import SWIGLU_SAVED
     from jaxpar.parallel.memory import memory
     from jaxpar.parallel.theory import Candidate
     shape = ModelShape.from_config(load_config("configs/mixtral_8x7b.py"))
-    working = {exchange: memory(shape, Candidate(fsdp=8, expert=8, expert_impl="manual", expert_exchange=exchange),
-                                256, 4096, 80e9).working for exchange in ("ragged", "padded")}
+    got = {exchange: memory(shape, Candidate(fsdp=8, expert=8, expert_impl="manual", expert_exchange=exchange,
+                                             remat="none"), 256, 4096, 80e9) for exchange in ("ragged", "padded")}
     T, k, h, f = 256 // 64 * 4096, 2, shape.d_model, shape.expert_mlp_dim
-    assert working["padded"] - working["ragged"] == pytest.approx((4 - 1.25) * T * k * (2 * h + 3 * f) * 2)
+    assert got["padded"].working == got["ragged"].working
+    kept = got["padded"].activations - got["ragged"].activations
+    assert kept == pytest.approx(shape.layers * (4 - 1.25) * T * k * (h + SWIGLU_SAVED * f) * 2)
+
+
+def kept_for_backward(exchange: str) -> int:
+    """Bytes the exchange's vjp holds between the forward and the backward pass (its residuals), on the mesh."""
+    x, ids, gates, w = inputs(False)
+    forward = partial(jax.vjp, lambda x, gates, w: on_mesh(x, ids, gates, w, exchange=exchange))
+    _, backward = jax.eval_shape(forward, x, gates, w)         # traced only: the residuals' shapes
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(backward))
+
+
+def test_the_overflow_round_keeps_nothing_for_the_backward_pass():
+    """Differentiating a `lax.cond` keeps both branches' residuals; the overflow round is rematerialized, so the
+    capacity exchange keeps less than the padded one (without it: the padded residuals and its own)."""
+    assert kept_for_backward("capacity") < kept_for_backward("padded")

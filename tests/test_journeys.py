@@ -230,7 +230,6 @@ QUICK_CPU_S = {"dryrun": 9, "collectives": 5, "zero": 51, "tensor": 99, "pipelin
                "operations": 99, "overlap": 211, "capstone": 226, "pytorch": 38}
 CI_LAB_CPU_S = 150
 OPTIONAL_EXTRAS = {"pytorch": ("torch", "transformers")}     # the lab's extra (pyproject.toml); CI installs it
-TABLES_ONLY = {"dryrun"}     # its report is the compiled program's tables: memory, collectives per axis, FLOPs
 
 
 def _children_cpu_s() -> float:
@@ -266,7 +265,7 @@ def test_lab_quick(name, user):
         f"`jaxpar lab {name}` has no --quick (the smoke size every lab offers):\n{output}"
     assert done.returncode == 0, f"`{command.text}` exited {done.returncode} after {seconds:.0f} s:\n{output}"
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*")) if out.is_dir() else []
-    figures = list(out.rglob("*.png")) or name in TABLES_ONLY
+    figures = list(out.rglob("*.png"))
     assert list(out.glob("*.json")) and figures and list(out.glob("*.md")), \
         f"`{command.text}`: --out lacks a results JSON, a PNG or a markdown sheet; it holds {files}"
     if name in lab_results.CHECKS:

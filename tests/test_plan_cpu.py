@@ -85,6 +85,18 @@ def test_the_check_calibrates_on_cpu_seconds_per_core():
         assert step_time(s, data, cpu, 8, 128, calibration).total_s == pytest.approx(half.step_s(basis))
 
 
+def test_a_step_faster_than_the_models_rest_is_not_calibrated():
+    """A measured step shorter than the model's memory passes and collectives alone leaves no η to fit (the quick
+    size's tiny steps): the calibration says so and keeps η = 1, never a huge η from dividing by ~0."""
+    s, cpu = default_shape(), cpu_cluster(8, {}, 200e9, 10e9, 16e9, cores=2)
+    data = Candidate(data=8, **PLAIN)
+    rest = step_time(s, data, cpu, 16, 128, AT_PEAK)
+    tiny = (rest.total_s - rest.compute_s) / 2
+    full = Measured(data, [tiny] * 3, 0.0, {}, global_batch=16, cores=2)
+    calibration = calibrate(cpu, s, full, None, 128)
+    assert calibration.compute == 1.0 and calibration.source.startswith("not calibrated")
+
+
 def test_collectives_inside_one_program(monkeypatch):
     """α-β from a loop of collectives in one program (one op here, for time), in bus bytes like the bench's."""
     import jax

@@ -247,3 +247,28 @@ def test_async_tp_is_predicted_through_the_measured_overlap_of_its_layout():
         assert r.time.exposed_s["tensor"] == pytest.approx(r.time.comm_s["tensor"] * (1 - fraction))
         exposed[cand.tensor_overlap] = r.time.exposed_s["tensor"]
     assert exposed["bidirectional"] < exposed["collective_matmul"] < exposed["none"]
+
+
+def test_mixtral_recipe_keeps_its_moe_layers_activations_and_does_not_fit_without_recompute():
+    """Megatron-Core's Mixtral-8x7B layout (data 2 x pipe 4 x expert 8, 1F1B, m = 16, micro-batch 1 x 4096) without
+    recompute: each MoE layer keeps the rows its experts received and their SwiGLU states (parallel/expert_memory.py,
+    read off deviceless H100 compiles: lab 07), more than the dense layer the fitted constant describes; with the
+    6 microbatches a first stage holds, the activations alone pass 80 GB, in either model-state layout. Recomputing
+    each layer (remat full, Megatron's --recompute-granularity full) keeps only the layer inputs, and it fits."""
+    from jaxpar.config import load_config
+    from jaxpar.model.counting import ModelShape
+    from jaxpar.parallel.expert_memory import expert_weight_copies, moe_kept_extra
+    from jaxpar.parallel.stage_memory import PIPELINE_EXTRA_SLOTS
+    mixtral = ModelShape.from_config(load_config("configs/mixtral_8x7b.py"))
+    dense = ModelShape(dataclasses.replace(mixtral.model, moe=None))
+    recipe = parse_strategy("data=2 pipe=4 ep=8 m=16 remat=none bf16 flash", 64)
+    extra = moe_kept_extra(mixtral, recipe, 1, 4096, "gpu")
+    assert kept_per_layer(mixtral, recipe, 256, 4096) - kept_per_layer(dense, recipe, 256, 4096) == extra > 0
+    fp = evaluate(mixtral, recipe, H100, 256, 4096, 1e12)
+    dist = evaluate(mixtral, recipe, H100, 256, 4096, 1e12, layout="distributed-optimizer")
+    stage_layers, slots = mixtral.layers // recipe.pipe, recipe.pipe + PIPELINE_EXTRA_SLOTS   # 1F1B's first stage
+    assert fp.memory.activations == pytest.approx(stage_layers * (slots * kept_per_layer(mixtral, recipe, 256, 4096)
+                                                                  + expert_weight_copies(mixtral, recipe)))
+    assert fp.memory.activations > 80e9 and not fp.memory.fits and not dist.memory.fits
+    recompute = evaluate(mixtral, dataclasses.replace(recipe, remat="full"), H100, 256, 4096, 1e12)
+    assert recompute.memory.fits and recompute.memory.activations < fp.memory.activations / 50

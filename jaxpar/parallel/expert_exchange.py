@@ -17,7 +17,11 @@ Each device sorts its T·k assignments by destination device and sends each dest
 
 Every assignment meets the same expert with the same weights whichever round carries it, so each way gives the
 single device's results. The overflow round runs inside the `expert_overflow` named scope:
-`measure.hlo.collectives` counts the step as it runs without overflow.
+`measure.hlo.collectives` counts the step as it runs without overflow. It is rematerialized (`jax.checkpoint`):
+differentiating a `lax.cond` keeps the residuals of both branches, so without it every MoE layer would keep the
+padded round's rows and expert hidden states for the backward pass whether it ran or not (Mixtral's shape at 2
+layers, 4096 tokens per device, deviceless H100: 28.8 GiB of temp without, 11.5 GiB with); a step that overflows
+recomputes the round in its backward pass.
 """
 from __future__ import annotations
 
@@ -117,6 +121,7 @@ def dropless_exchange(x, ids, gates, w, cfg, ops, *, n: int, tensor_sum, exchang
         def sized(tokens, flat, w):
             return sized_exchange(tokens, flat, w, ops, rows=rows, **common)
 
+        @jax.checkpoint       # keeps only its inputs: else autodiff keeps the padded buffers even when not taken
         def overflow_round(tokens, flat, w):
             with jax.named_scope(OVERFLOW_SCOPE):
                 return padded(tokens, flat, w)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.model.counting import ModelShape
-from jaxpar.parallel.expert_sizes import received_rows, resolve
+from jaxpar.parallel.expert_memory import expert_buffers, expert_weight_copies, moe_kept_extra
 from jaxpar.parallel.registry import held_memory, predict, workload
 from jaxpar.parallel.theory import Candidate, Prediction
 
@@ -91,26 +91,6 @@ def fp8_residuals(shape: ModelShape, cand: Candidate, b: float, s: float) -> flo
     return inputs + weights
 
 
-def expert_buffers(shape: ModelShape, cand: Candidate, b: float, s: float, platform: str) -> float:
-    """Bytes one MoE layer's routed experts hold on a device while they run (the forward, or the backward's
-    recomputation): the rows the device's experts receive, each with its input and output [d_model] and its
-    gate, up and hidden [expert_mlp_dim / tensor]. Rows: dropless on one expert device its T·k assignments,
-    over `expert` what parallel.expert_exchange receives (parallel/expert_sizes.py: ragged and capacity about
-    1.25·T·k, padded X·T·min(k, E/X)); the capacity dispatch its slots, capacity_factor·T·k. T = b·s tokens."""
-    moe = shape.moe
-    if moe is None:
-        return 0.0
-    e = 4 if cand.precision == "float32" else 2
-    T, k = int(b * s), moe.top_k
-    if moe.dispatch == "capacity":
-        rows = moe.capacity_factor * T * k
-    elif cand.expert == 1:
-        rows = T * k
-    else:
-        rows = received_rows(resolve(cand.expert_exchange, platform), T, k, moe.experts, cand.expert)
-    return rows * (2 * shape.d_model + 3 * shape.expert_mlp_dim / cand.tensor) * e
-
-
 def sequence_split(cand: Candidate) -> int:
     """How many ways the token-wide activations (the residual stream, norms, the layer's input kept for the
     backward) are split: tensor under sequence parallelism (Megatron's point: [s/t, b, h] between the
@@ -118,9 +98,11 @@ def sequence_split(cand: Candidate) -> int:
     return cand.tensor if cand.sequence else 1
 
 
-def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int) -> float:
+def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int,
+                   platform: str = "gpu") -> float:
     """Bytes one layer keeps for the backward pass, per microbatch on one device (the activations term of
-    experiments/10_capstone/README.md, "How the model is built")."""
+    experiments/10_capstone/README.md, "How the model is built"), averaged over the layers: an MoE layer
+    keeps its own (`moe_kept_extra`, parallel/expert_memory.py) in place of the dense MLP's."""
     e = 4 if cand.precision == "float32" else 2
     T, h, s = cand.tensor, shape.d_model, seq_len / cand.context     # context parallelism: this device's rows
     pairs = seq_len * seq_len / cand.context                        # score elements per head, per device
@@ -131,6 +113,7 @@ def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_le
     if cand.remat == "none":
         scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * pairs
         per_layer = b * (scores + (NONE_TOKEN_BYTES * e / 2 * s * h + s * h * e) * token)
+        per_layer += moe_kept_extra(shape, cand, b, s, platform) * shape.moe_layers / shape.layers
     else:
         per_layer = b * s * h * e * token + (b * s * widths * e if cand.remat == "dots" else 0)
     if cand.precision == "float8" and cand.remat != "full" and cand.pipe == 1:
@@ -152,9 +135,9 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
 
     heads = shape.heads / T
     flash = cand.attention == "flash"
-    per_layer = kept_per_layer(shape, cand, global_batch, seq_len)
+    per_layer = kept_per_layer(shape, cand, global_batch, seq_len, platform)
     count, layers_each = prediction.stash + held.extra_slots, 1 / (cand.pipe * cand.virtual)  # stash: the table's
-    activations = per_layer * L * layers_each * count
+    activations = per_layer * L * layers_each * count + expert_weight_copies(shape, cand) * shape.moe_layers / cand.pipe
 
     scores = 4 * b * heads * s if flash else SCORE_BYTES * b * heads * s * seq_len
     # under sequence parallelism the working set is split too, but for the gathered [b, s, h] input of a matmul

@@ -187,7 +187,14 @@ def calibrate(cluster: Cluster, shape, full: Measured, half: Measured | None, se
         t = step_time(shape, m.cand, cluster, m.global_batch, seq_len, at_peak)
         return t.compute_s, m.step_s(basis) - (t.total_s - t.compute_s)
     compute, busy = split(full)
-    overhead, eta = 0.0, compute / max(busy, 1e-9)
+    if busy <= 0:     # the model's memory passes and collectives alone take longer than the measured step
+        rest = full.step_s(basis) - busy
+        return Calibration(compute=1.0, overlap=0.0, memory=1.0, step_overhead_s=0.0, layer_overhead_s=0.0,
+                           source=f"not calibrated: on {full.cand.label()} at global batch {full.global_batch} the "
+                                  f"model's memory passes and collectives ({rest * 1e3:.0f} ms) exceed the measured "
+                                  f"step ({full.step_s(basis) * 1e3:.0f} ms), so no η fits; η = 1 (the host probe's "
+                                  "matmul rate), ratios uncalibrated (a size this small is a smoke test)")
+    overhead, eta = 0.0, compute / busy
     if half is not None:
         half_compute, half_busy = split(half)
         slope = (busy - half_busy) / (compute - half_compute)       # measured seconds per model second of compute

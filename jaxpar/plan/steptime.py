@@ -169,7 +169,8 @@ def step_time(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch
     memory += residual_tokens * shape.d_model * e * passes / mem_rate
     if cand.data > 1:
         memory += ZERO_COPIES.get(cand.data_impl, 0) * 2 * 4 * shape.params / (cand.fsdp * cand.tensor) / mem_rate
-    kept = kept_per_layer(shape, cand, global_batch, seq_len) * shape.layers / cand.pipe * cand.microbatches
+    kept = (kept_per_layer(shape, cand, global_batch, seq_len, cluster.platform) * shape.layers / cand.pipe
+            * cand.microbatches)
     memory += KEPT_PASSES[cluster.platform] * kept / mem_rate
     if cand.attention == "dot":
         b = rows_per_microbatch(cand, global_batch)

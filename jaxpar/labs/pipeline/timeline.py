@@ -19,11 +19,13 @@ TIMELINE = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 
 
 def _tick_ops(hlo_text: str) -> tuple[set[str], set[str]]:
-    """(instructions of the tick's switch branches, transitively; the tick's collective-permutes) of a compiled
-    step. The switch is the conditional with 3 or more branches (idle, F, B, W); the tick's permutes are those
-    beside it in the loop body (the chunk re-deal of v > 1 permutes outside the loop)."""
+    """(instructions of the tick's switch branches, transitively; the tick's sends) of a compiled step. The switch
+    is the conditional with 3 or more branches (idle, F, B, W). A tick sends over the pairs its table names, each
+    set of pairs a branch of a switch of its own (parallel/pipeline_executor.py), so the tick's sends are the
+    collective-permutes beside the action switch in the loop body and the conditionals there whose branches hold
+    one (the chunk re-deal of v > 1 permutes outside the loop)."""
     instructions, _ = hlo.parse_module(hlo_text)
-    names, calls, switch, body = defaultdict(set), defaultdict(set), None, None
+    names, calls, conditionals = defaultdict(set), defaultdict(set), []
     for ins in instructions:
         names[ins.computation].add(ins.name)
         calls[ins.computation].update(re.findall(
@@ -31,19 +33,28 @@ def _tick_ops(hlo_text: str) -> tuple[set[str], set[str]]:
         for listed in re.findall(r"branch_computations=\{([^}]*)\}", ins.line):
             branches = re.findall(r"%?([\w.\-]+)", listed)
             calls[ins.computation].update(branches)
-            if ins.opcode == "conditional" and len(branches) >= 3:
-                switch, body = branches, ins.computation
+            if ins.opcode == "conditional":
+                conditionals.append((ins, branches))
+    switch = next(((ins, b) for ins, b in conditionals if len(b) >= 3), None)
     if switch is None:
         raise ValueError("no tick switch in the compiled step")
-    seen, stack = set(), list(switch)
-    while stack:
-        computation = stack.pop()
-        if computation not in seen:
-            seen.add(computation)
-            stack.extend(calls[computation])
-    permutes = {ins.name for ins in instructions
-                if ins.opcode.startswith("collective-permute") and ins.computation == body}
-    return {name for c in seen for name in names[c]}, permutes
+    (action, body), actions = (switch[0].name, switch[0].computation), switch[1]
+
+    def reached(roots) -> set[str]:
+        seen, stack = set(), list(roots)
+        while stack:
+            computation = stack.pop()
+            if computation not in seen:
+                seen.add(computation)
+                stack.extend(calls[computation])
+        return seen
+
+    permuting = {ins.computation for ins in instructions if ins.opcode.startswith("collective-permute")}
+    sends = {ins.name for ins in instructions
+             if ins.computation == body and ins.opcode.startswith("collective-permute")}
+    sends |= {ins.name for ins, b in conditionals if ins.computation == body and ins.name != action
+              and reached(b) & permuting}
+    return {name for c in reached(actions) for name in names[c]}, sends
 
 
 def _union(intervals) -> float:
@@ -81,7 +92,7 @@ def _profile_ticks(strategy, step, state, batch, ticks: int) -> dict[int, list[d
         sends = sorted(e["ts"] + e["dur"] for e in evs if e["args"]["hlo_op"] in permutes)
         per_tick = len(sends) // ticks
         if per_tick == 0 or len(sends) != per_tick * ticks:
-            raise RuntimeError(f"stage {stage}: {len(sends)} permutes in the profile for {ticks} ticks")
+            raise RuntimeError(f"stage {stage}: {len(sends)} sends in the profile for {ticks} ticks")
         ends = sends[per_tick - 1::per_tick]
         work = sorted((e["ts"], e["ts"] + e["dur"]) for e in evs if e["args"]["hlo_op"] in action_ops)
         cells, begin = [], min(e["ts"] for e in evs)
