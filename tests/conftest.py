@@ -23,7 +23,10 @@ SLURM_MODULES = {"test_slurm", "test_plan_sweep", "test_journeys"}
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's --dist loadgroup, each test file runs whole on one worker (its module fixtures, such as a
-    reference run, are computed once), and the Slurm files together on one."""
+    reference run, are computed once), and the Slurm files together on one. A test that names its own group keeps
+    it (each lab's journey, tests/test_journeys.py: two labs run at once, one on each worker)."""
     for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
         module = item.module.__name__ if item.module else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group("slurm" if module in SLURM_MODULES else module))

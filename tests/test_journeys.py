@@ -8,8 +8,10 @@ environment's `jaxpar`, from one temporary folder (never the checkout), in the o
 `jaxpar slurm`'s CPU job run on a real local Slurm cluster (skipped where Slurm is not installed); every lab listed
 by `jaxpar lab --help` runs end to end as `jaxpar lab NAME --quick`.
 """
+import importlib.util
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -216,30 +218,48 @@ def test_every_documented_lab_is_listed():
     assert sorted(set(DOCUMENTED_LABS) - set(LABS)) == [], f"documented labs that `jaxpar lab --help` lacks: {LABS}"
 
 
-# CPU-seconds of each lab's quick run at -O0 on the shared 2-core VM (2026-12-02; they grow ~20% with load: zero took
-# 43 at load 1-3, 51 at load 14): dryrun, collectives, zero, tensor (52 before its part e, context parallelism, which
-# adds 55), kernels from the wheel at load 13-18; operations from the checkout at load 9-12; the others earlier, at
-# load 4-15. CI runs the labs of at most CI_LAB_CPU_S (their runs here check the numbers their sheets rely on,
-# tests/lab_results.py); every lab runs with `pytest -m journeys`.
-# The labs left out of CI run end to end there through the CLI at another size: pytorch (tests/test_pytorch_lab.py,
-# --quick), moe (tests/test_moe_lab.py), capstone (tests/test_capstone.py).
-QUICK_CPU_S = {"dryrun": 9, "collectives": 4, "zero": 51, "tensor": 107, "pipeline": 302, "moe": 225, "kernels": 90,
-               "operations": 87, "overlap": 211, "capstone": 226, "pytorch": 86}
-CI_LAB_CPU_S = 60
+# CPU-seconds of each lab's quick run at -O0 on the shared 2-core VM, 2026-12-02 (they grow with load: zero took 43 at
+# load 1-3, 51 at load 14; kernels 100 at load 9, 115 at load 22-35): tensor, kernels, operations, pytorch from the
+# wheel at load 7-9 (`pytest -m journeys -rP -k test_lab_quick` prints each lab's); collectives from the wheel at load
+# 20; dryrun and zero from the wheel at load 13-18; the others at load 4-15.
+# CI runs the labs of at most CI_LAB_CPU_S: 00-03, 06, 08, 09, about 7 CPU-minutes together (the limit lies between
+# them and the next, overlap; their runs check the numbers their sheets rely on, tests/lab_results.py); every lab runs
+# with `pytest -m journeys`. The labs left out of CI run end to end there through the CLI at another size: moe
+# (tests/test_moe_lab.py), capstone (tests/test_capstone.py).
+QUICK_CPU_S = {"dryrun": 9, "collectives": 5, "zero": 51, "tensor": 99, "pipeline": 302, "moe": 225, "kernels": 100,
+               "operations": 99, "overlap": 211, "capstone": 226, "pytorch": 38}
+CI_LAB_CPU_S = 150
+OPTIONAL_EXTRAS = {"pytorch": ("torch", "transformers")}     # the lab's extra (pyproject.toml); CI installs it
+
+
+def _children_cpu_s() -> float:
+    """CPU-seconds of this process's finished children and theirs (a lab's processes), as `time` counts them."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def _lab_case(name):
+    """Each lab in its own xdist group (tests/conftest.py keeps it): under `pytest -n 2` two labs run at once."""
     heavy = QUICK_CPU_S.get(name, CI_LAB_CPU_S + 1) > CI_LAB_CPU_S      # a new lab counts as heavy until measured
-    return pytest.param(name, marks=[pytest.mark.heavy_journey] if heavy else [])
+    marks = [pytest.mark.xdist_group(f"journey-lab-{name}"), *([pytest.mark.heavy_journey] if heavy else [])]
+    return pytest.param(name, marks=marks)
 
 
-@pytest.mark.parametrize("name", [_lab_case(name) for name in LABS])
+# Longest first: xdist's loadgroup hands out the one-test groups in this order, so the short labs fill the end.
+@pytest.mark.parametrize("name", [_lab_case(name) for name in sorted(LABS, key=lambda n: -QUICK_CPU_S.get(n, 0))])
 def test_lab_quick(name, user):
     """`jaxpar lab NAME --quick --out DIR`: exit 0, and DIR holds a results JSON, a figure and a markdown sheet."""
+    missing = [m for m in OPTIONAL_EXTRAS.get(name, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"lab {name} needs {', '.join(missing)}, not installed (the torch extra; its CPU-only install: "
+                    "experiments/06_pytorch/README.md)")
     cwd, env = user
     out = cwd / f"lab-{name}"
     command = docs.Command("jaxpar", ["lab", name, "--quick", "--out", str(out)], f"jaxpar lab --help: {name}")
+    cpu_before = _children_cpu_s()
     done, seconds = _run_jaxpar(command, command.argv, cwd, env)
+    print(f"lab {name} --quick: {seconds:.0f} s wall, {_children_cpu_s() - cpu_before:.0f} CPU-s, load "
+          f"{os.getloadavg()[0]:.0f} (for QUICK_CPU_S: `pytest -m journeys -rP -k test_lab_quick`)")
     output = _tail(done.stdout + done.stderr)
     assert "unrecognized arguments: --quick" not in done.stderr, \
         f"`jaxpar lab {name}` has no --quick (the smoke size every lab offers):\n{output}"
@@ -249,4 +269,4 @@ def test_lab_quick(name, user):
     assert list(out.glob("*.json")) and figures and list(out.glob("*.md")), \
         f"`{command.text}`: --out lacks a results JSON, a PNG or a markdown sheet; it holds {files}"
     if name in lab_results.CHECKS:
-        lab_results.CHECKS[name](json.loads((out / "results.json").read_text()), (out / "report.md").read_text())
+        lab_results.CHECKS[name](json.loads((out / "results.json").read_text()), (out / "report.md").read_text(), out)

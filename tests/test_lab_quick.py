@@ -4,7 +4,7 @@ import pytest
 
 from jaxpar.cli import LAB_ALIASES, LABS, build_parser
 
-# the PyTorch lab's --quick is its own (tests/test_pytorch_lab.py runs it)
+# the PyTorch lab's --quick is its own (its journey runs it: tests/test_journeys.py::test_lab_quick[pytorch])
 NAMES = [name for name, *_ in (*LAB_ALIASES, *LABS) if name != "pytorch"]
 
 
