@@ -140,8 +140,22 @@ def _run_jaxpar(command, argv, cwd, env):
     return done, time.monotonic() - start
 
 
+def _writer(command):
+    """The documented `jaxpar ... --out SCRIPT` that writes the script `command` (sbatch SCRIPT) submits: the last one
+    before it in its own document."""
+    document, line = command.where.rsplit(":", 1)
+    writers = [c for c in docs.documented((document,)) if c.program == "jaxpar"
+               and docs.option(c.argv, "--out") == command.argv[0] and int(c.where.rsplit(":", 1)[1]) < int(line)]
+    return writers[-1] if writers else None
+
+
 def _sbatch(command, cwd, env, slurm_cluster):
     script = cwd / command.argv[0]
+    writer = _writer(command)
+    if not script.is_file() and writer is not None:     # its writer ran in another folder (another worker's), or
+        argv = docs.smoke(writer.argv, docs.Machine())  # was taken as another document's journey of one shape
+        done, _ = _run_jaxpar(writer, argv, cwd, env)
+        assert done.returncode == 0, f"{writer.where}: `{writer.text}` exited {done.returncode}: {_tail(done.stderr)}"
     assert script.is_file(), f"{command.where}: `{command.text}`: no {script.name} (the command before wrote none)"
     if "--gpus" in script.read_text():
         pytest.skip(f"{script.name} asks for GPUs")
