@@ -42,7 +42,7 @@ def test_the_framework_changes_the_prediction_and_a_bad_one_is_refused(capsys):
         steps[framework] = float(re.search(r"- step: ([\d.]+) s", printed).group(1))
     assert steps["torchtitan"] > steps["jaxpar"]                     # its η is lower
     code, _, err = run_cli(capsys, [*STRATEGY, "--framework", "xla"])
-    assert code == 2 and err[0].startswith("error: --framework: is 'xla'; valid: jaxpar, maxtext, nemo, torchtitan")
+    assert code == 2 and err[0].startswith("error: --framework: is 'xla'; valid: jaxpar, maxtext, nemo, megatron, torchtitan")
 
 
 def test_the_range_is_in_the_json_and_plan_json(capsys, tmp_path):

@@ -38,6 +38,7 @@ class Memory:
     stage_weights: float = 0.0   # pipelines: the stage's weights gathered (fp32) and cast for the whole step
     taps: float = 0.0            # ZB-H1: each matmul's (x, dy) kept from B to W
     layout: str = "jaxpar"       # the model-state layout assumed (plan/layouts.py)
+    activation_model: str = "jaxpar"   # whose kernels' kept tensors `activations` counts (plan/framework_memory.py)
 
     @property
     def state(self) -> float:
@@ -52,7 +53,10 @@ class Memory:
         jaxpar = self.layout == "jaxpar"
         parts = {"params (fp32)" if jaxpar else "params (bf16)": self.params,
                  "AdamW μ, ν (fp32)" if jaxpar else "master params + AdamW μ, ν (fp32, split)": self.optimizer,
-                 "gradients (fp32)": self.gradients, "activations kept": self.activations, "working set": self.working}
+                 "gradients (bf16)" if self.layout.endswith("bf16-grads") else "gradients (fp32)": self.gradients,
+                 "activations kept" + ("" if self.activation_model == "jaxpar" else f" ({self.activation_model})"):
+                     self.activations,
+                 "working set": self.working}
         if self.stage_weights:
             parts["stage weights, gathered and cast"] = self.stage_weights
         if self.taps:

@@ -97,7 +97,11 @@ FITTED = {
 }
 FITTED_ON = "2026-12-02"
 # `jaxpar plan --framework`: whose η predicts. jaxpar has no published GPU run: it borrows MaxText's (both XLA).
-FRAMEWORKS = {"jaxpar": "jaxpar (XLA)", "maxtext": "jaxpar (XLA)", "nemo": "NeMo", "torchtitan": "torchtitan compile"}
+# NeMo trains LLMs with Megatron-Core, so a Megatron-Core recipe is predicted with NeMo's η.
+FRAMEWORKS = {"jaxpar": "jaxpar (XLA)", "maxtext": "jaxpar (XLA)", "nemo": "NeMo", "megatron": "NeMo",
+              "torchtitan": "torchtitan compile"}
+# Whose kernels' kept activations the memory counts (plan/framework_memory.py); the others: XLA's (jaxpar's own).
+ACTIVATIONS = {"NeMo": "Megatron-Core"}
 
 
 def calibration(framework: str, base: Calibration | None = None) -> Calibration:
@@ -105,6 +109,7 @@ def calibration(framework: str, base: Calibration | None = None) -> Calibration:
     values = FITTED[framework]
     return dataclasses.replace(base or Calibration(), compute=values["compute"],
                                fp8=values["fp8"] or FITTED["NeMo"]["fp8"],
+                               activations=ACTIVATIONS.get(framework, "jaxpar"),
                                source=f"η fitted on {framework}'s published H100 runs (jaxpar/plan/anchors.py)")
 
 

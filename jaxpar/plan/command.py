@@ -31,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="times each sweep task measures its candidate, for a noise estimate (default 3, at least 3)")
     p.add_argument("--framework", default="jaxpar", metavar="NAME",
                    help="whose fitted compute efficiency η predicts a GPU plan: jaxpar (default; MaxText's XLA run "
-                        "stands in), maxtext, nemo or torchtitan (plan/anchors.py)")
+                        "stands in), maxtext, nemo, megatron (NeMo's η) or torchtitan (plan/anchors.py); nemo and "
+                        "megatron also count activations as Megatron-Core's kernels keep them "
+                        "(plan/framework_memory.py)")
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -218,7 +220,8 @@ def strategy_report(p, config, args) -> str:
              f"{p.global_batch} x {p.seq_len}; model state in the {r.memory.layout} layout. Predictions.", "",
              *efficiency, f"- buildable by jaxpar: {'yes' if why is None else 'no (' + why + ')'}",
              f"- memory per device: {r.memory.total / 1e9:.2f} GB of {r.memory.limit / 1e9:.0f} usable: "
-             f"{'fits' if r.memory.fits else 'DOES NOT FIT'}",
+             f"{'fits' if r.memory.fits else 'DOES NOT FIT'} ({kept_by(r.memory.activation_model)}; "
+             + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in r.memory.parts().items()) + " GB)",
              f"- step: {t.total_s:.4f} s{ranged}; {r.tokens_per_s / r.cand.devices:,.0f} tokens/s per device; "
              f"MFU {r.mfu:.1%} of the bf16 peak" + (f" ({r.mfu_fp8_peak:.1%} of the fp8 peak)"
                                                     if r.cand.precision == "float8" else ""), "",
@@ -228,6 +231,13 @@ def strategy_report(p, config, args) -> str:
     lines += [f"| {a} | {r.comm_bytes.get(a, 0) / 1e9:.3f} | {p.cluster.axis_link(r.cand, a).name} | {s:.4f} | "
               f"{t.exposed_s.get(a, 0):.4f} |" for a, s in t.comm_s.items()]
     return "\n".join(lines)
+
+
+def kept_by(activation_model: str) -> str:
+    """Whose kernels the memory's activations are counted for (plan/framework_memory.py)."""
+    if activation_model == "jaxpar":
+        return "activations as jaxpar's XLA program keeps them"
+    return f"activations as {activation_model}'s kernels keep them (--framework)"
 
 
 def run_collect(action: list[str]) -> int:

@@ -18,6 +18,7 @@ from jaxpar.parallel.memory import Memory, memory
 from jaxpar.parallel.registry import predict
 from jaxpar.parallel.theory import Candidate, candidate_from_config
 from jaxpar.plan.fleet import Cluster
+from jaxpar.plan.framework_memory import apply_activations
 from jaxpar.plan.layouts import apply_layout, layout_flows
 from jaxpar.plan.space import enumerate_candidates, microbatch_choices
 from jaxpar.plan.steptime import GPU_CALIBRATION, Calibration, StepTime, step_time
@@ -88,6 +89,8 @@ def evaluate(shape: ModelShape, cand: Candidate, cluster: Cluster, global_batch:
     prediction = dataclasses.replace(prediction, flows=layout_flows(prediction, shape, cand, layout))
     mem = apply_layout(memory(shape, cand, global_batch, seq_len, cluster.hbm_bytes, headroom, prediction,
                               cluster.platform), cand, layout)
+    mem = apply_activations(mem, shape, cand, prediction, global_batch, seq_len, cluster.platform,
+                            calibration.activations)
     t = step_time(shape, cand, cluster, global_batch, seq_len, calibration, prediction)
     step_tokens = global_batch * seq_len
     tokens_per_s = step_tokens / t.total_s

@@ -72,6 +72,7 @@ class Calibration:
     gemm_size: bool = True                          # scale matmul efficiency by GEMM size (plan/gemm.py)
     source: str = "assumptions anchored on published H100 MFU (see jaxpar/plan/steptime.py)"
     measured: tuple = ()    # ((layout key, axis), hidden fraction): compiled schedules (plan/overlap.py)
+    activations: str = "jaxpar"   # whose kernels' kept activations the memory counts (plan/framework_memory.py)
 
 
 GPU_CALIBRATION = Calibration(measured=measured_overlap(),
