@@ -18,6 +18,7 @@ While it waits it also watches for a peer that left at once (a notice while noth
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import Any
 
 PREFIX = "jaxpar/preemption/"
@@ -66,8 +67,8 @@ def _client() -> Any:
 
 
 def _missing(what: str) -> str:
-    import jax
-    return (f"the preemption agreement needs the coordinator's key-value store, but this JAX ({jax.__version__}) "
+    jax_version = importlib.metadata.version("jax")   # not `import jax`: that may be what failed
+    return (f"the preemption agreement needs the coordinator's key-value store, but this JAX ({jax_version}) "
             f"lacks {what} (JAX 0.10 and 0.11 have it); see jaxpar/train/agreement.py")
 
 
