@@ -17,23 +17,59 @@ While it waits it also watches for a peer that left at once (a notice while noth
 """
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 from typing import Any
 
 PREFIX = "jaxpar/preemption/"
 LEFT_KEY = PREFIX + "left"   # a process left at once after a notice; its value names it
 POLL_MS = 100                # how often a waiting process looks for a peer that left
+CLIENT_PATH = "jax._src.distributed.global_state.client"
+KEY_VALUE_OPERATIONS = ("key_value_increment", "key_value_set", "blocking_key_value_get", "key_value_try_get",
+                        "key_value_delete")   # every operation of the client used here
 
 
 class PeerLeft(Exception):
     """Another process left the job after a notice before anything new existed; nothing can be saved now."""
 
 
+class KeyValueStoreMissing(RuntimeError):
+    """This JAX does not offer the coordinator's client where `_client` reaches it; the message is one line."""
+
+    exit_code = 1
+
+
 def _client() -> Any:
-    from jax._src import distributed
+    """JAX's client of the job's coordinator, whose key-value store the agreement uses (checked, see below).
+
+    The one private access of jaxpar, here alone: JAX 0.10.2 and 0.11 export no public route to the client or its
+    key-value operations (`jax.distributed` offers only initialize, is_initialized and shutdown), and JAX's own
+    users of the store (`jax.experimental.multihost_utils`, `jax.experimental.array_serialization`, the examples
+    of its fault-tolerance guide) read `jax._src.distributed.global_state.client` as well. Should a JAX release
+    move or change it, this raises `KeyValueStoreMissing`, one line naming what is missing, before the first step.
+    """
+    module = "jax._src.distributed"
+    try:
+        distributed = importlib.import_module(module)
+    except ImportError:
+        raise KeyValueStoreMissing(_missing(module)) from None
+    if not hasattr(distributed, "global_state"):
+        raise KeyValueStoreMissing(_missing(f"{module}.global_state"))
+    if not hasattr(distributed.global_state, "client"):
+        raise KeyValueStoreMissing(_missing(CLIENT_PATH))
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError("not in a multi-process job: jax.distributed is not initialized")
+    absent = [f"{CLIENT_PATH}.{op}" for op in KEY_VALUE_OPERATIONS if not callable(getattr(client, op, None))]
+    if absent:
+        raise KeyValueStoreMissing(_missing(", ".join(absent)))
     return client
+
+
+def _missing(what: str) -> str:
+    jax_version = importlib.metadata.version("jax")   # not `import jax`: that may be what failed
+    return (f"the preemption agreement needs the coordinator's key-value store, but this JAX ({jax_version}) "
+            f"lacks {what} (JAX 0.10 and 0.11 have it); see jaxpar/train/agreement.py")
 
 
 def _timed_out(err: Exception) -> bool:
@@ -44,6 +80,7 @@ class JobAgreement:
     """One answer per call, the same on every process: did any process get a notice (see the module)."""
 
     def __init__(self, process_count: int):
+        _client()   # in a job, a JAX without the store fails here, before the first step, not at the first call
         self.processes = process_count
         self.weight = process_count + 1
         self.calls = 0
