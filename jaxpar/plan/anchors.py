@@ -77,7 +77,7 @@ ANCHORS = ANCHORS + (
     Anchor("torchtitan Llama-3.1-70B FSDP x TP+SP compiled", "torchtitan compile", LLAMA31_70B, 32, 8, 512, 8192,
            "fsdp=32 tp=8 sp m=1 remat=full bf16 flash", "jaxpar", 597, "check",
            "500 W 96 GB H100s, planned as 80 GB SXM; local batch 16 per fsdp rank; overlap measured: the 7B's "
-           "fsdp x tp+sp schedule on 64 H100s (lab 05)"),
+           "fsdp x tensor schedule (XLA's sharding, without SP: the closest recorded) on 64 H100s (lab 05)"),
     # async TP is collective matmul on the hand-written tensor axis: only a compiled schedule says how much of
     # that axis it hides (the assumed overlap hides no tensor collective): the measured table's figure
     Anchor("torchtitan Llama-3.1-70B FSDP x TP+SP async TP compiled", "torchtitan compile", LLAMA31_70B, 32, 8,
