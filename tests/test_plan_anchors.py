@@ -32,7 +32,8 @@ def test_plan_predicts_with_the_frameworks_eta_and_prints_the_range(capsys, fram
     found = re.search(r"- step: ([\d.]+) s \(([\d.]+)-([\d.]+) s, leave-one-out", printed)
     step, low, high = map(float, found.groups())
     factors = anchors.spread(name)
-    assert (low, high) == pytest.approx((step * factors[0], step * factors[1]), abs=1e-4)
+    for printed_end, factor in ((low, factors[0]), (high, factors[1])):   # each printed to 4 decimals, as is step
+        assert printed_end == pytest.approx(step * factor, abs=5e-5 * (1 + factor) + 1e-9)
 
 
 def test_the_framework_changes_the_prediction_and_a_bad_one_is_refused(capsys):
@@ -42,7 +43,8 @@ def test_the_framework_changes_the_prediction_and_a_bad_one_is_refused(capsys):
         steps[framework] = float(re.search(r"- step: ([\d.]+) s", printed).group(1))
     assert steps["torchtitan"] > steps["jaxpar"]                     # its η is lower
     code, _, err = run_cli(capsys, [*STRATEGY, "--framework", "xla"])
-    assert code == 2 and err[0].startswith("error: --framework: is 'xla'; valid: jaxpar, maxtext, nemo, megatron, torchtitan")
+    assert code == 2 and err[0].startswith("error: --framework: is 'xla'; valid: jaxpar, maxtext, nemo, megatron, "
+                                           "torchtitan")
 
 
 def test_the_range_is_in_the_json_and_plan_json(capsys, tmp_path):

@@ -5,6 +5,10 @@ memory layout; η is the value at which the planner predicts its published token
 "check" anchor is predicted with its framework's fitted values. Sources and roles:
 experiments/10_capstone/README.md, "How the model is built".
 
+Every anchor is fitted and predicted with the calibration `jaxpar plan` predicts with (GPU_CALIBRATION:
+the compiled schedules' measured overlap per layout and axis where recorded, plan/overlap.py, else the
+assumed overlap), so the η a prediction uses is the η its model was fitted with.
+
 One anchor per η means a fitted anchor's 1.00 is the fit's tolerance, not a test. What the η is worth
 on a run it was not fitted on is `spread`: the framework's η predicting every anchor it was NOT fitted
 on (leave-one-out), as predicted / published; `jaxpar plan` prints each prediction with that range.
@@ -39,9 +43,6 @@ class Anchor:
     role: str                  # "η" (fits η), "fp8" (fits the fp8 factor), "check"
     note: str = ""
     published_on: str = "not recorded"   # when the figure was published, where the source says
-    # "assumed": the planner's assumed overlap of the hideable collectives (what every η is fitted with);
-    # "measured": the compiled schedules' fraction per layout and axis too, as `jaxpar plan` predicts (plan/overlap.py)
-    overlap: str = "assumed"
 
 
 def _tokens_at_mfu(shape: ModelShape, seq_len: int, mfu: float) -> float:
@@ -75,25 +76,27 @@ LLAMA31_70B = ModelShape.dense(vocab=128256, d_model=8192, layers=80, heads=64, 
 ANCHORS = ANCHORS + (
     Anchor("torchtitan Llama-3.1-70B FSDP x TP+SP compiled", "torchtitan compile", LLAMA31_70B, 32, 8, 512, 8192,
            "fsdp=32 tp=8 sp m=1 remat=full bf16 flash", "jaxpar", 597, "check",
-           "500 W 96 GB H100s, planned as 80 GB SXM; local batch 16 per fsdp rank"),
+           "500 W 96 GB H100s, planned as 80 GB SXM; local batch 16 per fsdp rank; overlap measured: the 7B's "
+           "fsdp x tensor schedule (XLA's sharding, without SP: the closest recorded) on 64 H100s (lab 05)"),
     # async TP is collective matmul on the hand-written tensor axis: only a compiled schedule says how much of
-    # that axis it hides (the assumed overlap hides no tensor collective), so this check reads the measured table
+    # that axis it hides (the assumed overlap hides no tensor collective): the measured table's figure
     Anchor("torchtitan Llama-3.1-70B FSDP x TP+SP async TP compiled", "torchtitan compile", LLAMA31_70B, 32, 8,
            512, 8192, "fsdp=32 tp=8 sp async-tp m=1 remat=full bf16 flash", "jaxpar", 652, "check",
            "500 W 96 GB H100s, planned as 80 GB SXM; local batch 16 per fsdp rank; overlap measured: the 7B's "
-           "fsdp x tp+sp + collective matmul schedule on 64 H100s (lab 05)", overlap="measured"),
+           "fsdp x tp+sp + collective matmul schedule on 64 H100s (lab 05)"),
     Anchor("NeMo 24.09 Llama-3.1-8B bf16, 128 GPUs", "NeMo", LLAMA31_8B, 16, 8, 2048, 8192,
            "data=64 cp=2 m=32 remat=none bf16 flash dist-opt=bf16-grads", BF16_GRADS, 10006, "check", CP_NOTE,
            NEMO_2409),
 )
 
-# η (of an ideal large GEMM, plan/gemm.py) and the fp8 factor per framework, as `fit_framework` finds them
-# (tests/test_plan.py re-fits and compares). jaxpar's own fp8 factor is NeMo's: no published XLA fp8 run here.
+# η (of an ideal large GEMM, plan/gemm.py) and the fp8 factor per framework, as `fit_framework` finds them with
+# GPU_CALIBRATION (tests/test_plan_model.py re-fits and compares). jaxpar's own fp8 factor is NeMo's: no published
+# XLA fp8 run here.
 FITTED = {
-    "jaxpar (XLA)": {"compute": 0.6908, "fp8": 0.0},
-    "NeMo": {"compute": 0.6619, "fp8": 0.729},
-    "torchtitan eager": {"compute": 0.3676, "fp8": 0.0},
-    "torchtitan compile": {"compute": 0.4283, "fp8": 0.0},
+    "jaxpar (XLA)": {"compute": 0.6973, "fp8": 0.0},
+    "NeMo": {"compute": 0.6619, "fp8": 0.7286},
+    "torchtitan eager": {"compute": 0.3685, "fp8": 0.0},
+    "torchtitan compile": {"compute": 0.4296, "fp8": 0.0},
 }
 FITTED_ON = "2026-12-02"
 # `jaxpar plan --framework`: whose η predicts. jaxpar has no published GPU run: it borrows MaxText's (both XLA).
@@ -104,10 +107,11 @@ FRAMEWORKS = {"jaxpar": "jaxpar (XLA)", "maxtext": "jaxpar (XLA)", "nemo": "NeMo
 ACTIVATIONS = {"NeMo": "Megatron-Core"}
 
 
-def calibration(framework: str, base: Calibration | None = None) -> Calibration:
-    """`base` (default: the planner's own) with the framework's fitted η and fp8 factor."""
+def calibration(framework: str, base: Calibration = GPU_CALIBRATION) -> Calibration:
+    """`base` (default: what `jaxpar plan` predicts with, the one the η is fitted with) with the framework's fitted η
+    and fp8 factor."""
     values = FITTED[framework]
-    return dataclasses.replace(base or Calibration(), compute=values["compute"],
+    return dataclasses.replace(base, compute=values["compute"],
                                fp8=values["fp8"] or FITTED["NeMo"]["fp8"],
                                activations=ACTIVATIONS.get(framework, "jaxpar"),
                                source=f"η fitted on {framework}'s published H100 runs (jaxpar/plan/anchors.py)")
@@ -156,8 +160,6 @@ def evaluate_anchor(anchor: Anchor, calib: Calibration):
     from jaxpar.plan.planner import evaluate
     from jaxpar.plan.strategy import parse_strategy
     cand = parse_strategy(anchor.strategy, anchor.nodes * anchor.per_node)
-    if anchor.overlap == "measured":
-        calib = dataclasses.replace(calib, measured=GPU_CALIBRATION.measured)
     cluster = gpu_cluster("h100", anchor.nodes, anchor.per_node)
     return evaluate(anchor.shape, cand, cluster, anchor.global_batch, anchor.seq_len, 1e12, calibration=calib,
                     layout=anchor.layout)
@@ -177,12 +179,16 @@ def _bisect(ratio, low: float, high: float) -> float:
 
 
 def fit_framework(framework: str) -> dict[str, float]:
-    """η on the framework's "η" anchor, then the fp8 factor on its "fp8" anchor (0 when it has none)."""
+    """η on the framework's "η" anchor, then the fp8 factor on its "fp8" anchor (0 when it has none), each with
+    the calibration `jaxpar plan` predicts with (GPU_CALIBRATION, measured overlap included)."""
     own = [a for a in ANCHORS if a.framework == framework]
     eta_anchor = next(a for a in own if a.role == "η")
-    eta = _bisect(lambda x: predicted_over_published(eta_anchor, Calibration(compute=x)), 0.05, 1.0)
+
+    def fitting(**values) -> Calibration:
+        return dataclasses.replace(GPU_CALIBRATION, activations=ACTIVATIONS.get(framework, "jaxpar"), **values)
+    eta = _bisect(lambda x: predicted_over_published(eta_anchor, fitting(compute=x)), 0.05, 1.0)
     fp8_anchor = next((a for a in own if a.role == "fp8"), None)
-    fp8 = (_bisect(lambda x: predicted_over_published(fp8_anchor, Calibration(compute=eta, fp8=x)), 0.05, 1.0)
+    fp8 = (_bisect(lambda x: predicted_over_published(fp8_anchor, fitting(compute=eta, fp8=x)), 0.05, 1.0)
            if fp8_anchor else 0.0)
     return {"compute": round(eta, 4), "fp8": round(fp8, 4)}
 
@@ -199,6 +205,5 @@ def anchor_table() -> list[dict]:
                      "fp8": calib.fp8, "strategy": a.strategy, "layout": a.layout,
                      "cluster": f"{a.nodes} x {a.per_node}", "batch": f"{a.global_batch} x {a.seq_len}",
                      "published": a.published, "predicted": per_gpu, "ratio": per_gpu / a.published,
-                     "mfu": r.mfu, "fits": r.memory.fits, "memory_gb": r.memory.total / 1e9, "overlap": a.overlap,
-                     "note": a.note})
+                     "mfu": r.mfu, "fits": r.memory.fits, "memory_gb": r.memory.total / 1e9, "note": a.note})
     return rows
