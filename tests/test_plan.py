@@ -154,6 +154,8 @@ def test_memory_reproduces_recorded_h100_compiles():
     rest = [v for k, v in ratios.items() if k not in fp32]
     assert all(abs(v - 1) < 0.12 for v in rest), ratios
     assert sum(abs(v - 1) < 0.05 for v in rest) >= 0.85 * len(rest), ratios
+    zb = {k: v for k, v in ratios.items() if "zb-h1" in k}      # parallel/stage_memory.py's terms, counted from these
+    assert len(zb) == 7 and all(abs(v - 1) < 0.06 for v in zb.values()), zb
     assert all(v > 1.2 for v in fp32.values())          # what the docstring says: fp32 is under-predicted
 
 
