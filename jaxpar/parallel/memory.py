@@ -68,11 +68,13 @@ class Memory:
 class Held:
     """What a strategy's step holds beside the state it stores and the activations one microbatch slot keeps,
     each strategy's own term (its `held_memory`): the gradients, microbatch slots of activations beyond its
-    prediction's stash, and a pipeline's gathered stage weights and ZB-H1 taps."""
+    prediction's stash, and a pipeline's gathered stage weights and ZB-H1 taps. `transient`: a buffer set of its
+    own step that is never live with a layer's backward (ZB-H1's W), so the working set takes the larger."""
     gradients: float
     extra_slots: float = 0.0
     stage_weights: float = 0.0
     taps: float = 0.0
+    transient: float = 0.0
 
 
 def accumulated_gradients(shape: ModelShape, cand: Candidate, prediction: Prediction, global_batch: int,
@@ -150,7 +152,7 @@ def memory(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int, 
     layer_work = scores + tokens_work * b * s * h + expert_buffers(shape, cand, b, s, platform)
     head_work = LOGIT_BYTES * b * s * shape.vocab / T
     layer_params = (shape.counts()["blocks"] - shape.counts()["experts"] * (1 - 1 / cand.expert)) / L / T
-    working = max(layer_work, head_work) + LAYER_WEIGHT_BYTES * scale * layer_params
+    working = max(layer_work, head_work, held.transient) + LAYER_WEIGHT_BYTES * scale * layer_params
     working += CONSTANT_BYTES if platform == "gpu" else 0.0
     result = Memory(params=4 * stored["params"], optimizer=8 * stored["optimizer"], gradients=held.gradients,
                     activations=activations, working=working, fits=True, limit=(1 - headroom) * hbm_bytes,
