@@ -53,8 +53,8 @@ def test_the_mixtral_recipe_fits_80_gb_as_megatron_runs_it():
     """The recipe's activations: one MoE layer per stage chunk (32 layers over p·v = 32 chunks) counted as Megatron
     keeps it (T·k routed rows exactly, no capacity room, the fused SwiGLU's input and output), over the interleaved
     schedule's pv + p - 1 chunk-microbatches.
-    Counted as jaxpar's XLA program keeps them (six SwiGLU states over 1.25·T·k rows, two executor slots more) it
-    does not fit; with remat full it does."""
+    Counted as jaxpar's XLA program keeps them (1.25·T·k rows, two executor slots more, weight copies) it does not
+    fit; with remat full it does."""
     mixtral = ModelShape.from_config(load_config("configs/mixtral_8x7b.py"))
     recipe = parse_strategy(MIXTRAL_RECIPE, 64)
     prediction = predict(mixtral, recipe, 256, 4096, "gpu")
@@ -63,7 +63,7 @@ def test_the_mixtral_recipe_fits_80_gb_as_megatron_runs_it():
     assert megatron.memory.fits and megatron.memory.total < 80e9
     assert megatron.memory.activations == pytest.approx(megatron_activations(mixtral, recipe, prediction, 256, 4096))
     jaxpar = evaluate(mixtral, recipe, H100, 256, 4096, 1e12)
-    assert not jaxpar.memory.fits and jaxpar.memory.activations > 2 * megatron.memory.activations
+    assert not jaxpar.memory.fits and jaxpar.memory.activations > 1.4 * megatron.memory.activations
     assert evaluate(mixtral, dataclasses.replace(recipe, remat="full"), H100, 256, 4096, 1e12).memory.fits
 
 
