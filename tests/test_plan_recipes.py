@@ -253,13 +253,12 @@ def test_async_tp_is_predicted_through_the_measured_overlap_of_its_layout():
 
 def test_mixtral_recipe_keeps_its_moe_layers_activations_and_does_not_fit_without_recompute():
     """Megatron-Core's Mixtral-8x7B layout (data 2 x pipe 4 x expert 8, 1F1B, m = 16, micro-batch 1 x 4096) without
-    recompute: each MoE layer keeps the rows its experts received and their SwiGLU states (parallel/expert_memory.py,
-    read off deviceless H100 compiles: lab 07), more than the dense layer the fitted constant describes; with the
-    6 microbatches a first stage holds, the activations alone pass the 72 GB usable, in either model-state layout
-    (the routed experts keep Megatron's three SwiGLU states per row since expert_gating: 70.8 GB, 113.1 before). Recomputing
-    each layer (remat full, Megatron's --recompute-granularity full) keeps only the layer inputs, and it fits. This
-    is jaxpar's own count (XLA's buffers); counted as Megatron's kernels keep them, the published recipe fits
-    (tests/test_framework_memory.py)."""
+    recompute, in jaxpar's own count (XLA's buffers): each MoE layer keeps the rows its experts received and their
+    SwiGLU states (parallel/expert_memory.py, read off deviceless H100 compiles: lab 07), more than the dense layer
+    the fitted constant describes; with the 6 microbatches a first stage holds, the activations alone come near the
+    72 GB usable (70.8 GB; 113.1 before expert_gating), so it does not fit in either model-state layout. Recomputing
+    each layer (remat full, Megatron's --recompute-granularity full) keeps only the layer inputs, and it fits.
+    Counted as Megatron's kernels keep them, the published recipe fits (tests/test_framework_memory.py)."""
     from jaxpar.config import load_config
     from jaxpar.model.counting import ModelShape
     from jaxpar.parallel.expert_memory import expert_weight_copies, moe_kept_extra
@@ -277,4 +276,4 @@ def test_mixtral_recipe_keeps_its_moe_layers_activations_and_does_not_fit_withou
                                                                   + expert_weight_copies(mixtral, recipe)))
     assert fp.memory.activations > 0.95 * fp.memory.limit and not fp.memory.fits and not dist.memory.fits
     recompute = evaluate(mixtral, dataclasses.replace(recipe, remat="full"), H100, 256, 4096, 1e12)
-    assert recompute.memory.fits and recompute.memory.activations < fp.memory.activations / 50
+    assert recompute.memory.fits and recompute.memory.activations < fp.memory.activations / 40
