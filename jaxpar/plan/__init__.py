@@ -6,6 +6,7 @@ steptime.py  per-step time: compute at a calibrated efficiency, the strategy's p
              fixed overheads
 gemm.py      the size efficiency of a step's weight matmuls (additive roofline)
 layouts.py   model-state layouts: jaxpar's own, or a distributed optimizer's (Megatron/NeMo)
+framework_memory.py  activations as Megatron-Core's kernels keep them (`--framework nemo|megatron`)
 anchors.py   published H100 runs, each with its own strategy: η per framework fitted and checked
 strategy.py  `--strategy TEXT`: one candidate written as the table's labels write it
 sweep.py     a Slurm job array over the top candidates, and the defence merged from its measurements
