@@ -130,7 +130,8 @@ def plan(shape: ModelShape, cluster: Cluster, *, global_batch: int, seq_len: int
     too_big += sorted((r for r in results if not r.memory.fits and fits and r.time.total_s < fits[0].time.total_s),
                       key=lambda r: r.time.total_s)[:1]
     if check_fits and not fits:
-        smallest = smallest_cluster(shape, cluster, global_batch, seq_len, headroom, **space)
+        smallest = smallest_cluster(shape, cluster, global_batch, seq_len, headroom,
+                                    activations=calibration.activations, **space)
         where = (f"the smallest that fits is {smallest.nodes} x {smallest.per_node} ({smallest.devices} GPUs)"
                  if smallest else "no cluster of up to 4096 nodes fits it either")
         least = too_big[0]   # the most frugal
@@ -159,12 +160,18 @@ def choose_microbatches(shape: ModelShape, cand: Candidate, cluster: Cluster, gl
 
 
 def smallest_cluster(shape: ModelShape, cluster: Cluster, global_batch: int, seq_len: int, headroom: float,
-                     max_nodes: int = 4096, **space) -> Cluster | None:
-    """The fewest whole nodes on which some candidate fits in memory (doubling, then the nodes in between)."""
+                     max_nodes: int = 4096, activations: str = "jaxpar", **space) -> Cluster | None:
+    """The fewest whole nodes on which some candidate fits in memory (doubling, then the nodes in between), its
+    activations counted as `activations`' kernels keep them (plan/framework_memory.py)."""
+    def fits_on(cand: Candidate, c: Cluster) -> bool:
+        prediction = predict(shape, cand, global_batch, seq_len, c.platform)
+        mem = memory(shape, cand, global_batch, seq_len, c.hbm_bytes, headroom, prediction, c.platform)
+        return apply_activations(mem, shape, cand, prediction, global_batch, seq_len, c.platform, activations).fits
+
     def fits(nodes: int) -> bool:
         c = cluster.resized(nodes)
-        return any(memory(shape, cand, global_batch, seq_len, c.hbm_bytes, headroom, platform=c.platform).fits
-                   for cand in enumerate_candidates(shape, c.devices, global_batch, seq_len=seq_len, **space))
+        return any(fits_on(cand, c) for cand in enumerate_candidates(shape, c.devices, global_batch, seq_len=seq_len,
+                                                                      **space))
     nodes = cluster.nodes
     while nodes <= max_nodes and not fits(nodes):
         nodes *= 2
