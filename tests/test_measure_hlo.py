@@ -1,5 +1,7 @@
 """Collectives found in compiled HLO, checked against hand-computed bytes (8 virtual CPU devices)."""
 import re
+from collections import Counter
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.measure import hlo
+from jaxpar.measure.executed import executed_collectives, tick_parts
+from jaxpar.parallel.pipeline_program import part_ticks, program_for
 
 N = 8
 
@@ -221,3 +225,23 @@ def test_no_mesh_leaves_axes_unknown():
 
 def test_dtype_bytes():
     assert [hlo.dtype_bytes(t) for t in ("f32", "bf16", "f8e4m3fn", "pred", "s4", "c64")] == [4, 2, 1, 1, 0.5, 8]
+
+
+def test_double_buffered_tick_loop_runs_each_send_once_per_tick():
+    """XLA:GPU's while-loop double buffering (in jaxpar's GPU flags) unrolls the pipeline's tick loop twice: each
+    send's switch is in the body twice and the loop makes half the trips (tests/data: an excerpt of a deviceless H100
+    compile, 1F1B p=2 m=4). Each stage must still run each send on the ticks its table gives it."""
+    text = (Path(__file__).parent / "data" / "h100_pipeline_tick_loop.hlo").read_text()
+    program = program_for("1f1b", 2, 4, 1)
+    static = hlo.collectives(text, auto_mesh((2,), ("pipe",)))
+    assert [c.runs_per_step for c in static] == [program.ticks // 2] * 4   # two copies of each of the two sends
+    parts, ticks = tick_parts(text), part_ticks(program)
+    buffer = 2 * 32 * 64 * 4                                                # one f32[2,32,64] microbatch activation
+    for stage in range(2):
+        found = executed_collectives(text, auto_mesh((2,), ("pipe",)), program, stage)
+        runs = Counter()
+        for c in found:
+            runs[parts[c.name]] += c.runs_per_step
+        assert runs == {part: int(ticks[part][stage]) for part in ("send_down_1", "send_up_1")}
+        assert sum(c.bytes_per_step for c in found) == sum(runs.values()) * buffer > 0
+        assert {c.axis_label for c in found} == {"pipe"}

@@ -3,11 +3,17 @@
 A pipeline step (parallel/pipeline.py) runs a `lax.switch` per tick: the static count runs every branch
 on every tick, a stage runs each only on the ticks its table gives it (`part_ticks`). The compiled
 instructions carry the tick part they belong to in their `pipeline_<part>` scope.
+
+The compiler may copy a tick: XLA:GPU's while-loop double buffering (on in jaxpar's GPU flags, env.py) unrolls
+the tick loop twice, so each send has two instructions that run half the ticks each, and a loop with an odd trip
+count gets one trip peeled out of it. The copies of one instruction together run once per tick, so a stage's
+runs are shared out over the copies, never worked out per copy from its own trip count.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections import defaultdict
 
 from jaxpar.measure import hlo
 from jaxpar.parallel.pipeline_program import Program, part_ticks
@@ -24,18 +30,34 @@ def tick_parts(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def _copies(found: list[hlo.Collective], parts: dict[str, str], ticks) -> dict[tuple, list[int]]:
+    """The tick parts' collectives grouped into copies of one instruction: same part, op, shapes and groups (two
+    distinct instructions alike in all of these fall into one group, which changes no total)."""
+    groups: defaultdict[tuple, list[int]] = defaultdict(list)
+    for i, c in enumerate(found):
+        part = parts.get(c.name)
+        if part in ticks:
+            groups[(part, c.op, c.shapes, c.replica_groups)].append(i)
+    return groups
+
+
 def executed_collectives(hlo_text: str, mesh, program: Program, stage: int):
     """`measure.hlo.collectives` of a pipeline step, with the runs of the collectives inside a tick's parts
     set to what `stage` executes: the static count runs every branch of the tick's switches on every tick
-    (a send's branch: the ticks on which `stage` is one of its senders)."""
+    (a send's branch: the ticks on which `stage` is one of its senders). Copies of an instruction (an unrolled or
+    peeled tick loop) share the runs by their static counts; which copy runs which tick is not read."""
     parts = tick_parts(hlo_text)
     ticks = part_ticks(program)
-    out = []
-    for c in hlo.collectives(hlo_text, mesh):
-        if parts.get(c.name) in ticks:
-            runs = c.runs_per_step // program.ticks * int(ticks[parts[c.name]][stage])
-            c = dataclasses.replace(c, runs_per_step=runs)
-        out.append(c)
+    out = hlo.collectives(hlo_text, mesh)
+    for (part, *_), members in _copies(out, parts, ticks).items():
+        static = [out[i].runs_per_step for i in members]
+        total = sum(static)                                  # ticks x tick loop runs x instructions in the group
+        executed = total * int(ticks[part][stage]) // program.ticks
+        shares = [n * executed // total if total else 0 for n in static]
+        for k in range(executed - sum(shares)):              # what rounding down left: under one run per copy
+            shares[k] += 1
+        for i, runs in zip(members, shares):
+            out[i] = dataclasses.replace(out[i], runs_per_step=runs)
     return out
 
 
