@@ -227,11 +227,14 @@ def test_dtype_bytes():
     assert [hlo.dtype_bytes(t) for t in ("f32", "bf16", "f8e4m3fn", "pred", "s4", "c64")] == [4, 2, 1, 1, 0.5, 8]
 
 
+DATA = Path(__file__).parent / "data"
+
+
 def test_double_buffered_tick_loop_runs_each_send_once_per_tick():
     """XLA:GPU's while-loop double buffering (in jaxpar's GPU flags) unrolls the pipeline's tick loop twice: each
     send's switch is in the body twice and the loop makes half the trips (tests/data: an excerpt of a deviceless H100
     compile, 1F1B p=2 m=4). Each stage must still run each send on the ticks its table gives it."""
-    text = (Path(__file__).parent / "data" / "h100_pipeline_tick_loop.hlo").read_text()
+    text = (DATA / "h100_pipeline_tick_loop.hlo").read_text()
     program = program_for("1f1b", 2, 4, 1)
     static = hlo.collectives(text, auto_mesh((2,), ("pipe",)))
     assert [c.runs_per_step for c in static] == [program.ticks // 2] * 4   # two copies of each of the two sends
@@ -245,3 +248,36 @@ def test_double_buffered_tick_loop_runs_each_send_once_per_tick():
         assert runs == {part: int(ticks[part][stage]) for part in ("send_down_1", "send_up_1")}
         assert sum(c.bytes_per_step for c in found) == sum(runs.values()) * buffer > 0
         assert {c.axis_label for c in found} == {"pipe"}
+
+
+def test_sends_merged_across_routes_count_both_routes_ticks():
+    """Interleaved at p=2 sends down and up over the same pairs; XLA:GPU merged the two routes' branches and all 12
+    permutes say `pipeline_send_down_k` (excerpt of a deviceless H100 compile, m=4). A stage's sends over a set of
+    pairs must run on the ticks of every route that sends over it."""
+    text = (DATA / "h100_interleaved_sends.hlo").read_text()
+    program = program_for("interleaved", 2, 4, 2)
+    assert set(tick_parts(text).values()) == {"send_down_1", "send_down_2", "send_down_3"}
+    ticks = part_ticks(program)
+    for stage in range(2):
+        runs = Counter()
+        for c in executed_collectives(text, auto_mesh((2,), ("pipe",)), program, stage):
+            runs[frozenset(c.pairs)] += c.runs_per_step
+        expected = Counter()
+        for route, patterns in program.sends.items():
+            for k, pairs in enumerate(patterns[1:], start=1):
+                expected[frozenset(pairs)] += int(ticks[f"send_{route}_{k}"][stage])
+        assert runs == expected and sum(runs.values()) > 0
+
+
+def test_combined_all_reduce_without_scope_runs_with_its_part():
+    """XLA:GPU combined two of the head's tensor all-reduces into one that has no op_name (excerpt of a deviceless
+    H100 compile, 1F1B pipe=2 x tensor=2, m=4): it runs on the head's ticks, as the scoped one beside it does."""
+    text = (DATA / "h100_combined_all_reduce.hlo").read_text()
+    program = program_for("1f1b", 2, 4, 1)
+    head = part_ticks(program)["head"]
+    for stage in range(2):
+        runs = Counter()
+        for c in executed_collectives(text, auto_mesh((2, 2), ("pipe", "tensor")), program, stage):
+            runs[c.shape] += c.runs_per_step
+        assert runs == {"f32[128]": head[stage], "f32[2,32]": head[stage]}
+    assert max(head) > 0
