@@ -230,22 +230,30 @@ def test_dtype_bytes():
 DATA = Path(__file__).parent / "data"
 
 
-def test_double_buffered_tick_loop_runs_each_send_once_per_tick():
-    """XLA:GPU's while-loop double buffering (in jaxpar's GPU flags) unrolls the pipeline's tick loop twice: each
-    send's switch is in the body twice and the loop makes half the trips (tests/data: an excerpt of a deviceless H100
-    compile, 1F1B p=2 m=4). Each stage must still run each send on the ticks its table gives it."""
-    text = (DATA / "h100_pipeline_tick_loop.hlo").read_text()
-    program = program_for("1f1b", 2, 4, 1)
+@pytest.mark.parametrize("excerpt, schedule, ticks, static_runs", [
+    ("h100_pipeline_tick_loop.hlo", "1f1b", 10, [5, 5]),       # the loop unrolled twice: 5 trips of 2 copies
+    ("h100_peeled_tick_loop.hlo", "zb-h1", 13, [1, 6, 6]),     # + one tick peeled out of it
+])
+def test_unrolled_tick_loop_runs_each_send_once_per_tick(excerpt, schedule, ticks, static_runs):
+    """XLA:GPU's while-loop double buffering (in jaxpar's GPU flags) unrolls the pipeline's tick loop twice, and
+    peels a tick out of it where the count is odd: each send's switch is there two or three times, each copy run
+    on some of the ticks (tests/data: excerpts of deviceless H100 compiles, p=2 m=4). Each stage must still run
+    each send on the ticks its table gives it."""
+    text = (DATA / excerpt).read_text()
+    program = program_for(schedule, 2, 4, 1)
+    parts = tick_parts(text)
     static = hlo.collectives(text, auto_mesh((2,), ("pipe",)))
-    assert [c.runs_per_step for c in static] == [program.ticks // 2] * 4   # two copies of each of the two sends
-    parts, ticks = tick_parts(text), part_ticks(program)
+    assert program.ticks == ticks
+    for part in ("send_down_1", "send_up_1"):
+        assert sorted(c.runs_per_step for c in static if parts[c.name] == part) == static_runs
+    table = part_ticks(program)
     buffer = 2 * 32 * 64 * 4                                                # one f32[2,32,64] microbatch activation
     for stage in range(2):
         found = executed_collectives(text, auto_mesh((2,), ("pipe",)), program, stage)
         runs = Counter()
         for c in found:
             runs[parts[c.name]] += c.runs_per_step
-        assert runs == {part: int(ticks[part][stage]) for part in ("send_down_1", "send_up_1")}
+        assert runs == {part: int(table[part][stage]) for part in ("send_down_1", "send_up_1")}
         assert sum(c.bytes_per_step for c in found) == sum(runs.values()) * buffer > 0
         assert {c.axis_label for c in found} == {"pipe"}
 
