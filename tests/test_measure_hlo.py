@@ -1,5 +1,7 @@
 """Collectives found in compiled HLO, checked against hand-computed bytes (8 virtual CPU devices)."""
 import re
+from collections import Counter
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.measure import hlo
+from jaxpar.measure.executed import executed_collectives, tick_parts
+from jaxpar.parallel.pipeline_program import part_ticks, program_for
 
 N = 8
 
@@ -221,3 +225,67 @@ def test_no_mesh_leaves_axes_unknown():
 
 def test_dtype_bytes():
     assert [hlo.dtype_bytes(t) for t in ("f32", "bf16", "f8e4m3fn", "pred", "s4", "c64")] == [4, 2, 1, 1, 0.5, 8]
+
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.mark.parametrize("excerpt, schedule, ticks, static_runs", [
+    ("h100_pipeline_tick_loop.hlo", "1f1b", 10, [5, 5]),       # the loop unrolled twice: 5 trips of 2 copies
+    ("h100_peeled_tick_loop.hlo", "zb-h1", 13, [1, 6, 6]),     # + one tick peeled out of it
+])
+def test_unrolled_tick_loop_runs_each_send_once_per_tick(excerpt, schedule, ticks, static_runs):
+    """XLA:GPU's while-loop double buffering (in jaxpar's GPU flags) unrolls the pipeline's tick loop twice, and
+    peels a tick out of it where the count is odd: each send's switch is there two or three times, each copy run
+    on some of the ticks (tests/data: excerpts of deviceless H100 compiles, p=2 m=4). Each stage must still run
+    each send on the ticks its table gives it."""
+    text = (DATA / excerpt).read_text()
+    program = program_for(schedule, 2, 4, 1)
+    parts = tick_parts(text)
+    static = hlo.collectives(text, auto_mesh((2,), ("pipe",)))
+    assert program.ticks == ticks
+    for part in ("send_down_1", "send_up_1"):
+        assert sorted(c.runs_per_step for c in static if parts[c.name] == part) == static_runs
+    table = part_ticks(program)
+    buffer = 2 * 32 * 64 * 4                                                # one f32[2,32,64] microbatch activation
+    for stage in range(2):
+        found = executed_collectives(text, auto_mesh((2,), ("pipe",)), program, stage)
+        runs = Counter()
+        for c in found:
+            runs[parts[c.name]] += c.runs_per_step
+        assert runs == {part: int(table[part][stage]) for part in ("send_down_1", "send_up_1")}
+        assert sum(c.bytes_per_step for c in found) == sum(runs.values()) * buffer > 0
+        assert {c.axis_label for c in found} == {"pipe"}
+
+
+def test_sends_merged_across_routes_count_both_routes_ticks():
+    """Interleaved at p=2 sends down and up over the same pairs; XLA:GPU merged the two routes' branches and all 12
+    permutes say `pipeline_send_down_k` (excerpt of a deviceless H100 compile, m=4). A stage's sends over a set of
+    pairs must run on the ticks of every route that sends over it."""
+    text = (DATA / "h100_interleaved_sends.hlo").read_text()
+    program = program_for("interleaved", 2, 4, 2)
+    assert set(tick_parts(text).values()) == {"send_down_1", "send_down_2", "send_down_3"}
+    ticks = part_ticks(program)
+    for stage in range(2):
+        runs = Counter()
+        for c in executed_collectives(text, auto_mesh((2,), ("pipe",)), program, stage):
+            runs[frozenset(c.pairs)] += c.runs_per_step
+        expected = Counter()
+        for route, patterns in program.sends.items():
+            for k, pairs in enumerate(patterns[1:], start=1):
+                expected[frozenset(pairs)] += int(ticks[f"send_{route}_{k}"][stage])
+        assert runs == expected and sum(runs.values()) > 0
+
+
+def test_combined_all_reduce_without_scope_runs_with_its_part():
+    """XLA:GPU combined two of the head's tensor all-reduces into one that has no op_name (excerpt of a deviceless
+    H100 compile, 1F1B pipe=2 x tensor=2, m=4): it runs on the head's ticks, as the scoped one beside it does."""
+    text = (DATA / "h100_combined_all_reduce.hlo").read_text()
+    program = program_for("1f1b", 2, 4, 1)
+    head = part_ticks(program)["head"]
+    for stage in range(2):
+        runs = Counter()
+        for c in executed_collectives(text, auto_mesh((2, 2), ("pipe", "tensor")), program, stage):
+            runs[c.shape] += c.runs_per_step
+        assert runs == {"f32[128]": head[stage], "f32[2,32]": head[stage]}
+    assert max(head) > 0

@@ -88,6 +88,7 @@ class Collective:
     runs_per_step: int                          # product of the trip counts of the enclosing loops
     trip_count_known: bool = True
     on_overflow: bool = False                   # the expert exchange's overflow round: counted 0 times
+    pairs: tuple[tuple[int, int], ...] = ()     # a collective-permute's source -> target device pairs
 
     @property
     def shape(self) -> str:
@@ -267,10 +268,15 @@ def _replica_groups_text(line: str) -> str | None:
     raise ValueError(f"unrecognised replica_groups in: {line[:160]!r}")
 
 
-def _permute_groups(line: str) -> list[list[int]]:
-    """Connected components of a collective-permute's source->target pairs (e.g. one ring per group)."""
+def _permute_pairs(line: str) -> tuple[tuple[int, int], ...]:
+    """A collective-permute's source_target_pairs, as (source, target) device ids."""
     m = re.search(r"source_target_pairs=\{", line)
-    pairs = re.findall(r"\{(\d+),(\d+)\}", line[m.end() - 1:matching_bracket(line, m.end() - 1)]) if m else []
+    found = re.findall(r"\{(\d+),(\d+)\}", line[m.end() - 1:matching_bracket(line, m.end() - 1)]) if m else []
+    return tuple((int(s), int(t)) for s, t in found)
+
+
+def _permute_groups(pairs) -> list[list[int]]:
+    """Connected components of a collective-permute's source->target pairs (e.g. one ring per group)."""
     parent: dict[int, int] = {}
 
     def find(v):
@@ -281,7 +287,7 @@ def _permute_groups(line: str) -> list[list[int]]:
         return v
 
     for s, t in pairs:
-        parent[find(int(s))] = find(int(t))
+        parent[find(s)] = find(t)
     groups = defaultdict(list)
     for v in parent:
         groups[find(v)].append(v)
@@ -371,8 +377,9 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
                 shapes = parse_shapes(done_shapes[ins.name])
             elif op in ("all-gather", "collective-permute") and len(shapes) >= 2:
                 shapes = shapes[1:2]            # start tuple is (input, output, ...)
+        pairs = _permute_pairs(ins.line) if op == "collective-permute" else ()
         if op == "collective-permute":
-            groups = _permute_groups(ins.line)
+            groups = _permute_groups(pairs)
         else:
             text = _replica_groups_text(ins.line)
             groups = parse_replica_groups(text, num_devices) if text else [list(range(num_devices))]
@@ -386,7 +393,7 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
             axes=None if axis_groups is None else
             (permute_axes if op == "collective-permute" else match_axes)(groups, axis_groups),
             computation=ins.computation, runs_per_step=0 if on_overflow else n, trip_count_known=known,
-            on_overflow=on_overflow,
+            on_overflow=on_overflow, pairs=pairs,
         ))
     return found
 
