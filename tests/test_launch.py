@@ -134,8 +134,13 @@ def test_ctrl_c_or_sigterm_stops_everything(worker_path, signum, code):
             os.kill(os.getpid(), signum)
 
     previous = signal.getsignal(signal.SIGTERM)
-    threading.Thread(target=interrupt, daemon=True).start()
-    rc = launch(2, 1, ["sleep"], module=WORKER, out=out, timeout=30, grace=1)
+    # Ctrl-C in a shell meets Python's own SIGINT handler; an earlier test in this worker may have left another
+    old_sigint = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        rc = launch(2, 1, ["sleep"], module=WORKER, out=out, timeout=30, grace=1)
+    finally:
+        signal.signal(signal.SIGINT, old_sigint)
     assert rc == code, out.text
     assert signal.getsignal(signal.SIGTERM) is previous
     assert out.text.count("sleeping pid=") == 2
