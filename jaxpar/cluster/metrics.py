@@ -47,8 +47,9 @@ class PrometheusExporter:
         except OSError as err:
             raise ConfigError("--metrics-port", f"cannot listen on {addr} port {port + process} "
                               f"({err.strerror}); choose another port or --metrics-host") from None
-        for metric in (self.step, self.loss, self.tokens, self.mfu, self.restarts, self.goodput, self.wall):
-            metric.labels(self.process)   # every series exists from the start (0 until set)
+        for metric in (self.step, self.loss, self.tokens, self.mfu, self.restarts, self.goodput, self.wall,
+                       self.step_time, self.save_time):
+            metric.labels(self.process)   # every series exists from the start (0 until set): a rate starts at 0
 
     def log(self, step: int, record: dict) -> None:
         p = self.process
