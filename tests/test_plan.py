@@ -150,7 +150,7 @@ def uncalibrated_h100_compiles() -> set:
 
 
 def test_memory_reproduces_recorded_h100_compiles():
-    """The memory model, asked as the dry run asks it (`config_memory`), against 42 recorded deviceless H100
+    """The memory model, asked as the dry run asks it (`config_memory`), against 43 recorded deviceless H100
     compiles of the 7B (tests/data; re-checked live by `jaxpar plan --verify` where the CUDA plugin is
     installed). Not calibrated, and reported: fp32, and ZB-H1 with remat dots at tensor 2. Pipelines at tensor 2
     keep the heads- and MLP-wide share of a layer split (memory.py's `tensor_split_kept`): whole, the model read
