@@ -143,19 +143,31 @@ def recorded_h100_compiles() -> dict:
     return out
 
 
+def uncalibrated_h100_compiles() -> set:
+    """The recorded compiles the memory model is known not to reproduce (their note says so)."""
+    recorded = json.loads((ROOT / "tests" / "data" / "h100_7b_compiles.json").read_text())["compiles"]
+    return {" ".join(rec["overrides"]) for rec in recorded if rec.get("note", "").startswith("not calibrated")}
+
+
 def test_memory_reproduces_recorded_h100_compiles():
-    """The memory model, asked as the dry run asks it (`config_memory`), against 39 recorded deviceless H100
+    """The memory model, asked as the dry run asks it (`config_memory`), against 43 recorded deviceless H100
     compiles of the 7B (tests/data; re-checked live by `jaxpar plan --verify` where the CUDA plugin is
-    installed). fp32 is not calibrated: that compile is reported."""
+    installed). Not calibrated, and reported: fp32, and ZB-H1 with remat dots at tensor 2. Pipelines at tensor 2
+    keep the heads- and MLP-wide share of a layer split (memory.py's `tensor_split_kept`): whole, the model read
+    0.68-0.77 of them."""
     ratios = {key: peak / config_memory(c, ModelConfig.from_config(c.model), sizes, "gpu", 80e9).total
               for key, (c, sizes, peak) in recorded_h100_compiles().items()}
+    uncalibrated = {k: ratios.pop(k) for k in uncalibrated_h100_compiles()}
+    assert len(uncalibrated) == 1 and all(v > 1.1 for v in uncalibrated.values()), uncalibrated   # as noted
     fp32 = {k: v for k, v in ratios.items() if "float32" in k}
-    assert len(ratios) == 39 and len(fp32) == 1
+    assert len(ratios) == 42 and len(fp32) == 1
     rest = [v for k, v in ratios.items() if k not in fp32]
     assert all(abs(v - 1) < 0.12 for v in rest), ratios
     assert sum(abs(v - 1) < 0.05 for v in rest) >= 0.85 * len(rest), ratios
     zb = {k: v for k, v in ratios.items() if "zb-h1" in k}      # parallel/stage_memory.py's terms, counted from these
-    assert len(zb) == 9 and all(abs(v - 1) < 0.06 for v in zb.values()), zb
+    assert len(zb) == 10 and all(abs(v - 1) < 0.06 for v in zb.values()), zb
+    tensor_pipes = {k: v for k, v in ratios.items() if "mesh.tensor" in k and "mesh.pipe" in k}
+    assert len(tensor_pipes) == 3 and all(abs(v - 1) < 0.05 for v in tensor_pipes.values()), tensor_pipes
     assert all(v > 1.2 for v in fp32.values())          # what the docstring says: fp32 is under-predicted
 
 
