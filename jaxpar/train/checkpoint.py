@@ -25,6 +25,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -101,12 +102,25 @@ class Checkpoints:
         """The one-line report of a failed save; removes its partial files (space on a full disk)."""
         self.saving, self.manager = None, None   # Orbax's threads of a failed save may never end: not waited for
         if jax.process_index() == 0:
-            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-                shutil.rmtree(partial, ignore_errors=True)
+            self._remove_partial(step)
         kept = [s for s in _committed_steps(self.directory) if s != step]
         last = f"the last good checkpoint, step {kept[-1]}, is kept" if kept else "no earlier checkpoint exists"
         return SaveFailed(f"checkpoint: cannot save step {step} in {self.directory}: {_cause(err)}; "
                           f"stopped ({last})")
+
+    def _remove_partial(self, step: int, settle_s: float = 0.2, limit_s: float = 10.0) -> None:
+        """Remove the failed save's temporary folders until none reappears for `settle_s`: Orbax's threads of
+        that save may still be writing into one while it is removed (seen once: the folder outlived a single
+        pass). Gives up after `limit_s` (a later run's manager removes what is left)."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            partials = list(self.directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            for partial in partials:
+                shutil.rmtree(partial, ignore_errors=True)
+            if not partials:
+                time.sleep(settle_s)
+                if not any(self.directory.glob(f"{step}.orbax-checkpoint-tmp*")):
+                    return
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
