@@ -88,9 +88,7 @@ def test_the_dry_run_reports_the_planners_memory_prediction(fsdp8):
     for part in ("params", "optimizer", "gradients", "activations", "working", "total"):
         assert pred[part] == planned.total if part == "total" else pred[part] == getattr(planned, part), part
     assert pred["peak_ratio"] == compiled["peak"] / planned.total
-    # no XLA:GPU fixed buffers on CPU: the model's parts are the step's. 1.26 since the dense MLP keeps 3 SwiGLU
-    # states (1.11 before): this program's peak fell 164 KB, the model's keep 332 KB (XLA:CPU is not calibrated)
-    assert 0.8 < pred["peak_ratio"] < 1.3
+    assert 0.8 < pred["peak_ratio"] < 1.25   # no XLA:GPU fixed buffers on CPU: the model's parts are the step's
     assert pred["calibrated"] is False and pred["uncalibrated"] == ["XLA:CPU", "float32"]
     text = markdown_report(fsdp8)
     assert "| **peak** | | | " + fmt_bytes(planned.total) in text and "not calibrated for XLA:CPU" in text

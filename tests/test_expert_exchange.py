@@ -127,7 +127,7 @@ def test_memory_holds_the_buffers_the_exchange_receives():
     4 x T·k rows padded, 1.25 x ragged."""
     from jaxpar.config import load_config
     from jaxpar.model.counting import ModelShape
-    from jaxpar.parallel.expert_memory import SWIGLU_SAVED
+    from jaxpar.parallel.expert_memory import EXPERT_SWIGLU_SAVED
     from jaxpar.parallel.memory import memory
     from jaxpar.parallel.theory import Candidate
     shape = ModelShape.from_config(load_config("configs/mixtral_8x7b.py"))
@@ -136,7 +136,7 @@ def test_memory_holds_the_buffers_the_exchange_receives():
     T, k, h, f = 256 // 64 * 4096, 2, shape.d_model, shape.expert_mlp_dim
     assert got["padded"].working == got["ragged"].working
     kept = got["padded"].activations - got["ragged"].activations
-    assert kept == pytest.approx(shape.layers * (4 - 1.25) * T * k * (h + SWIGLU_SAVED * f) * 2)
+    assert kept == pytest.approx(shape.layers * (4 - 1.25) * T * k * (h + EXPERT_SWIGLU_SAVED * f) * 2)
 
 
 def kept_for_backward(exchange: str) -> int:
@@ -154,7 +154,7 @@ def test_the_overflow_round_keeps_nothing_for_the_backward_pass():
 
 
 def test_the_routed_experts_keep_gate_up_and_their_product_only():
-    """`gated_silu` recomputes silu(gate)·up in the backward: a grouped SwiGLU's vjp keeps its rows, the gate and
+    """`expert_gating` recomputes silu(gate)·up in the backward: a grouped SwiGLU's vjp keeps its rows, the gate and
     up outputs and their product [rows, F] (down's input), not silu's intermediates (without it: 3 more)."""
     from jaxpar.model.moe import grouped_swiglu
     from jaxpar.model.ops import make_ops

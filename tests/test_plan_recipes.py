@@ -256,7 +256,7 @@ def test_mixtral_recipe_keeps_its_moe_layers_activations_and_does_not_fit_withou
     recompute, in jaxpar's own count (XLA's buffers): each MoE layer keeps the rows its experts received and their
     SwiGLU states (parallel/expert_memory.py, read off deviceless H100 compiles: lab 07), more than the dense layer
     the fitted constant describes; with the 6 microbatches a first stage holds, the activations alone come near the
-    72 GB usable (78.7 GB; 113.1 before gated_silu), so it does not fit in either model-state layout. Recomputing
+    72 GB usable (70.8 GB; 113.1 before expert_gating), so it does not fit in either model-state layout. Recomputing
     each layer (remat full, Megatron's --recompute-granularity full) keeps only the layer inputs, and it fits.
     Counted as Megatron's kernels keep them, the published recipe fits (tests/test_framework_memory.py)."""
     from jaxpar.config import load_config

@@ -53,7 +53,6 @@ import jax.numpy as jnp
 
 from jaxpar.model.axes import ACTIVATION_AXES
 from jaxpar.model.ops import Ops
-from jaxpar.model.swiglu import gated_silu
 
 ACT = ACTIVATION_AXES
 
@@ -214,6 +213,28 @@ def expert_weights(w) -> dict:
     return {name: w[name] for name in ("expert_gate", "expert_up", "expert_down")}
 
 
+@jax.custom_vjp
+def expert_gating(gate, up):
+    """silu(gate)·up, whose backward recomputes silu from gate and up rather than keeping its intermediates:
+    autodiff would keep three more [rows, F] states per routed row, the largest part of what an MoE layer
+    holds for its backward (experiments/07_moe/README.md, "What an MoE layer keeps")."""
+    return jax.nn.silu(gate) * up
+
+
+def _gating_forward(gate, up):
+    return expert_gating(gate, up), (gate, up)
+
+
+def _gating_backward(kept, dy):
+    gate, up = kept
+    sigmoid = jax.nn.sigmoid(gate)
+    silu = gate * sigmoid
+    return dy * up * (sigmoid + silu * (1 - sigmoid)), dy * silu
+
+
+expert_gating.defvjp(_gating_forward, _gating_backward)
+
+
 def grouped_swiglu(rows, group_sizes, w, ops: Ops):
     """Rows [M, D] sorted by expert, `group_sizes` [E] -> each row through its expert's SwiGLU [M, D].
 
@@ -222,14 +243,14 @@ def grouped_swiglu(rows, group_sizes, w, ops: Ops):
     """
     gate = jax.lax.ragged_dot(rows, w["expert_gate"], group_sizes)
     up = jax.lax.ragged_dot(rows, w["expert_up"], group_sizes)
-    return jax.lax.ragged_dot(gated_silu(gate, up), w["expert_down"], group_sizes)
+    return jax.lax.ragged_dot(expert_gating(gate, up), w["expert_down"], group_sizes)
 
 
 def slot_swiglu(slots, w, ops: Ops):
     """Capacity slots [E, G, C, D] -> each expert's SwiGLU of its own slots [E, G, C, D] (batched einsums)."""
     gate = jnp.einsum("egcd,edf->egcf", slots, w["expert_gate"])
     up = jnp.einsum("egcd,edf->egcf", slots, w["expert_up"])
-    hidden = ops.constrain(gated_silu(gate, up), ACT["expert_mlp"])
+    hidden = ops.constrain(expert_gating(gate, up), ACT["expert_mlp"])
     return jnp.einsum("egcf,efd->egcd", hidden, w["expert_down"])
 
 

@@ -25,7 +25,6 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.model.axes import ACTIVATION_AXES, moe_param_axes, param_axes
 from jaxpar.model.moe import MoEConfig, bias_update, moe_feed_forward, moe_layer_ops, noise_seeds
 from jaxpar.model.ops import Ops
-from jaxpar.model.swiglu import gated_silu
 
 ACT = ACTIVATION_AXES
 REFERENCE_OPS = Ops()
@@ -185,7 +184,7 @@ def mlp(x, w, ops: Ops):
     x = ops.column_in(x)
     gate = ops.matmul("bsd,df->bsf", x, w["w_gate"])
     up = ops.matmul("bsd,df->bsf", x, w["w_up"])
-    hidden = ops.constrain(gated_silu(gate, up), ACT["mlp"])
+    hidden = ops.constrain(jax.nn.silu(gate) * up, ACT["mlp"])
     return ops.row_out(ops.matmul("bsf,fd->bsd", hidden, w["w_down"]))
 
 

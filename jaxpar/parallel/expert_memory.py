@@ -41,16 +41,17 @@ def expert_buffers(shape: ModelShape, cand: Candidate, b: float, s: float, platf
     return rows * (2 * shape.d_model + 3 * shape.expert_mlp_dim / cand.tensor) * e
 
 
-SWIGLU_SAVED = 3      # [rows, hidden] buffers every SwiGLU keeps for its backward (the dense MLP, the shared and the
-                      # routed experts): gate, up and silu(gate)·up (down's input); model/swiglu.py's `gated_silu`
-                      # recomputes silu's intermediates, which autodiff kept as three more (six stacked bf16[L, R, F]
-                      # in Mixtral's deviceless H100 compile before; -0.82 GiB per Mixtral layer, lab 07)
+SWIGLU_SAVED = 6      # [rows, hidden] buffers autodiff keeps per plain SwiGLU (the dense MLP, shared experts): gate,
+                      # up and the intermediates of silu(gate)·up (six stacked bf16[L, R, F] in Mixtral's deviceless
+                      # H100 compile before the routed experts recomputed them)
+EXPERT_SWIGLU_SAVED = 3   # the routed experts': gate, up and silu(gate)·up (down's input); model/moe.py's
+                          # `expert_gating` recomputes the rest (-0.82 GiB per Mixtral layer compiled, lab 07)
 WEIGHT_COPIES = 2     # bf16 copies of each expert weight the same compile keeps per layer for the backward
 
 
-def swiglu_kept(width: float, e: int) -> float:
+def swiglu_kept(width: float, e: int, saved: int = SWIGLU_SAVED) -> float:
     """Per token (row), what a SwiGLU MLP of hidden `width` on this device keeps for its backward beyond its input."""
-    return SWIGLU_SAVED * width * e
+    return saved * width * e
 
 
 def moe_kept_extra(shape: ModelShape, cand: Candidate, b: float, s: float, platform: str) -> float:
@@ -70,7 +71,7 @@ def moe_kept_extra(shape: ModelShape, cand: Candidate, b: float, s: float, platf
     T, h = b * s, shape.d_model
     rows = expert_rows(shape, cand, int(T), platform)
     router = T * (2 * moe.experts + moe.top_k) * 4
-    experts = rows * (h * e + swiglu_kept(moe.expert_mlp_dim / tensor, e))
+    experts = rows * (h * e + swiglu_kept(moe.expert_mlp_dim / tensor, e, EXPERT_SWIGLU_SAVED))
     combine = T * moe.top_k * h * e
     if moe.dispatch == "capacity":   # GShard's one-hot dispatch and combine [T, E, C], in the compute dtype
         combine = 2 * T * moe.experts * moe.capacity(min(moe.group_sequences, int(b)) * int(s)) * e

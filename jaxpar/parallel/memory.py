@@ -19,10 +19,7 @@ from jaxpar.parallel.theory import Candidate, Prediction
 SCORE_BYTES = 10.7            # per S x S element, one layer's backward working set (einsum attention)
 WORKING_TOKEN_BYTES = 6.9     # per token x d_model, one layer's backward working set (split by tensor only under SP)
 NONE_SCORE_BYTES = 9.6        # per S x S element per layer kept without remat
-NONE_TOKEN_BYTES = 27.15      # per token x d_model per layer kept without remat beside the SwiGLU's hidden-wide
-                              # states (`swiglu_kept`, per mlp_dim), at tensor 1 (`tensor_split_kept`): fitted as
-                              # 59.4 on the 7B when its SwiGLU kept six bf16 [tokens, 11008] buffers, less those
-                              # 6 x 11008 x 2 / 4096 = 32.25 (`dense_kept`)
+NONE_TOKEN_BYTES = 59.4       # per token x d_model per layer kept without remat, at tensor 1 (`tensor_split_kept`)
 LAYER_WEIGHT_BYTES = 0.37     # per parameter of one layer (/ tensor)
 ACCUMULATOR = 1.15            # x 4Ψ_d: the accumulation buffer when microbatches > 1
 CONSTANT_BYTES = 0.95e9        # the fit's intercept: XLA:GPU's fixed buffers; an XLA:CPU step allocates none
@@ -108,19 +105,13 @@ def sequence_split(cand: Candidate) -> int:
 
 
 def tensor_split_kept(shape: ModelShape, e: int) -> float:
-    """Per token, the part of a layer's remat-none keep (`dense_kept`, fitted at tensor 1) as wide as the heads or
-    the MLP, which tensor parallelism splits with or without SP: q, k, v and the attention's output, and the
-    SwiGLU's three hidden-wide buffers (`swiglu_kept`). The rest, copies of the residual stream (4 fp32 and 1 bf16
-    of d_model on the 7B beside the layer input: 18 of NONE_TOKEN_BYTES's 19.15 left beside q, k, v and the
-    attention's output), is split only under SP. Counted in XLA:GPU's buffer assignment of the 7B's pipeline stash
-    at tensor 1 and 2 (experiments/10_capstone/README.md)."""
+    """Per token, the part of a layer's remat-none keep (NONE_TOKEN_BYTES's, fitted at tensor 1) as wide as the
+    heads or the MLP, which tensor parallelism splits with or without SP: q, k, v and the attention's output, and
+    the SwiGLU's six hidden-wide buffers (`swiglu_kept`). The rest, copies of the residual stream (4 fp32 and 1
+    bf16 of d_model on the 7B beside the layer input: 18 of the constant's 19.15 left), is split only under SP.
+    Counted in XLA:GPU's buffer assignment of the 7B's pipeline stash at tensor 1 and 2 (experiments/10_capstone/
+    README.md). `kept_per_layer` splits at most the whole constant (DeepSeek-MoE-16B's MLP is wider than it)."""
     return 2 * (shape.heads + shape.kv_heads) * shape.head_dim * e + swiglu_kept(shape.mlp_dim, e)
-
-
-def dense_kept(shape: ModelShape, e: int) -> float:
-    """Per token, what a dense layer keeps for its backward without remat at tensor 1, beyond its input: the
-    fitted NONE_TOKEN_BYTES per d_model and its SwiGLU's hidden-wide states, which scale with mlp_dim."""
-    return NONE_TOKEN_BYTES * e / 2 * shape.d_model + swiglu_kept(shape.mlp_dim, e)
 
 
 def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_len: int,
@@ -137,8 +128,8 @@ def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_le
     token = 1 / sequence_split(cand)            # the token-wide activations a device keeps (sequence parallelism)
     if cand.remat == "none":
         scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * pairs
-        dense, split = dense_kept(shape, e), tensor_split_kept(shape, e)
-        per_layer = b * (scores + s * ((dense - split + h * e) * token + split / T))
+        split = min(tensor_split_kept(shape, e), NONE_TOKEN_BYTES * e / 2 * h)
+        per_layer = b * (scores + s * ((NONE_TOKEN_BYTES * e / 2 * h - split + h * e) * token + split / T))
         per_layer += moe_kept_extra(shape, cand, b, s, platform) * shape.moe_layers / shape.layers
     else:
         per_layer = b * s * h * e * token + (b * s * widths * e if cand.remat == "dots" else 0)
