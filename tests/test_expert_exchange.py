@@ -90,11 +90,12 @@ def ragged_all_to_all_by_all_gather(operand, output, input_offsets, send_sizes, 
     return output
 
 
-def test_ragged_exchange_equals_one_device_with_ragged_all_to_all_emulated(monkeypatch):
+@pytest.mark.parametrize("skewed", [False, True], ids=["ragged", "ragged-overflow"])
+def test_ragged_exchange_equals_one_device_with_ragged_all_to_all_emulated(monkeypatch, skewed):
     """The ragged exchange's offsets and sizes, checked on CPU with the collective emulated (the real one runs
-    on GPU and TPU only)."""
+    on GPU and TPU only); skewed, the group overflows its buffer and takes the padded round."""
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", ragged_all_to_all_by_all_gather)
-    x, ids, gates, w = inputs(False)
+    x, ids, gates, w = inputs(skewed)
     expected = loss_and_grads(one_device, x, ids, gates, w)
     got = loss_and_grads(partial(on_mesh, exchange="ragged"), x, ids, gates, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
@@ -166,3 +167,31 @@ def test_the_routed_experts_keep_gate_up_and_their_product_only():
     _, backward = jax.eval_shape(partial(jax.vjp, lambda x, w: grouped_swiglu(x, sizes, w, make_ops("bfloat16"))), x, w)
     kept = [leaf for leaf in jax.tree.leaves(backward) if leaf.shape == (rows, f)]
     assert len(kept) == 3
+
+
+def weight_copies(exchange: str) -> int:
+    """Residuals shaped like an expert weight that a two-layer loop's backward keeps beside the weights themselves."""
+    x, ids, gates, w = inputs(False)
+    stacked = {name: jnp.stack([a, a]) for name, a in w.items()}
+    copies = []
+
+    def layers(x, stacked):
+        return jax.lax.scan(lambda x, w: (on_mesh(x, ids, gates, w, exchange=exchange), None), x, stacked)[0]
+
+    def probe(x, stacked):
+        _, pullback = jax.vjp(layers, x, stacked)
+        stored = jax.tree.leaves(stacked)
+        copies.extend(leaf for leaf in jax.tree.leaves(pullback)
+                      if leaf.shape[-2:] in ((D, F), (F, D)) and not any(leaf is s for s in stored))
+        return x
+
+    jax.eval_shape(probe, x, stacked)
+    return len(copies)
+
+
+def test_the_overflow_round_adds_no_copy_of_the_expert_weights():
+    """The capacity exchange's layer loop keeps no more copies of the expert weights than the padded one's, which
+    has no overflow round. Differentiated through the round's `lax.cond`, each layer kept one more copy, the
+    cond's output, which a pipeline stashes once per microbatch in flight (`with_overflow_round`). The padded
+    exchange's copies are the weights made varying over `data` inside the shard_map."""
+    assert weight_copies("capacity") == weight_copies("padded") == 3

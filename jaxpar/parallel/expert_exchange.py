@@ -17,11 +17,12 @@ Each device sorts its T·k assignments by destination device and sends each dest
 
 Every assignment meets the same expert with the same weights whichever round carries it, so each way gives the
 single device's results. The overflow round runs inside the `expert_overflow` named scope:
-`measure.hlo.collectives` counts the step as it runs without overflow. It is rematerialized (`jax.checkpoint`):
-differentiating a `lax.cond` keeps the residuals of both branches, so without it every MoE layer would keep the
-padded round's rows and expert hidden states for the backward pass whether it ran or not (Mixtral's shape at 2
-layers, 4096 tokens per device, deviceless H100: 28.8 GiB of temp without, 11.5 GiB with); a step that overflows
-recomputes the round in its backward pass.
+`measure.hlo.collectives` counts the step as it runs without overflow. The cond that takes it is never
+differentiated (`with_overflow_round`): the backward pass keeps the sized round's residuals only and recomputes the
+overflow round on a step that took it. Differentiated, the cond kept the padded round's rows and hidden states in
+every layer whether it ran or not (Mixtral's shape at 2 layers, 4096 tokens per device, deviceless H100: 28.8 GiB
+of temp), and a copy of the expert weights (a pipeline stashed it per microbatch in flight: 11.5 GiB of the
+Mixtral recipe's first stage).
 """
 from __future__ import annotations
 
@@ -73,11 +74,12 @@ def _buffer(like, shape, fill=0):
     return varying.match(like, jnp.full(shape, fill, like.dtype))[0][1]
 
 
-def ragged_exchange(x, flat, w, ops, *, n: int, local: int, rows: int, tensor_sum):
-    """As `chunked_exchange`, each chunk exactly its rows (`ragged_all_to_all`), received into `rows` rows."""
+def ragged_exchange(x, flat, w, ops, *, n: int, local: int, rows: int, tensor_sum, skip=False):
+    """As `chunked_exchange`, each chunk exactly its rows (`ragged_all_to_all`), received into `rows` rows.
+    `skip`: send nothing (the group takes the overflow round; more rows would not fit the buffer)."""
     k = flat.shape[0] // x.shape[0]
     order = jnp.argsort(flat, stable=True)
-    dest_sizes = jnp.bincount(flat // local, length=n).astype(jnp.int32)
+    dest_sizes = jnp.where(skip, 0, jnp.bincount(flat // local, length=n)).astype(jnp.int32)
     dest_start = jnp.cumsum(dest_sizes) - dest_sizes
     recv_sizes = jax.lax.all_to_all(dest_sizes, AXIS, 0, 0, tiled=True)         # rows from each source
     recv_start = jnp.cumsum(recv_sizes) - recv_sizes
@@ -100,6 +102,34 @@ def overflows(flat, *, n: int, local: int, exchange: str, rows: int):
     return jax.lax.pmax(jnp.max(dest_sizes), AXIS) > rows
 
 
+def with_overflow_round(sized, overflow_round):
+    """The exchange as a function of (over, tokens, flat, w): `overflow_round`'s result where `over`, else `sized`'s,
+    written as a `custom_vjp` whose backward pass keeps the sized round's residuals and the layer's own inputs,
+    nothing that came out of a `lax.cond` (see the module docstring). The sized round runs on every step; when
+    the group overflows, its results are discarded and the backward pass recomputes the overflow round's."""
+
+    def choose(over, tokens, flat, w):
+        return jax.lax.cond(over, overflow_round, sized, tokens, flat, w)
+
+    def forward(over, tokens, flat, w):
+        out, pullback = jax.vjp(lambda tokens, w: sized(tokens, flat, w, skip=over), tokens, w)
+        out = jax.lax.cond(over, lambda: overflow_round(tokens, flat, w), lambda: out)
+        return out, (over, tokens, flat, w, pullback)
+
+    def backward(kept, dy):
+        over, tokens, flat, w, pullback = kept
+
+        def recompute(dy):      # its backward too in the overflow scope: measure/hlo.py counts it 0 times a step
+            with jax.named_scope(OVERFLOW_SCOPE):
+                return jax.vjp(lambda tokens, w: overflow_round(tokens, flat, w), tokens, w)[1](dy)
+        d_tokens, d_w = jax.lax.cond(over, recompute, pullback, dy)
+        return None, d_tokens, None, d_w
+
+    exchange = jax.custom_vjp(choose)
+    exchange.defvjp(forward, backward)
+    return exchange
+
+
 def dropless_exchange(x, ids, gates, w, cfg, ops, *, n: int, tensor_sum, exchange: str):
     """One device's tokens x [B, S, D] through experts on all N devices (inside shard_map over `expert`), by
     `exchange` (padded | capacity | ragged). w: this device's E/N experts. -> (y [B, S, D], kept = all True)."""
@@ -116,17 +146,17 @@ def dropless_exchange(x, ids, gates, w, cfg, ops, *, n: int, tensor_sum, exchang
         results = padded(tokens, flat, w)
     else:
         rows = (ragged_buffer_rows if exchange == "ragged" else capacity_chunk_rows)(T, k, cfg.experts, n)
-        sized_exchange = ragged_exchange if exchange == "ragged" else chunked_exchange
 
-        def sized(tokens, flat, w):
-            return sized_exchange(tokens, flat, w, ops, rows=rows, **common)
+        def sized(tokens, flat, w, skip=False):
+            if exchange == "ragged":
+                return ragged_exchange(tokens, flat, w, ops, rows=rows, skip=skip, **common)
+            return chunked_exchange(tokens, flat, w, ops, rows=rows, **common)   # a full chunk drops the rest
 
-        @jax.checkpoint       # keeps only its inputs: else autodiff keeps the padded buffers even when not taken
         def overflow_round(tokens, flat, w):
             with jax.named_scope(OVERFLOW_SCOPE):
                 return padded(tokens, flat, w)
 
-        results = jax.lax.cond(overflows(flat, n=n, local=local, exchange=exchange, rows=rows),
-                               overflow_round, sized, tokens, flat, w)
+        over = overflows(flat, n=n, local=local, exchange=exchange, rows=rows)
+        results = with_overflow_round(sized, overflow_round)(over, tokens, flat, w)
     y = jnp.einsum("tkd,tk->td", results.reshape(T, k, D), gates.reshape(T, k).astype(results.dtype))
     return y.reshape(B, S, D), jnp.ones(ids.shape, bool)
