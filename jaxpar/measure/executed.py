@@ -29,7 +29,8 @@ def tick_parts(hlo_text: str) -> dict[str, str]:
     """Instruction name -> the innermost `pipeline_<part>` scope it was traced under (F, B, head, send_down_2...).
 
     An instruction without a scope (XLA:GPU's combined all-reduce has none) takes its computation's part where the
-    computation holds that part alone: every scope there is in it or one of its outer scopes (`shard_map`)."""
+    computation holds that part alone: every other scope there is an op of one of its outer scopes (`shard_map`; the
+    tick branch's RoPE tables, which XLA may place in the computation of the branch's part)."""
     instructions, _ = parse_module(hlo_text)
     out, unscoped = {}, []
     scopes: defaultdict[str, set[str]] = defaultdict(set)     # computation -> the scopes of its instructions
@@ -55,9 +56,9 @@ def _innermost_part(scope: str) -> str | None:
 
 
 def _sole_part(scopes: set[str]) -> str | None:
-    """The part a computation's scopes hold, where they hold one alone and any other scope is an outer one of it."""
+    """The part a computation's scopes hold, where they hold one alone and any other scope is an op of an outer one."""
     inside = {scope: part for scope in scopes if (part := _innermost_part(scope)) is not None}
-    outer_only = all(any(scope.startswith(o + "/") for scope in inside) for o in scopes - set(inside))
+    outer_only = all(any(scope.startswith(o.rsplit("/", 1)[0] + "/") for scope in inside) for o in scopes - set(inside))
     return next(iter(inside.values())) if len(set(inside.values())) == 1 and outer_only else None
 
 
