@@ -256,7 +256,8 @@ def test_mixtral_recipe_keeps_its_moe_layers_activations_and_does_not_fit_withou
     recompute, in jaxpar's own count (XLA's buffers): each MoE layer keeps the rows its experts received and their
     SwiGLU states (parallel/expert_memory.py, read off deviceless H100 compiles: lab 07), more than the dense layer
     the fitted constant describes; with the 6 microbatches a first stage holds, the activations alone come near the
-    72 GB usable (70.8 GB; 113.1 before expert_gating), so it does not fit in either model-state layout. Recomputing
+    72 GB usable (65.2 GB; 70.8 with a copy of the expert weights per layer and microbatch, 113.1 before
+    expert_gating), so it does not fit in either model-state layout. Recomputing
     each layer (remat full, Megatron's --recompute-granularity full) keeps only the layer inputs, and it fits.
     Counted as Megatron's kernels keep them, the published recipe fits (tests/test_framework_memory.py)."""
     from jaxpar.config import load_config
@@ -274,6 +275,6 @@ def test_mixtral_recipe_keeps_its_moe_layers_activations_and_does_not_fit_withou
     stage_layers, slots = mixtral.layers // recipe.pipe, recipe.pipe + PIPELINE_EXTRA_SLOTS   # 1F1B's first stage
     assert fp.memory.activations == pytest.approx(stage_layers * (slots * kept_per_layer(mixtral, recipe, 256, 4096)
                                                                   + expert_weight_copies(mixtral, recipe)))
-    assert fp.memory.activations > 0.95 * fp.memory.limit and not fp.memory.fits and not dist.memory.fits
+    assert fp.memory.activations > 0.9 * fp.memory.limit and not fp.memory.fits and not dist.memory.fits
     recompute = evaluate(mixtral, dataclasses.replace(recipe, remat="full"), H100, 256, 4096, 1e12)
     assert recompute.memory.fits and recompute.memory.activations < fp.memory.activations / 40

@@ -46,7 +46,10 @@ SWIGLU_SAVED = 6      # [rows, hidden] buffers autodiff keeps per plain SwiGLU (
                       # H100 compile before the routed experts recomputed them)
 EXPERT_SWIGLU_SAVED = 3   # the routed experts': gate, up and silu(gate)·up (down's input); model/moe.py's
                           # `expert_gating` recomputes the rest (-0.82 GiB per Mixtral layer compiled, lab 07)
-WEIGHT_COPIES = 2     # bf16 copies of each expert weight the same compile keeps per layer for the backward
+WEIGHT_COPIES = 1     # bf16 copies of each expert weight a layer keeps for the backward outside a pipeline (Mixtral,
+                      # 2 and 4 layers, deviceless H100: a layer's temp fell 2.96 -> 2.63 GiB, one copy of 0.33 GiB,
+                      # when the overflow cond stopped keeping one, `with_overflow_round`; where the other comes
+                      # from is not traced)
 
 
 def swiglu_kept(width: float, e: int, saved: int = SWIGLU_SAVED) -> float:
@@ -81,9 +84,11 @@ def moe_kept_extra(shape: ModelShape, cand: Candidate, b: float, s: float, platf
 
 def expert_weight_copies(shape: ModelShape, cand: Candidate) -> float:
     """Bytes of the compute-dtype copies of one MoE layer's local expert weights kept for its backward (remat
-    none), once per layer and step: the dense fit's constant is per token and does not scale with the experts."""
+    none), once per layer and step: the dense fit's constant is per token and does not scale with the experts.
+    A pipeline casts its stage's weights once for the step (`Memory.stage_weights`) and its layers keep those:
+    none then (the Mixtral recipe's compile, data 2 x pipe 4 x expert 8, stashes no weight)."""
     moe = shape.moe
-    if moe is None or cand.remat != "none":
+    if moe is None or cand.remat != "none" or cand.pipe > 1:
         return 0.0
     e = 4 if cand.precision == "float32" else 2
     weights = 3 * shape.d_model * moe.expert_mlp_dim * moe.experts / cand.expert / cand.tensor
