@@ -40,13 +40,14 @@ def test_megatron_keeps_about_what_megatrons_own_estimator_says_for_a_dense_laye
 
 def test_published_megatron_runs_fit_where_they_ran():
     """Every NeMo (Megatron-Core) anchor ran on 80 GB H100s: counted as Megatron's kernels keep activations, each
-    fits; counted as jaxpar's XLA program keeps them, three of them would not."""
+    fits; counted as jaxpar's XLA program keeps them, none of the four would (a Llama-3.1-8B layer keeps 71.15·h
+    bytes per token there, 34·h with Megatron's kernels)."""
     fits_xla = {}
     for a in (a for a in anchors.ANCHORS if a.framework == "NeMo"):
         ours = anchors.evaluate_anchor(a, MEGATRON)
         assert ours.memory.activation_model == "Megatron-Core" and ours.memory.fits, (a.name, ours.memory.total)
         fits_xla[a.name] = anchors.evaluate_anchor(a, GPU_CALIBRATION).memory.fits
-    assert sum(not fits for fits in fits_xla.values()) == 3
+    assert len(fits_xla) == 4 and not any(fits_xla.values())
 
 
 def test_the_mixtral_recipe_fits_80_gb_as_megatron_runs_it():
@@ -93,8 +94,8 @@ RECIPE_COMPILED_PEAK = 94_277_765_535     # 87.80 GiB; 99.29 GiB while each micr
 
 def test_jaxpars_count_of_the_recipe_reproduces_its_compile():
     """The memory model (as the dry run asks it) against the recorded compile of the recipe as jaxpar builds it: an
-    MoE pipeline's stash, stage weights and no per-layer copies of the expert weights, within 10% (it reads 1.065:
-    the compile keeps 5 GiB more than the model)."""
+    MoE pipeline's stash, stage weights and no per-layer copies of the expert weights, within 5% (it reads 0.997;
+    1.065 while the dense keep held the 7B's SwiGLU width in place of Mixtral's)."""
     from jaxpar.config import apply_overrides
     from jaxpar.config_checks import mesh_shape
     from jaxpar.model.transformer import ModelConfig
@@ -103,4 +104,4 @@ def test_jaxpars_count_of_the_recipe_reproduces_its_compile():
     apply_overrides(c, RECIPE_OVERRIDES)
     predicted = config_memory(c, ModelConfig.from_config(c.model), mesh_shape(c, 64), "gpu", 80e9)
     assert predicted.stage_weights > 0 and not predicted.fits
-    assert RECIPE_COMPILED_PEAK / predicted.total == pytest.approx(1.0, abs=0.1)
+    assert RECIPE_COMPILED_PEAK / predicted.total == pytest.approx(1.0, abs=0.05)

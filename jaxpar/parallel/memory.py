@@ -19,7 +19,8 @@ from jaxpar.parallel.theory import Candidate, Prediction
 SCORE_BYTES = 10.7            # per S x S element, one layer's backward working set (einsum attention)
 WORKING_TOKEN_BYTES = 6.9     # per token x d_model, one layer's backward working set (split by tensor only under SP)
 NONE_SCORE_BYTES = 9.6        # per S x S element per layer kept without remat
-NONE_TOKEN_BYTES = 59.4       # per token x d_model per layer kept without remat, at tensor 1 (`tensor_split_kept`)
+NONE_TOKEN_BYTES = 27.15      # per token x d_model per layer kept without remat beside the SwiGLU's six buffers, at
+                              # tensor 1 (`dense_kept`): the 7B's fitted 59.4 less its 6·F·2 bytes (32.25 of it)
 LAYER_WEIGHT_BYTES = 0.37     # per parameter of one layer (/ tensor)
 ACCUMULATOR = 1.15            # x 4Ψ_d: the accumulation buffer when microbatches > 1
 CONSTANT_BYTES = 0.95e9        # the fit's intercept: XLA:GPU's fixed buffers; an XLA:CPU step allocates none
@@ -104,13 +105,20 @@ def sequence_split(cand: Candidate) -> int:
     return cand.tensor if cand.sequence else 1
 
 
+def dense_kept(shape: ModelShape, e: int) -> float:
+    """Per token, what a dense layer keeps without remat at tensor 1: `NONE_TOKEN_BYTES` x d_model (fitted on the
+    7B's compiles) and the SwiGLU's six buffers of this model's own width (`swiglu_kept`), so a model whose MLP is
+    wider or narrower than the 7B's (F/h = 2.69) keeps its own; the 7B's is the fitted 59.4 x d_model."""
+    return NONE_TOKEN_BYTES * e / 2 * shape.d_model + swiglu_kept(shape.mlp_dim, e)
+
+
 def tensor_split_kept(shape: ModelShape, e: int) -> float:
-    """Per token, the part of a layer's remat-none keep (NONE_TOKEN_BYTES's, fitted at tensor 1) as wide as the
+    """Per token, the part of a layer's remat-none keep (`dense_kept`, fitted at tensor 1) as wide as the
     heads or the MLP, which tensor parallelism splits with or without SP: q, k, v and the attention's output, and
     the SwiGLU's six hidden-wide buffers (`swiglu_kept`). The rest, copies of the residual stream (4 fp32 and 1
     bf16 of d_model on the 7B beside the layer input: 18 of the constant's 19.15 left), is split only under SP.
     Counted in XLA:GPU's buffer assignment of the 7B's pipeline stash at tensor 1 and 2 (experiments/10_capstone/
-    README.md). `kept_per_layer` splits at most the whole constant (DeepSeek-MoE-16B's MLP is wider than it)."""
+    README.md)."""
     return 2 * (shape.heads + shape.kv_heads) * shape.head_dim * e + swiglu_kept(shape.mlp_dim, e)
 
 
@@ -128,8 +136,8 @@ def kept_per_layer(shape: ModelShape, cand: Candidate, global_batch: int, seq_le
     token = 1 / sequence_split(cand)            # the token-wide activations a device keeps (sequence parallelism)
     if cand.remat == "none":
         scores = 4 * shape.heads / T * s if cand.attention == "flash" else NONE_SCORE_BYTES * shape.heads / T * pairs
-        split = min(tensor_split_kept(shape, e), NONE_TOKEN_BYTES * e / 2 * h)
-        per_layer = b * (scores + s * ((NONE_TOKEN_BYTES * e / 2 * h - split + h * e) * token + split / T))
+        keep, split = dense_kept(shape, e), tensor_split_kept(shape, e)
+        per_layer = b * (scores + s * ((keep - split + h * e) * token + split / T))
         per_layer += moe_kept_extra(shape, cand, b, s, platform) * shape.moe_layers / shape.layers
     else:
         per_layer = b * s * h * e * token + (b * s * widths * e if cand.remat == "dots" else 0)
