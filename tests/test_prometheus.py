@@ -82,7 +82,7 @@ def test_every_dashboard_query_returns_data_from_a_scraped_run(tmp_path):
     metrics_port, web_port = free_port(), free_port()
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())   # the shipped config, local targets
     # the step-time quantiles are rates: they need two scrapes with different counts. The exporter shows every
-    # series at 0 from its start, so a scrape during the 1-3 s of startup and compile and one in the linger
+    # series at 0 from its start, so a scrape during the 2 s of the first step's compile and one in the linger
     # suffice. A scrape must also answer within its timeout on a loaded machine: 200 ms timed out in CI
     for section in (config["global"], config["scrape_configs"][0]):
         section["scrape_interval"] = section["scrape_timeout"] = "1s"
@@ -102,6 +102,11 @@ def test_every_dashboard_query_returns_data_from_a_scraped_run(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "prometheus did not become ready"
                 time.sleep(0.2)
+        # Ready is not scraping: Prometheus hands new targets to its scrape loops every 5 s, so its first scrape
+        # came ~6 s after ready here, later than a whole short run's steps (CI failed so). Wait for it.
+        while [t["health"] for t in api(base, "/api/v1/targets")["data"]["activeTargets"]] in ([], ["unknown"]):
+            assert time.monotonic() < deadline, "prometheus did not scrape its target"
+            time.sleep(0.2)
         start = time.time()
         assert main(["train", "--config", "configs/test.py", "--run-dir", str(tmp_path / "run"),
                      "--metrics-port", str(metrics_port), "--metrics-linger", "4",
