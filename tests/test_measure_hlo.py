@@ -289,3 +289,19 @@ def test_combined_all_reduce_without_scope_runs_with_its_part():
             runs[c.shape] += c.runs_per_step
         assert runs == {"f32[128]": head[stage], "f32[2,32]": head[stage]}
     assert max(head) > 0
+
+
+def test_unscoped_collectives_beside_the_branch_rope_run_with_their_part():
+    """XLA:GPU combined the MoE router's statistics psums into two f32[16] all-reduces without op_name, in the F
+    branch's computation beside RoPE's cos and sin, which are scoped in the tick branch outside `pipeline_F`
+    (excerpt of the Mixtral recipe's deviceless H100 compile, interleaved p=4 v=8 m=16). They run on F's ticks,
+    not on every tick of the 262."""
+    text = (DATA / "h100_router_all_reduce_beside_rope.hlo").read_text()
+    combined = ["all-reduce-start.1", "all-reduce-start.2", "all-reduce-start.4", "all-reduce-start.5"]
+    assert [tick_parts(text).get(name) for name in combined] == ["F"] * 4
+    program = program_for("interleaved", 4, 16, 8)
+    forward = part_ticks(program)["F"]
+    assert program.ticks == 262 and 0 < max(forward) < program.ticks
+    for stage in range(4):
+        runs = sum(c.runs_per_step for c in executed_collectives(text, None, program, stage) if c.shape == "f32[16]")
+        assert runs == 2 * forward[stage]
